@@ -1,0 +1,187 @@
+"""What peers publish in the DHT, and the strict reading of what strangers published.
+
+Two record kinds live under a swarm's keys:
+- the swarm config record (one, written by the bootstrapper): the config dict, its hash and the
+  protocol version;
+- one peer record per peer, stored under its stage's key with the peer id as subkey, re-announced
+  by the heartbeat with an expiration of now + TTL, so a dead peer disappears on its own.
+
+Anything read from the DHT was written by someone we do not trust: `PeerRecord.from_wire` and
+`ConfigRecord.from_wire` check every field and raise `RecordError`; readers log and skip.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Mapping
+
+PEER_STATES = ("joining", "online", "leaving", "rebuilding")
+MAX_ID_CHARS = 128
+MAX_NAME_CHARS = 64
+
+
+class RecordError(ValueError):
+    """A DHT record is malformed: wrong type, missing field, out of range."""
+
+
+SWARMS_KEY = "pipeswarm/swarms"  # one subkey per swarm id, holding that swarm's config record
+
+
+def stage_key(swarm_id: str, stage: int) -> str:
+    return f"pipeswarm/{swarm_id}/stage/{stage}"
+
+
+def events_key(swarm_id: str) -> str:
+    return f"pipeswarm/{swarm_id}/events"
+
+
+def _check_str(value: Any, name: str, limit: int) -> str:
+    if not isinstance(value, str):
+        raise RecordError(f"{name}: expected str, got {type(value).__name__}")
+    if len(value) > limit:
+        raise RecordError(f"{name}: longer than {limit} characters")
+    return value
+
+
+def _check_int(value: Any, name: str, low: int = 0, high: int = 2**62) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RecordError(f"{name}: expected int, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise RecordError(f"{name}: {value} outside [{low}, {high}]")
+    return value
+
+
+def _check_float(value: Any, name: str, optional: bool = False, low: float = -math.inf) -> float | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RecordError(f"{name}: expected a number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value < low:
+        raise RecordError(f"{name}: {value} is not a finite number >= {low}")
+    return value
+
+
+@dataclass
+class PeerRecord:
+    """One peer's self-description, re-announced every heartbeat period."""
+
+    peer_id: str
+    stage: int
+    state: str = "joining"
+    throughput: float = 0.0
+    inner_step: int = 0
+    outer_round: int = 0
+    loss: float | None = None
+    grad_norm: float | None = None
+    version: str = ""
+    name: str = ""
+    last_partner: str | None = None
+    divergence: float | None = None
+    updated: float = 0.0
+    # filled in by the reader from the DHT entry, never sent
+    expires: float = field(default=0.0, compare=False)
+
+    def to_wire(self) -> dict[str, Any]:
+        wire = asdict(self)
+        del wire["expires"]
+        return wire
+
+    @classmethod
+    def from_wire(cls, raw: Any, *, subkey: Any = None, stage: int | None = None, expires: float = 0.0) -> "PeerRecord":
+        """Validate a record read from the DHT. `subkey` and `stage` are where it was stored: a
+        record must describe the peer and stage it is filed under, or someone is impersonating."""
+        if not isinstance(raw, Mapping):
+            raise RecordError(f"peer record: expected a map, got {type(raw).__name__}")
+        known = {f.name for f in fields(cls)} - {"expires"}
+        missing = {"peer_id", "stage", "state"} - set(raw)
+        if missing:
+            raise RecordError(f"peer record: missing {sorted(missing)}")
+        values = {key: raw[key] for key in raw if key in known}  # newer peers may add fields: ignore them
+        record = cls(
+            peer_id=_check_str(values["peer_id"], "peer_id", MAX_ID_CHARS),
+            stage=_check_int(values["stage"], "stage", 0, 1024),
+            state=_check_str(values["state"], "state", 16),
+            throughput=_check_float(values.get("throughput", 0.0), "throughput", low=0.0),  # type: ignore[arg-type]
+            inner_step=_check_int(values.get("inner_step", 0), "inner_step"),
+            outer_round=_check_int(values.get("outer_round", 0), "outer_round"),
+            loss=_check_float(values.get("loss"), "loss", optional=True),
+            grad_norm=_check_float(values.get("grad_norm"), "grad_norm", optional=True, low=0.0),
+            version=_check_str(values.get("version", ""), "version", 32),
+            name=_check_str(values.get("name", ""), "name", MAX_NAME_CHARS),
+            last_partner=None
+            if values.get("last_partner") is None
+            else _check_str(values["last_partner"], "last_partner", MAX_ID_CHARS),
+            divergence=_check_float(values.get("divergence"), "divergence", optional=True, low=0.0),
+            updated=_check_float(values.get("updated", 0.0), "updated", low=0.0),  # type: ignore[arg-type]
+            expires=expires,
+        )
+        if record.state not in PEER_STATES:
+            raise RecordError(f"state: {record.state!r} is not one of {PEER_STATES}")
+        if subkey is not None and subkey != record.peer_id:
+            raise RecordError(f"record for {record.peer_id!r} filed under subkey {subkey!r}")
+        if stage is not None and stage != record.stage:
+            raise RecordError(f"record claims stage {record.stage} but is filed under stage {stage}")
+        return record
+
+    @property
+    def serving(self) -> bool:
+        """Whether others may route work to this peer."""
+        return self.state == "online"
+
+
+@dataclass(frozen=True)
+class ConfigRecord:
+    """The swarm config as published by the bootstrapper."""
+
+    protocol_version: int
+    config_hash: str
+    config: dict[str, Any]
+    software_version: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> "ConfigRecord":
+        if not isinstance(raw, Mapping):
+            raise RecordError(f"config record: expected a map, got {type(raw).__name__}")
+        missing = {"protocol_version", "config_hash", "config"} - set(raw)
+        if missing:
+            raise RecordError(f"config record: missing {sorted(missing)}")
+        if not isinstance(raw["config"], Mapping):
+            raise RecordError("config record: config is not a map")
+        return cls(
+            protocol_version=_check_int(raw["protocol_version"], "protocol_version"),
+            config_hash=_check_str(raw["config_hash"], "config_hash", 64),
+            config=dict(raw["config"]),
+            software_version=_check_str(raw.get("software_version", ""), "software_version", 32),
+        )
+
+
+@dataclass(frozen=True)
+class SwarmEvent:
+    """Something peers want the dashboard to list: a rebuild, a ban, a failed gossip round."""
+
+    time: float
+    kind: str
+    peer_id: str
+    stage: int | None
+    detail: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> "SwarmEvent":
+        if not isinstance(raw, Mapping):
+            raise RecordError(f"event: expected a map, got {type(raw).__name__}")
+        stage = raw.get("stage")
+        return cls(
+            time=_check_float(raw.get("time"), "time", low=0.0),  # type: ignore[arg-type]
+            kind=_check_str(raw.get("kind"), "kind", 32),
+            peer_id=_check_str(raw.get("peer_id", ""), "peer_id", MAX_ID_CHARS),
+            stage=None if stage is None else _check_int(stage, "stage", 0, 1024),
+            detail=_check_str(raw.get("detail", ""), "detail", 512),
+        )

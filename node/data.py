@@ -1,0 +1,212 @@
+"""Training data for stage 0: token streams cut into (inputs, targets) microbatches.
+
+Three sources share one interface (TokenSource):
+
+* SyntheticMarkovSource, the embedded default: a random sparse first-order Markov chain over the
+  vocabulary, derived from the swarm seed. Nothing to download, and its entropy rate is the exact
+  loss floor, which the dashboard draws under the loss curve.
+* TokenFileSource over a UTF-8 text file (byte-level tokens, ids 0..255) or a nanoGPT-style
+  ``.bin`` file of uint16 token ids, read through np.memmap at random offsets.
+
+Every stage-0 peer opens its source with a different stream_id (stream_id_from_peer) so peers draw
+different batches; a given (swarm seed, stream_id) always yields the same sequence of batches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from node.config import SwarmConfig
+
+SCAN_CHUNK = 1 << 22  # tokens per chunk when checking a file's largest token id
+
+
+@runtime_checkable
+class TokenSource(Protocol):
+    """A stream of microbatches. loss_floor is the best achievable mean loss (nats/token) if known."""
+
+    loss_floor: float | None
+
+    def next_batch(self, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), both LongTensor[batch_size, seq_len]; targets[:, t] = inputs[:, t+1]
+        of the same underlying sequence (the token that follows inputs[:, t])."""
+        ...
+
+
+class DataError(ValueError):
+    """A data file cannot be used with this swarm's model (missing, empty, too short, bad ids)."""
+
+
+def _stable_seed(*parts: object) -> int:
+    """A 128-bit seed from any printable parts, stable across processes and machines."""
+    digest = hashlib.sha256("/".join(str(p) for p in ("pipeswarm/data/v1", *parts)).encode()).digest()
+    return int.from_bytes(digest[:16], "little")
+
+
+def stream_id_from_peer(peer_id: str | bytes) -> int:
+    """A stream id for a peer: a stable 63-bit hash of its peer id (bytes or base58 string)."""
+    raw = peer_id if isinstance(peer_id, bytes) else str(peer_id).encode()
+    return int.from_bytes(hashlib.sha256(b"pipeswarm/stream/" + raw).digest()[:8], "little") >> 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Synthetic Markov chain
+# ------------------------------------------------------------------------------------------------
+
+
+class SyntheticMarkovSource:
+    """Token x_{t+1} ~ P[x_t, :], P a sparse random transition matrix fixed by the swarm seed.
+
+    Each token i has `branching` successors: (i + 1) mod V, which makes the chain irreducible (one
+    ring through all tokens), plus branching - 1 other distinct tokens drawn at random, with
+    probabilities drawn from a flat Dirichlet. branching is clipped to 1..vocab_size. The chain
+    (P) depends on (seed, vocab_size, branching) only; the sampling stream also on stream_id.
+
+    Every sequence starts from the stationary distribution pi, so every target position has the
+    same expected optimal loss: the entropy rate H = -sum_i pi_i sum_j P_ij ln P_ij.
+    """
+
+    def __init__(self, vocab_size: int, seed: int, branching: int, stream_id: int = 0) -> None:
+        if vocab_size < 2:
+            raise ValueError("vocab_size must be >= 2")
+        self.vocab_size = vocab_size
+        self.branching = b = max(1, min(int(branching), vocab_size))
+        chain_rng = np.random.default_rng(_stable_seed("markov", seed, vocab_size, b))
+        V = vocab_size
+        successors = np.empty((V, b), dtype=np.int64)
+        successors[:, 0] = (np.arange(V) + 1) % V
+        for i in range(V):
+            others = np.delete(np.arange(V), successors[i, 0])
+            successors[i, 1:] = chain_rng.choice(others, size=b - 1, replace=False)
+        probs = chain_rng.dirichlet(np.ones(b), size=V)  # [V, b], rows sum to 1
+        self.successors = successors
+        self.probs = probs
+        self._cumulative = np.cumsum(probs, axis=1)
+        self._cumulative[:, -1] = 1.0
+        self.stationary = self._stationary_distribution()
+        self._stationary_cumulative = np.cumsum(self.stationary)
+        self._stationary_cumulative[-1] = 1.0
+        self.loss_floor: float | None = self.entropy_rate()
+        self.rng = np.random.default_rng(_stable_seed("markov-stream", seed, stream_id))
+        self.description = f"synthetic Markov chain (V={V}, {b} successors/token, floor {self.loss_floor:.4f} nats)"
+
+    def transition_matrix(self) -> np.ndarray:
+        """The dense [V, V] transition matrix P (rows sum to 1)."""
+        P = np.zeros((self.vocab_size, self.vocab_size))
+        np.add.at(P, (np.repeat(np.arange(self.vocab_size), self.branching), self.successors.ravel()), self.probs.ravel())
+        return P
+
+    def _stationary_distribution(self) -> np.ndarray:
+        """pi with pi P = pi, sum(pi) = 1: an exact linear solve (unique since the chain is
+        irreducible; no aperiodicity needed, unlike power iteration)."""
+        V = self.vocab_size
+        A = self.transition_matrix().T - np.eye(V)
+        A[-1, :] = 1.0  # replace one (redundant) balance equation by the normalisation
+        rhs = np.zeros(V)
+        rhs[-1] = 1.0
+        pi = np.linalg.solve(A, rhs)
+        pi = np.clip(pi, 0.0, None)
+        return pi / pi.sum()
+
+    def entropy_rate(self) -> float:
+        """H = sum_i pi_i * H(P[i, :]) in nats/token: the loss floor of next-token prediction."""
+        p = self.probs
+        row_entropy = -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0), axis=1)
+        return float(np.dot(self.stationary, row_entropy))
+
+    def sample(self, rows: int, length: int, rng: np.random.Generator | None = None) -> np.ndarray:
+        """int64 [rows, length] sequences, each started from the stationary distribution."""
+        rng = self.rng if rng is None else rng
+        out = np.empty((rows, length), dtype=np.int64)
+        state = np.searchsorted(self._stationary_cumulative, rng.random(rows), side="right")
+        state = np.minimum(state, self.vocab_size - 1)
+        out[:, 0] = state
+        draws = rng.random((rows, length - 1))
+        for t in range(1, length):
+            k = (self._cumulative[state] <= draws[:, t - 1, None]).sum(axis=1)
+            state = self.successors[state, np.minimum(k, self.branching - 1)]
+            out[:, t] = state
+        return out
+
+    def next_batch(self, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        seq = torch.from_numpy(self.sample(batch_size, seq_len + 1))
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+# ------------------------------------------------------------------------------------------------
+# Files
+# ------------------------------------------------------------------------------------------------
+
+
+class TokenFileSource:
+    """Random windows of seq_len + 1 tokens from a token file (text bytes or uint16 .bin)."""
+
+    def __init__(self, path: str | Path, vocab_size: int, seed: int, stream_id: int = 0, min_tokens: int = 2) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise DataError(f"data file {self.path} does not exist or is not a file")
+        self.kind = "uint16 tokens" if self.path.suffix == ".bin" else "text bytes"
+        dtype = np.uint16 if self.path.suffix == ".bin" else np.uint8
+        size = self.path.stat().st_size
+        if size % np.dtype(dtype).itemsize:
+            raise DataError(f"{self.path}: size {size} bytes is not a whole number of uint16 tokens")
+        if size == 0:
+            raise DataError(f"{self.path} is empty")
+        self.tokens = np.memmap(self.path, dtype=dtype, mode="r")
+        if len(self.tokens) < min_tokens:
+            raise DataError(f"{self.path} holds {len(self.tokens)} tokens, fewer than the {min_tokens} one sequence needs")
+        self._check_vocab(vocab_size)
+        self.vocab_size = vocab_size
+        self.loss_floor: float | None = None
+        self.rng = np.random.default_rng(_stable_seed("file-stream", seed, stream_id))
+        self.description = f"{self.path.name} ({len(self.tokens):,} {self.kind})"
+
+    def _check_vocab(self, vocab_size: int) -> None:
+        """Every token id must be < vocab_size; one pass over the file by chunks."""
+        if np.iinfo(self.tokens.dtype).max < vocab_size:
+            return  # nothing this dtype can hold is out of range
+        for start in range(0, len(self.tokens), SCAN_CHUNK):
+            chunk = np.asarray(self.tokens[start : start + SCAN_CHUNK])
+            if int(chunk.max()) >= vocab_size:
+                where = start + int(np.argmax(chunk >= vocab_size))
+                hint = " (text is read as bytes: it needs vocab_size 256)" if self.kind == "text bytes" else ""
+                raise DataError(
+                    f"{self.path}: token id {int(self.tokens[where])} at position {where} is out of range "
+                    f"for model.vocab_size={vocab_size} (ids must be < {vocab_size}){hint}"
+                )
+
+    def next_batch(self, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(self.tokens)
+        if n < seq_len + 1:
+            raise DataError(f"{self.path} holds {n} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+        starts = self.rng.integers(0, n - seq_len, size=batch_size)
+        window = np.asarray(self.tokens[starts[:, None] + np.arange(seq_len + 1)[None, :]], dtype=np.int64)
+        seq = torch.from_numpy(window)
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def open_source(config: SwarmConfig, data_path: str | None, stream_id: int) -> TokenSource:
+    """The data source of a stage-0 peer.
+
+    data_path (the peer's --data flag) wins; otherwise config.data.source, where "synthetic"
+    means the embedded Markov chain. A path ending in .bin is read as uint16 token ids, any other
+    path as text bytes. Files are checked at open time (exists, non-empty, long enough for one
+    sequence, all ids < vocab_size) and raise DataError with the reason.
+    """
+    path = data_path if data_path is not None else config.data.source
+    if path == "synthetic":
+        return SyntheticMarkovSource(config.model.vocab_size, config.seed, config.data.markov_branching, stream_id)
+    return TokenFileSource(
+        path, config.model.vocab_size, config.seed, stream_id, min_tokens=config.training.sequence_length + 1
+    )
+
+
+def uniform_loss(vocab_size: int) -> float:
+    """ln(V): the loss of a uniform prediction, the top of the dashboard's loss axis."""
+    return math.log(vocab_size)

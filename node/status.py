@@ -1,0 +1,66 @@
+"""A snapshot of the swarm read from the DHT: the data behind `node status` and the dashboard."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from dht.records import ConfigRecord, PeerRecord
+from dht.registry import SwarmRegistry
+from node import __version__
+from node.config import SwarmConfig
+
+
+def stage_status(peers: list[PeerRecord]) -> str:
+    serving = [peer for peer in peers if peer.state in ("online", "joining", "rebuilding")]
+    if any(peer.state == "rebuilding" for peer in serving):
+        return "rebuilding"
+    if not serving:
+        return "empty"
+    return "single" if len(serving) == 1 else "ok"
+
+
+def peer_view(peer: PeerRecord) -> dict[str, Any]:
+    return {**peer.to_wire(), "expires": peer.expires}
+
+
+async def collect_snapshot(registry: SwarmRegistry, record: ConfigRecord, config: SwarmConfig) -> dict[str, Any]:
+    """Everything the DHT says about the swarm now, as plain JSON-able data."""
+    peers_by_stage = await registry.all_peers(config.num_stages)
+    events = await registry.fetch_events()
+    stages = []
+    for stage in range(config.num_stages):
+        peers = peers_by_stage.get(stage, [])
+        stages.append(
+            {
+                "stage": stage,
+                "status": stage_status(peers),
+                "throughput": sum(peer.throughput for peer in peers if peer.state != "leaving"),
+                "peers": [peer_view(peer) for peer in peers],
+            }
+        )
+    return {
+        "time": time.time(),
+        "swarm_id": config.swarm_id,
+        "num_stages": config.num_stages,
+        "protocol_version": record.protocol_version,
+        "config_hash": record.config_hash,
+        "software_version": __version__,
+        "model_parameters": None,
+        "loss_floor": None,
+        "stages": stages,
+        "events": [event.to_wire() for event in events],
+    }
+
+
+def format_table(snapshot: dict[str, Any]) -> str:
+    """The human form of `node status`: one line per peer under its stage."""
+    lines = [f"swarm {snapshot['swarm_id']}: {snapshot['num_stages']} stages, config {snapshot['config_hash']}"]
+    for stage in snapshot["stages"]:
+        lines.append(f"stage {stage['stage']}: {stage['status']}, {len(stage['peers'])} peer(s), "
+                     f"throughput {stage['throughput']:.2f}")
+        for peer in stage["peers"]:
+            loss = "-" if peer["loss"] is None else f"{peer['loss']:.3f}"
+            lines.append(f"  {peer['peer_id'][-12:]}  {peer['state']:<10} step {peer['inner_step']:<6} "
+                         f"round {peer['outer_round']:<4} loss {loss:<7} v{peer['version']} {peer['name']}")
+    return "\n".join(lines)
