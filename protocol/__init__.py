@@ -1,0 +1,38 @@
+"""pipeswarm wire protocol: versioned msgpack messages, a tensor codec and length-prefixed frames."""
+
+from protocol.errors import ProtocolError
+from protocol.framing import read_frame, recv_message, send_message, write_frame
+from protocol.limits import DEFAULT_LIMITS, Limits
+from protocol.messages import (
+    KIND_SCHEMAS,
+    KIND_TENSORS,
+    Message,
+    MessageKind,
+    MetaValue,
+    decode_message,
+    encode_message,
+)
+from protocol.tensors import COMPRESSIONS, DTYPES, decode_tensor, encode_tensor
+from protocol.version import PROTOCOL_VERSION
+
+__all__ = [
+    "COMPRESSIONS",
+    "DEFAULT_LIMITS",
+    "DTYPES",
+    "KIND_SCHEMAS",
+    "KIND_TENSORS",
+    "Limits",
+    "Message",
+    "MessageKind",
+    "MetaValue",
+    "PROTOCOL_VERSION",
+    "ProtocolError",
+    "decode_message",
+    "decode_tensor",
+    "encode_message",
+    "encode_tensor",
+    "read_frame",
+    "recv_message",
+    "send_message",
+    "write_frame",
+]

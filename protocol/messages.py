@@ -1,0 +1,312 @@
+"""The message envelope: a msgpack protocol version, then a msgpack map with the message itself.
+
+The version is a separate leading msgpack integer so that a node can name the version of a peer
+whose envelope layout it does not understand, instead of failing on some field deep inside it.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import msgpack
+import torch
+
+from protocol.errors import ProtocolError
+from protocol.limits import DEFAULT_LIMITS, Limits
+from protocol.tensors import decode_tensor, encode_tensor
+from protocol.version import PROTOCOL_VERSION
+
+MetaValue = Union[None, bool, int, float, str, bytes, list["MetaValue"]]
+
+
+class MessageKind(str, enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    ACK = "ack"
+    ERROR = "error"
+    BUSY = "busy"
+    PING = "ping"
+    PONG = "pong"
+    GOSSIP_REQUEST = "gossip_request"
+    GOSSIP_ACCEPT = "gossip_accept"
+    GOSSIP_CHUNK = "gossip_chunk"
+    GOSSIP_DONE = "gossip_done"
+    STATE_REQUEST = "state_request"
+    STATE_HEADER = "state_header"
+    STATE_CHUNK = "state_chunk"
+    STATE_END = "state_end"
+
+
+# Required meta keys per kind. Extra keys are allowed (still type- and size-checked). Every int in
+# a required value must be >= 0: none of them (ids, hops, offsets, sizes, stages) can be negative,
+# and rejecting it here spares each handler from indexing with a hostile negative number.
+KIND_SCHEMAS: dict[MessageKind, dict[str, Any]] = {
+    MessageKind.FORWARD: {"microbatch_id": int, "origin": str, "path": list[str], "order": list[int], "hop": int},
+    MessageKind.BACKWARD: {"microbatch_id": int, "path": list[str], "hop": int},
+    MessageKind.ACK: {},
+    MessageKind.ERROR: {"reason": str},
+    MessageKind.BUSY: {},
+    MessageKind.PING: {},
+    MessageKind.PONG: {},
+    MessageKind.GOSSIP_REQUEST: {"round": int, "num_tensors": int, "total_numel": int},
+    MessageKind.GOSSIP_ACCEPT: {"round": int},
+    MessageKind.GOSSIP_CHUNK: {"round": int, "index": int, "offset": int},
+    MessageKind.GOSSIP_DONE: {"round": int},
+    MessageKind.STATE_REQUEST: {"stage": int},
+    MessageKind.STATE_HEADER: {
+        "stage": int, "names": list[str], "shapes": list[list[int]], "total_bytes": int, "checksum": str,
+    },
+    MessageKind.STATE_CHUNK: {"index": int, "offset": int},
+    MessageKind.STATE_END: {"checksum": str},
+}
+
+# Required tensor names per kind; other names are allowed up to max_tensors (FORWARD may carry an
+# optional "targets" for the last stage).
+KIND_TENSORS: dict[MessageKind, frozenset[str]] = {kind: frozenset() for kind in MessageKind}
+KIND_TENSORS.update({
+    MessageKind.FORWARD: frozenset({"hidden"}),
+    MessageKind.BACKWARD: frozenset({"grad"}),
+    MessageKind.GOSSIP_CHUNK: frozenset({"chunk"}),
+    MessageKind.STATE_CHUNK: frozenset({"chunk"}),
+})
+
+# -1 is "no stage yet" (e.g. a joiner asking for state); real stages are 0..2**31-1
+MIN_STAGE, MAX_STAGE = -1, (1 << 31) - 1
+MAX_REQUEST_ID = (1 << 64) - 1
+MAX_VERSION = (1 << 32) - 1
+# meta lists may hold lists (STATE_HEADER shapes) but nothing deeper
+_MAX_META_DEPTH = 2
+_ENVELOPE_KEYS = frozenset({"kind", "swarm_id", "sender_stage", "request_id", "meta", "tensors"})
+
+
+@dataclass
+class Message:
+    kind: MessageKind
+    swarm_id: str
+    sender_stage: int
+    request_id: int
+    meta: dict[str, MetaValue] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    version: int = PROTOCOL_VERSION
+
+
+def encode_message(msg: Message, compression: str = "none", *, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """Validate msg as a receiver with `limits` would, then encode it; raises ProtocolError.
+
+    Validating on the way out turns a bug in our own code into a local error with a stack trace
+    instead of a peer silently dropping us.
+    """
+    if not isinstance(msg, Message):
+        raise ProtocolError(f"expected a Message, got {type(msg).__name__}")
+    if not _is_int(msg.version) or not 0 <= msg.version <= MAX_VERSION:
+        raise ProtocolError(f"version must be an int in [0, {MAX_VERSION}], got {msg.version!r}")
+    kind = _check_kind(msg.kind.value if isinstance(msg.kind, MessageKind) else msg.kind)
+    _check_header(msg.swarm_id, msg.sender_stage, msg.request_id, limits)
+    _check_meta(msg.meta, kind, limits)
+    _check_tensor_names(msg.tensors, kind, limits)
+    for name, t in msg.tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise ProtocolError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
+        if t.numel() * t.element_size() > limits.max_tensor_bytes:
+            raise ProtocolError(f"tensor {name!r} has {t.numel() * t.element_size()} bytes "
+                                f"> max_tensor_bytes {limits.max_tensor_bytes}")
+    body = {
+        "kind": kind.value,
+        "swarm_id": msg.swarm_id,
+        "sender_stage": msg.sender_stage,
+        "request_id": msg.request_id,
+        "meta": msg.meta,
+        "tensors": {name: encode_tensor(t, compression) for name, t in msg.tensors.items()},
+    }
+    packer = msgpack.Packer(autoreset=False, use_bin_type=True, strict_types=False)
+    try:
+        packer.pack(msg.version)
+        packer.pack(body)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ProtocolError(f"cannot encode message: {e}") from e
+    return packer.bytes()
+
+
+def decode_message(
+    data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS, expected_swarm: str | None = None
+) -> Message:
+    """Decode and fully validate one message; any malformed input raises ProtocolError.
+
+    Order: buffer type -> version prefix -> msgpack with per-object and total size limits ->
+    envelope keys and header fields -> swarm id -> kind -> meta and its schema -> tensor names ->
+    each tensor (its sizes checked before its allocation).
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"message must be bytes, got {type(data).__name__}")
+    view = memoryview(data)
+    if not view.c_contiguous:
+        raise ProtocolError("message buffer must be contiguous")
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    if len(view) > limits.max_frame_bytes:
+        raise ProtocolError(f"message of {len(view)} bytes > max_frame_bytes {limits.max_frame_bytes}")
+    version, offset = _read_version(view)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version} not supported (this node speaks {PROTOCOL_VERSION})")
+
+    body = _unpack(view[offset:], limits)
+    if not isinstance(body, dict) or body.keys() != _ENVELOPE_KEYS:
+        keys = sorted(map(str, body)) if isinstance(body, dict) else type(body).__name__
+        raise ProtocolError(f"envelope must be a map with keys {sorted(_ENVELOPE_KEYS)}, got {keys}")
+    swarm_id = body["swarm_id"]
+    _check_header(swarm_id, body["sender_stage"], body["request_id"], limits)
+    if expected_swarm is not None and swarm_id != expected_swarm:
+        raise ProtocolError(f"message for swarm {swarm_id!r}, this node is in swarm {expected_swarm!r}")
+    kind = _check_kind(body["kind"])
+    meta, encoded = body["meta"], body["tensors"]
+    _check_meta(meta, kind, limits)
+    _check_tensor_names(encoded, kind, limits)
+    tensors = {}
+    for name, obj in encoded.items():
+        try:
+            tensors[name] = decode_tensor(obj, limits)
+        except ProtocolError as e:
+            raise ProtocolError(f"tensor {name!r}: {e}") from None
+    return Message(kind, swarm_id, body["sender_stage"], body["request_id"], meta, tensors, version)
+
+
+def _read_version(view: memoryview) -> tuple[int, int]:
+    """Parse the leading msgpack unsigned int by hand: no msgpack state, no allocation."""
+    if len(view) == 0:
+        raise ProtocolError("empty message")
+    first = view[0]
+    if first <= 0x7F:  # positive fixint
+        return first, 1
+    widths = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
+    width = widths.get(first)
+    if width is None:
+        raise ProtocolError("message does not start with a protocol version")
+    if len(view) < 1 + width:
+        raise ProtocolError("message truncated inside its protocol version")
+    return int.from_bytes(view[1:1 + width], "big"), 1 + width
+
+
+def _unpack(view: memoryview, limits: Limits) -> Any:
+    total = 0
+
+    def count(container: Any) -> Any:
+        # called bottom-up as msgpack finishes each list/map, so we stop soon after the budget
+        nonlocal total
+        total += len(container) + 1
+        if total > limits.max_total_items:
+            raise ProtocolError(f"message holds more than max_total_items {limits.max_total_items} items")
+        return container
+
+    def no_ext(code: int, data: bytes) -> Any:
+        raise ProtocolError(f"msgpack extension type {code} not allowed")
+
+    try:
+        return msgpack.unpackb(
+            view,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            list_hook=count,
+            object_hook=count,
+            ext_hook=no_ext,
+            max_str_len=limits.max_string_bytes,
+            max_bin_len=limits.max_tensor_bytes,
+            max_array_len=max(limits.max_list_items, limits.max_tensor_dims),
+            max_map_len=max(limits.max_meta_entries, limits.max_tensors, len(_ENVELOPE_KEYS)),
+            max_ext_len=0,
+        )
+    except ProtocolError:
+        raise
+    except (msgpack.UnpackException, ValueError, TypeError, OverflowError, RecursionError) as e:
+        raise ProtocolError(f"malformed msgpack: {e}") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_string(value: Any, what: str, limits: Limits) -> None:
+    if not isinstance(value, str) or not value:
+        raise ProtocolError(f"{what} must be a non-empty string, got {value!r:.80}")
+    if len(value.encode("utf-8", "surrogatepass")) > limits.max_string_bytes:
+        raise ProtocolError(f"{what} is longer than max_string_bytes {limits.max_string_bytes}")
+
+
+def _check_header(swarm_id: Any, sender_stage: Any, request_id: Any, limits: Limits) -> None:
+    _check_string(swarm_id, "swarm_id", limits)
+    if not _is_int(sender_stage) or not MIN_STAGE <= sender_stage <= MAX_STAGE:
+        raise ProtocolError(f"sender_stage must be an int in [{MIN_STAGE}, {MAX_STAGE}], got {sender_stage!r:.80}")
+    if not _is_int(request_id) or not 0 <= request_id <= MAX_REQUEST_ID:
+        raise ProtocolError(f"request_id must be an unsigned 64-bit int, got {request_id!r:.80}")
+
+
+def _check_kind(value: Any) -> MessageKind:
+    try:
+        return MessageKind(value)
+    except (ValueError, TypeError):
+        raise ProtocolError(f"unknown message kind {value!r:.80}") from None
+
+
+def _check_meta(meta: Any, kind: MessageKind, limits: Limits) -> None:
+    if not isinstance(meta, dict):
+        raise ProtocolError(f"meta must be a map, got {type(meta).__name__}")
+    if len(meta) > limits.max_meta_entries:
+        raise ProtocolError(f"meta has {len(meta)} entries > max_meta_entries {limits.max_meta_entries}")
+    for key, value in meta.items():
+        _check_string(key, "meta key", limits)
+        _check_meta_value(value, key, limits, depth=0)
+    for key, spec in KIND_SCHEMAS[kind].items():
+        if key not in meta:
+            raise ProtocolError(f"{kind.value} message is missing meta key {key!r}")
+        if not _matches(meta[key], spec):
+            raise ProtocolError(f"{kind.value} meta {key!r} must be {_spec_name(spec)} (ints >= 0), "
+                                f"got {meta[key]!r:.80}")
+
+
+def _check_meta_value(value: Any, key: str, limits: Limits, depth: int) -> None:
+    if value is None or isinstance(value, (bool, int, float)):
+        if _is_int(value) and not -(1 << 63) <= value < (1 << 64):
+            raise ProtocolError(f"meta {key!r} int out of 64-bit range")
+        return
+    if isinstance(value, (str, bytes)):
+        size = len(value.encode("utf-8", "surrogatepass")) if isinstance(value, str) else len(value)
+        if size > limits.max_string_bytes:
+            raise ProtocolError(f"meta {key!r} value is longer than max_string_bytes {limits.max_string_bytes}")
+        return
+    if isinstance(value, list):
+        if depth >= _MAX_META_DEPTH:
+            raise ProtocolError(f"meta {key!r} nests lists deeper than {_MAX_META_DEPTH}")
+        if len(value) > limits.max_list_items:
+            raise ProtocolError(f"meta {key!r} has {len(value)} items > max_list_items {limits.max_list_items}")
+        for item in value:
+            _check_meta_value(item, key, limits, depth + 1)
+        return
+    raise ProtocolError(f"meta {key!r} has unsupported type {type(value).__name__}")
+
+
+def _matches(value: Any, spec: Any) -> bool:
+    if isinstance(spec, types.GenericAlias):  # list[X]
+        return isinstance(value, list) and all(_matches(item, spec.__args__[0]) for item in value)
+    if spec is int:
+        return _is_int(value) and value >= 0
+    if spec is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, spec)
+
+
+def _spec_name(spec: Any) -> str:
+    return str(spec) if isinstance(spec, types.GenericAlias) else spec.__name__
+
+
+def _check_tensor_names(tensors: Any, kind: MessageKind, limits: Limits) -> None:
+    if not isinstance(tensors, dict):
+        raise ProtocolError(f"tensors must be a map, got {type(tensors).__name__}")
+    if len(tensors) > limits.max_tensors:
+        raise ProtocolError(f"message has {len(tensors)} tensors > max_tensors {limits.max_tensors}")
+    for name in tensors:
+        _check_string(name, "tensor name", limits)
+    missing = KIND_TENSORS[kind] - tensors.keys()
+    if missing:
+        raise ProtocolError(f"{kind.value} message is missing tensor(s) {sorted(missing)}")

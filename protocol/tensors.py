@@ -1,0 +1,205 @@
+"""Tensor codec: a torch tensor <-> a plain msgpack-able dict of little-endian bytes.
+
+Wire layout (all keys required unless noted):
+    {"dtype": "float32", "codec": "none"|"fp16"|"bf16"|"int8", "shape": [int, ...], "data": bytes,
+     "block": int, "scales": bytes}          # "block" and "scales" only (and always) for int8
+"dtype" is the original dtype the receiver gets back; "codec" says how "data" is stored.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+from protocol.errors import ProtocolError
+from protocol.limits import DEFAULT_LIMITS, Limits
+
+# torch and numpy buffers are native-endian and we ship them as-is; every machine we run on is
+# little-endian, so refuse to start rather than silently exchange byte-swapped garbage.
+if sys.byteorder != "little":  # pragma: no cover
+    raise ImportError("protocol.tensors assumes a little-endian host")
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+COMPRESSIONS = ("none", "fp16", "bf16", "int8")
+# bytes per element of "data" for each lossy codec ("none" uses the original dtype's itemsize)
+_CODEC_ITEMSIZE = {"fp16": 2, "bf16": 2, "int8": 1}
+# int8 scales are fp32: fp16 would flush the scales of typical gradients (absmax ~1e-6) to zero
+_SCALE_ITEMSIZE = 4
+_MAX_BLOCK = 1 << 30
+_NO_SCALES_KEYS = frozenset({"dtype", "codec", "shape", "data"})
+_INT8_KEYS = _NO_SCALES_KEYS | {"block", "scales"}
+
+
+def encode_tensor(t: torch.Tensor, compression: str = "none", block_size: int = 256) -> dict:
+    """Encode a tensor; compression applies to floating tensors only, others always go as-is.
+
+    "data" is a fresh bytes copy, so the caller may keep mutating the tensor (e.g. an optimizer
+    step) while the encoded dict waits in a send queue. Raises ProtocolError on an unsupported
+    dtype or compression, or non-finite values with int8 (they have no int8 representation).
+    """
+    if not isinstance(t, torch.Tensor):
+        raise ProtocolError(f"expected a torch.Tensor, got {type(t).__name__}")
+    if compression not in COMPRESSIONS:
+        raise ProtocolError(f"unknown compression {compression!r} (expected one of {COMPRESSIONS})")
+    name = DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        raise ProtocolError(f"unsupported tensor dtype {t.dtype} (supported: {sorted(DTYPES)})")
+    t = t.detach().cpu().contiguous()
+    codec = compression if t.dtype in FLOAT_DTYPES else "none"
+    if (codec == "fp16" and t.dtype == torch.float16) or (codec == "bf16" and t.dtype == torch.bfloat16):
+        codec = "none"
+    out: dict[str, Any] = {"dtype": name, "codec": codec, "shape": list(t.shape)}
+    if codec == "none":
+        out["data"] = _to_bytes(t)
+    elif codec == "fp16":
+        out["data"] = _to_bytes(t.to(torch.float16))
+    elif codec == "bf16":
+        out["data"] = _to_bytes(t.to(torch.bfloat16))
+    else:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= _MAX_BLOCK:
+            raise ProtocolError(f"int8 block_size must be an int in [1, {_MAX_BLOCK}], got {block_size!r}")
+        q, scales = _quantize_int8(t.reshape(-1).to(torch.float32), block_size)
+        out.update(data=_to_bytes(q), block=block_size, scales=_to_bytes(scales))
+    return out
+
+
+def decode_tensor(obj: Any, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
+    """Validate an encoded tensor dict and rebuild the tensor in its original dtype.
+
+    Every size is checked with Python ints before anything is allocated. The result is always
+    writable and owns its memory, except when "data" is a writable buffer (bytearray, writable
+    memoryview) with codec "none": then the tensor is a zero-copy view over that buffer. Bytes
+    (what msgpack produces) are immutable and CPython shares 1-byte bytes objects process-wide,
+    so we copy them once instead of handing out a tensor that could write into them.
+    Values are not checked for finiteness; that is the training layer's call.
+    """
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"tensor must be a map, got {type(obj).__name__}")
+    dtype_name, codec = obj.get("dtype"), obj.get("codec")
+    if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+        raise ProtocolError(f"unsupported tensor dtype {dtype_name!r}")
+    if not isinstance(codec, str) or codec not in COMPRESSIONS:
+        raise ProtocolError(f"unknown tensor codec {codec!r}")
+    dtype = DTYPES[dtype_name]
+    if codec != "none" and dtype not in FLOAT_DTYPES:
+        raise ProtocolError(f"codec {codec!r} is only valid for floating tensors, not {dtype_name}")
+    expected_keys = _INT8_KEYS if codec == "int8" else _NO_SCALES_KEYS
+    if obj.keys() != expected_keys:
+        raise ProtocolError(f"tensor map keys {sorted(map(str, obj))} != {sorted(expected_keys)}")
+
+    shape = _check_shape(obj["shape"], limits)
+    numel = math.prod(shape)
+    itemsize = dtype.itemsize
+    if numel * itemsize > limits.max_tensor_bytes:
+        raise ProtocolError(
+            f"tensor of shape {shape} {dtype_name} needs {numel * itemsize} bytes "
+            f"> max_tensor_bytes {limits.max_tensor_bytes}"
+        )
+    data = _check_buffer(obj["data"], "data")
+    wire_itemsize = itemsize if codec == "none" else _CODEC_ITEMSIZE[codec]
+    if len(data) != numel * wire_itemsize:
+        raise ProtocolError(f"tensor data has {len(data)} bytes, shape {shape} with codec {codec!r} "
+                            f"needs {numel * wire_itemsize}")
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+
+    if codec == "none":
+        if data.readonly:
+            data = memoryview(bytearray(data))
+        flat = torch.frombuffer(data, dtype=dtype)
+    elif codec == "fp16":
+        # numpy reads read-only buffers without torch's "non-writable" warning; astype copies
+        flat = torch.from_numpy(np.frombuffer(data, dtype="<f2").astype(np.float32))
+    elif codec == "bf16":
+        # bf16 is the top half of an fp32: widening the bits is exact and needs no bf16 numpy dtype
+        bits = np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16
+        flat = torch.from_numpy(bits.view(np.float32))
+    else:
+        flat = _dequantize_int8(data, obj["block"], obj["scales"], numel)
+    return flat.to(dtype).reshape(shape)
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: move the same 16 bits as int16
+        t = t.view(torch.int16)
+    return t.numpy().tobytes()
+
+
+def _check_shape(shape: Any, limits: Limits) -> list[int]:
+    if not isinstance(shape, list):
+        raise ProtocolError(f"tensor shape must be a list, got {type(shape).__name__}")
+    if len(shape) > limits.max_tensor_dims:
+        raise ProtocolError(f"tensor has {len(shape)} dims > max_tensor_dims {limits.max_tensor_dims}")
+    for dim in shape:
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            raise ProtocolError(f"tensor shape {shape!r} must hold non-negative ints")
+    return shape
+
+
+def _check_buffer(value: Any, what: str) -> memoryview:
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"tensor {what} must be bytes, got {type(value).__name__}")
+    view = memoryview(value)
+    if not view.c_contiguous:
+        raise ProtocolError(f"tensor {what} must be a contiguous byte buffer")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _blocks(numel: int, block: int) -> tuple[int, int]:
+    """(number of full blocks, size of the trailing partial block)."""
+    return numel // block, numel % block
+
+
+def _quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if not bool(torch.isfinite(x).all()):
+        raise ProtocolError("int8 compression needs finite values; use fp16/bf16/none for this tensor")
+    full, tail = _blocks(x.numel(), block)
+    absmax = [x[: full * block].view(full, block).abs().amax(dim=1)] if full else []
+    if tail:
+        absmax.append(x[full * block:].abs().amax().reshape(1))
+    scales = torch.cat(absmax) / 127.0 if absmax else torch.empty(0)
+    # an all-zero block has scale 0: divide by 1 instead so it quantizes to zeros, not NaN
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.empty(x.numel(), dtype=torch.int8)
+    if full:
+        q[: full * block] = _round_clamp(x[: full * block].view(full, block) / safe[:full, None]).reshape(-1)
+    if tail:
+        q[full * block:] = _round_clamp(x[full * block:] / safe[full])
+    return q, scales.to(torch.float32)
+
+
+def _round_clamp(x: torch.Tensor) -> torch.Tensor:
+    return x.round().clamp_(-127, 127).to(torch.int8)
+
+
+def _dequantize_int8(data: memoryview, block: Any, scales_obj: Any, numel: int) -> torch.Tensor:
+    if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= _MAX_BLOCK:
+        raise ProtocolError(f"int8 block must be an int in [1, {_MAX_BLOCK}], got {block!r}")
+    scales_buf = _check_buffer(scales_obj, "scales")
+    full, tail = _blocks(numel, block)
+    nblocks = full + (1 if tail else 0)
+    if len(scales_buf) != nblocks * _SCALE_ITEMSIZE:
+        raise ProtocolError(f"int8 scales have {len(scales_buf)} bytes, {nblocks} blocks need "
+                            f"{nblocks * _SCALE_ITEMSIZE}")
+    scales = torch.from_numpy(np.frombuffer(scales_buf, dtype="<f4").copy())
+    x = torch.from_numpy(np.frombuffer(data, dtype=np.int8).astype(np.float32))
+    # no padding to a whole block: a hostile block of 2**30 with 1 element must not allocate 4 GiB
+    if full:
+        x[: full * block].view(full, block).mul_(scales[:full, None])
+    if tail:
+        x[full * block:].mul_(scales[full])
+    return x
