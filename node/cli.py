@@ -1,0 +1,145 @@
+"""`node` / `pipeswarm` / `python -m node`: bootstrap, join, status, dashboard."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Any, Sequence
+
+os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")  # before hivemind is imported: its logs are noisy
+
+from node import __version__  # noqa: E402
+from node.config import ConfigError, load_config  # noqa: E402
+
+logger = logging.getLogger("node")
+
+
+def add_network_flags(parser: argparse.ArgumentParser, listening: bool = True) -> None:
+    if listening:
+        parser.add_argument("--host", default="0.0.0.0", help="listen address (default: all interfaces)")
+        parser.add_argument("--port", type=int, default=0, help="listen port (default: any free port)")
+        parser.add_argument("--identity", dest="identity_path", help="private key file: keeps the peer id across restarts")
+        parser.add_argument("--announce", dest="announce_maddrs", nargs="*", default=[],
+                            help="multiaddrs to announce instead of the listen ones (behind NAT)")
+
+
+def add_initial_peers(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    parser.add_argument("--initial-peers", nargs="+", required=required, default=[], metavar="MADDR",
+                        help="multiaddr(s) of peers already in the swarm, as printed by `node bootstrap`")
+    parser.add_argument("--swarm", dest="swarm_id", help="swarm id, when several swarms share one DHT")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="node", description="pipeswarm: peer-to-peer pipeline training")
+    parser.add_argument("--version", action="version", version=f"pipeswarm {__version__}")
+    parser.add_argument("--log-level", default="INFO")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    boot = commands.add_parser("bootstrap", help="start a new swarm and stay up as its DHT anchor")
+    add_network_flags(boot)
+    boot.add_argument("--config", help="TOML file with the swarm config (sections model, training, gossip, ...)")
+    boot.add_argument("--swarm-id", help="name of the new swarm")
+    boot.add_argument("--num-stages", type=int, help="pipeline stages, counting stage 0 (embedding + head)")
+    boot.add_argument("--seed", type=int, help="swarm seed: initial weights and synthetic data derive from it")
+    boot.add_argument("--heartbeat-period", type=float, help="seconds between peer record announcements")
+    boot.add_argument("--heartbeat-ttl", type=float, help="seconds a peer record lives without a heartbeat")
+    add_initial_peers(boot, required=False)
+
+    join = commands.add_parser("join", help="join a swarm and serve a stage")
+    add_network_flags(join)
+    add_initial_peers(join)
+    join.add_argument("--stage", default="auto", help="'auto' (the stage that needs help most) or a stage number")
+    join.add_argument("--name", default="", help="public name shown to other peers")
+    join.add_argument("--throughput", type=float, default=1.0, help="initial throughput estimate before measuring")
+    join.add_argument("--join-jitter", type=float, default=2.0, help="max random delay before choosing a stage (s)")
+
+    status = commands.add_parser("status", help="print a snapshot of the swarm")
+    add_initial_peers(status)
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def print_bootstrap_addresses(maddrs: list[str]) -> None:
+    print("swarm is up; other peers join with:", flush=True)
+    for maddr in maddrs:
+        print(f"  node join --initial-peers {maddr}", flush=True)
+    print(f"INITIAL_PEERS {' '.join(maddrs)}", flush=True)
+
+
+def cmd_bootstrap(args: argparse.Namespace) -> int:
+    from node import daemon
+
+    try:
+        config = load_config(
+            args.config,
+            swarm_id=args.swarm_id,
+            num_stages=args.num_stages,
+            seed=args.seed,
+            **{"heartbeat.period": args.heartbeat_period, "heartbeat.ttl": args.heartbeat_ttl},
+        )
+    except ConfigError as e:
+        logger.error(f"bad config: {e}")
+        return 2
+    logger.info(f"starting swarm {config.swarm_id}: {config.num_stages} stages, config {config.config_hash()}")
+    return daemon.run(daemon.bootstrap(config, node_options(args), print_bootstrap_addresses))
+
+
+def node_options(args: argparse.Namespace) -> Any:
+    from node.daemon import NodeOptions
+
+    options = NodeOptions(initial_peers=list(args.initial_peers), swarm_id=args.swarm_id)
+    for name in ("host", "port", "identity_path", "announce_maddrs", "name", "stage", "throughput", "join_jitter"):
+        if hasattr(args, name):
+            setattr(options, name, getattr(args, name))
+    return options
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    from node import daemon
+
+    if args.stage != "auto" and not args.stage.isdigit():
+        logger.error(f"--stage must be 'auto' or a stage number, not {args.stage!r}")
+        return 2
+    return daemon.run(daemon.join(node_options(args)))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from node import daemon
+    from node.observer import observe_once
+    from node.status import format_table
+
+    result: dict[str, Any] = {}
+
+    async def collect() -> int:
+        result.update(await observe_once(args.initial_peers, args.swarm_id))
+        return 0
+
+    code = daemon.run(collect())
+    if code == 0:
+        print(json.dumps(result, indent=2) if args.json else format_table(result), flush=True)
+    return code
+
+
+COMMANDS = {"bootstrap": cmd_bootstrap, "join": cmd_join, "status": cmd_status}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    return COMMANDS[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

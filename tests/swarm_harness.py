@@ -1,0 +1,145 @@
+"""Real multi-process swarms on loopback for tests and benchmarks.
+
+Every process is started here, remembered with its whole process tree (p2pd included), and ended
+by pid in `close()`, whatever the test did: no orphaned daemons, no fixed ports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class NodeProcess:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+    family: set[int] = field(default_factory=set)  # pids of the process and its descendants, as last seen
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def refresh_family(self) -> set[int]:
+        try:
+            children = psutil.Process(self.pid).children(recursive=True)
+            self.family |= {self.pid, *(child.pid for child in children)}
+        except psutil.NoSuchProcess:
+            pass
+        return self.family
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def alive_family(self) -> list[int]:
+        alive = []
+        for pid in self.family:
+            try:
+                proc = psutil.Process(pid)
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+
+class Swarm:
+    def __init__(self, workdir: Path, env: dict[str, str] | None = None):
+        self.workdir = workdir
+        self.nodes: list[NodeProcess] = []
+        self.initial_peers: list[str] = []
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), **(env or {})}
+
+    def spawn(self, name: str, args: list[str], python_prefix: list[str] | None = None) -> NodeProcess:
+        log_path = self.workdir / f"{name}.log"
+        command = [sys.executable, *(python_prefix or ["-m", "node"]), *args]
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir)
+        node = NodeProcess(name, process, log_path)
+        self.nodes.append(node)
+        return node
+
+    def bootstrap(self, *extra: str, timeout: float = 60.0) -> NodeProcess:
+        node = self.spawn("bootstrap", ["bootstrap", "--host", "127.0.0.1", *extra])
+        self.initial_peers = wait_for(
+            lambda: _initial_peers(node), timeout, f"bootstrap did not print its address:\n{node.log()}"
+        )
+        return node
+
+    def join(self, name: str, *extra: str, python_prefix: list[str] | None = None) -> NodeProcess:
+        return self.spawn(
+            name, ["join", "--host", "127.0.0.1", "--initial-peers", *self.initial_peers, *extra], python_prefix
+        )
+
+    def status(self, timeout: float = 60.0) -> dict[str, Any]:
+        result = subprocess.run(
+            [sys.executable, "-m", "node", "status", "--json", "--initial-peers", *self.initial_peers],
+            capture_output=True, text=True, env=self.env, cwd=self.workdir, timeout=timeout,
+        )
+        assert result.returncode == 0, f"node status failed ({result.returncode}):\n{result.stderr}"
+        return json.loads(result.stdout)
+
+    def refresh_families(self) -> None:
+        for node in self.nodes:
+            node.refresh_family()
+
+    def close(self) -> None:
+        """End every process this swarm started, children included, by pid."""
+        self.refresh_families()
+        for node in self.nodes:
+            if node.process.poll() is None:
+                node.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for node in self.nodes:
+            try:
+                node.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for node in self.nodes:
+            for pid in node.alive_family():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if node.process.poll() is None:
+                node.process.kill()
+                node.process.wait()
+
+
+def _initial_peers(node: NodeProcess) -> list[str] | None:
+    for line in node.log().splitlines():
+        if line.startswith("INITIAL_PEERS "):
+            return line.split()[1:]
+    if node.process.poll() is not None:
+        raise AssertionError(f"{node.name} exited with {node.process.returncode}:\n{node.log()}")
+    return None
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, message: str, interval: float = 0.25) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(message() if callable(message) else message)
+        time.sleep(interval)
+
+
+def peers_by_stage(snapshot: dict[str, Any], states: tuple[str, ...] = ("online",)) -> dict[int, list[str]]:
+    return {
+        stage["stage"]: [peer["peer_id"] for peer in stage["peers"] if peer["state"] in states]
+        for stage in snapshot["stages"]
+    }
