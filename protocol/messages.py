@@ -16,7 +16,7 @@ import torch
 
 from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS, Limits
-from protocol.tensors import decode_tensor, encode_tensor
+from protocol.tensors import COMPRESSIONS, decode_tensor, encode_tensor
 from protocol.version import PROTOCOL_VERSION
 
 MetaValue = Union[None, bool, int, float, str, bytes, list["MetaValue"]]
@@ -103,6 +103,8 @@ def encode_message(msg: Message, compression: str = "none", *, limits: Limits = 
         raise ProtocolError(f"expected a Message, got {type(msg).__name__}")
     if not _is_int(msg.version) or not 0 <= msg.version <= MAX_VERSION:
         raise ProtocolError(f"version must be an int in [0, {MAX_VERSION}], got {msg.version!r}")
+    if compression not in COMPRESSIONS:
+        raise ProtocolError(f"unknown compression {compression!r} (expected one of {COMPRESSIONS})")
     kind = _check_kind(msg.kind.value if isinstance(msg.kind, MessageKind) else msg.kind)
     _check_header(msg.swarm_id, msg.sender_stage, msg.request_id, limits)
     _check_meta(msg.meta, kind, limits)

@@ -91,9 +91,9 @@ def decode_tensor(obj: Any, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
         raise ProtocolError(f"tensor must be a map, got {type(obj).__name__}")
     dtype_name, codec = obj.get("dtype"), obj.get("codec")
     if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
-        raise ProtocolError(f"unsupported tensor dtype {dtype_name!r}")
+        raise ProtocolError(f"unsupported tensor dtype {dtype_name!r:.80}")
     if not isinstance(codec, str) or codec not in COMPRESSIONS:
-        raise ProtocolError(f"unknown tensor codec {codec!r}")
+        raise ProtocolError(f"unknown tensor codec {codec!r:.80}")
     dtype = DTYPES[dtype_name]
     if codec != "none" and dtype not in FLOAT_DTYPES:
         raise ProtocolError(f"codec {codec!r} is only valid for floating tensors, not {dtype_name}")
@@ -114,6 +114,7 @@ def decode_tensor(obj: Any, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
     if len(data) != numel * wire_itemsize:
         raise ProtocolError(f"tensor data has {len(data)} bytes, shape {shape} with codec {codec!r} "
                             f"needs {numel * wire_itemsize}")
+    scales = _check_int8(obj["block"], obj["scales"], numel) if codec == "int8" else None
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
 
@@ -129,7 +130,7 @@ def decode_tensor(obj: Any, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
         bits = np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16
         flat = torch.from_numpy(bits.view(np.float32))
     else:
-        flat = _dequantize_int8(data, obj["block"], obj["scales"], numel)
+        flat = _dequantize_int8(data, obj["block"], scales, numel)
     return flat.to(dtype).reshape(shape)
 
 
@@ -186,15 +187,19 @@ def _round_clamp(x: torch.Tensor) -> torch.Tensor:
     return x.round().clamp_(-127, 127).to(torch.int8)
 
 
-def _dequantize_int8(data: memoryview, block: Any, scales_obj: Any, numel: int) -> torch.Tensor:
+def _check_int8(block: Any, scales_obj: Any, numel: int) -> memoryview:
     if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= _MAX_BLOCK:
         raise ProtocolError(f"int8 block must be an int in [1, {_MAX_BLOCK}], got {block!r}")
-    scales_buf = _check_buffer(scales_obj, "scales")
-    full, tail = _blocks(numel, block)
-    nblocks = full + (1 if tail else 0)
-    if len(scales_buf) != nblocks * _SCALE_ITEMSIZE:
-        raise ProtocolError(f"int8 scales have {len(scales_buf)} bytes, {nblocks} blocks need "
+    scales = _check_buffer(scales_obj, "scales")
+    nblocks = -(-numel // block)
+    if len(scales) != nblocks * _SCALE_ITEMSIZE:
+        raise ProtocolError(f"int8 scales have {len(scales)} bytes, {nblocks} blocks need "
                             f"{nblocks * _SCALE_ITEMSIZE}")
+    return scales
+
+
+def _dequantize_int8(data: memoryview, block: int, scales_buf: memoryview, numel: int) -> torch.Tensor:
+    full, tail = _blocks(numel, block)
     scales = torch.from_numpy(np.frombuffer(scales_buf, dtype="<f4").copy())
     x = torch.from_numpy(np.frombuffer(data, dtype=np.int8).astype(np.float32))
     # no padding to a whole block: a hostile block of 2**30 with 1 element must not allocate 4 GiB

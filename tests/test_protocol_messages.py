@@ -253,6 +253,8 @@ def test_encoder_validates_before_sending() -> None:
         encode_message(forward(meta={**forward().meta, "x": (1, 2)}))
     with pytest.raises(ProtocolError, match="request_id"):
         encode_message(forward(request_id=2**64))
+    with pytest.raises(ProtocolError, match="unknown compression"):
+        encode_message(Message(MessageKind.PING, SWARM, 0, 0), "zstd")
     with pytest.raises(ProtocolError, match="torch.Tensor"):
         encode_message(forward(tensors={"hidden": [1.0]}))
     with pytest.raises(ProtocolError, match="max_tensor_bytes"):

@@ -188,6 +188,14 @@ def test_size_limit_is_about_the_decoded_dtype() -> None:
         decode_tensor(encode_tensor(torch.zeros(251), "int8"), limits)
 
 
+def test_empty_int8_still_validates_block_and_scales() -> None:
+    enc = encode_tensor(torch.zeros(0), "int8")
+    assert enc["scales"] == b"" and decode_tensor(enc).numel() == 0
+    for bad in ({**enc, "block": 0}, {**enc, "scales": b"\0" * 4}):
+        with pytest.raises(ProtocolError):
+            decode_tensor(bad)
+
+
 def test_huge_int8_block_does_not_pad() -> None:
     enc = encode_tensor(torch.tensor([3.0]), "int8", block_size=2**30)
     assert decode_tensor(enc).item() == pytest.approx(3.0)
