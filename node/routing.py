@@ -1,0 +1,343 @@
+"""SWARM's load-aware randomized choice of the next-stage peer (pure logic, no networking).
+
+Reads beside Ryabinin et al., "SWARM Parallelism: Training Large Models Can Be Surprisingly
+Communication-Efficient", ICML 2023 (code: yandex-research/swarm, `ExpertBalancer` in
+swarm/pipeline/src/moe/client/balancer.py and `PerformanceEMA` in .../optim/performance_ema.py).
+
+The released rule: per stage a min-heap of peers keyed by accumulated expected time; a task goes to
+the peer with the smallest key, which then grows by task_size / measured throughput (an EMA with
+alpha 0.1); random numbers only break ties; new peers enter at the current minimum; a peer that
+errors is banned until its DHT record expires; a timeout retries on the next peer.
+
+Made time-aware here (see docs/algorithms.md, "SWARM routing"). Per peer we keep
+
+    virtual_finish  the clock time at which everything we sent it is expected to be done
+    sec_per_unit    EMA of measured seconds per unit of task (1 / throughput)
+
+and a task of size w goes to the peer with the earliest expected completion
+
+    key(p) = max(virtual_finish_p, now) + w * sec_per_unit_p            (argmin, ties: rng)
+
+after which virtual_finish_p = key(p). `max(., now)` makes the accumulated load decay with real time,
+so a peer that sat idle holds no credit; once the stage is busy (every virtual_finish > now) this is
+SWARM's accumulated-time rule, and the shares converge to throughput-proportional ones. Candidates
+whose key is within TIE_RTOL (relative, on the key measured from now) of the smallest are
+considered tied and one of them is drawn with the injected `random.Random`.
+
+The estimate is kept as seconds per unit, like SWARM's PerformanceEMA, because that is the quantity
+the key adds up: sec_per_unit <- (1 - alpha) * sec_per_unit + alpha * seconds / task_size. It is
+seeded from the throughput the peer announces in its DHT record; a peer that announces none starts
+from the median estimate of its stage (1.0 if nothing is known) and its first measurement replaces
+that guess outright (SWARM's bias-corrected EMA does the same on its first update).
+
+Bans: `BanList` keys on DHT time (the record expirations are DHT times: hivemind's
+`get_dht_time()`, i.e. wall-clock `time.time`), while `StageRouter` keeps virtual finish times on
+its own monotonic clock; the two never meet.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import threading
+import time
+from typing import Callable, Collection, Iterable, Mapping, Sequence
+
+from dht.records import PeerRecord
+
+EMA_ALPHA = 0.1  # SWARM's PerformanceEMA default
+DEFAULT_THROUGHPUT = 1.0  # SWARM's initial_throughput, used when nothing is known about a stage
+TIE_RTOL = 1e-9  # keys within this relative distance of the minimum are ties (drawn at random)
+TIE_ATOL = 1e-12  # seconds: absolute floor of the tie window (keys of ~0)
+MIN_BAN_SECONDS = 10.0  # a ban lasts at least this long, even if the peer's record is about to expire
+MIN_SEC_PER_UNIT = 1e-9  # floor of a measured time per unit (a 0-second measurement is not infinite speed)
+
+
+def _usable_throughput(value: float | None) -> float | None:
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) and value > 0.0 else None
+
+
+class BanList:
+    """Peers that errored, each banned until a DHT time (its record's expiration, or later).
+
+    SWARM bans an expert until the expiration of the DHT record it was found under, so a peer that
+    keeps heartbeating comes back once a fresh record replaces the one it failed under, and a dead
+    one never does. `min_seconds` keeps a ban from being a no-op when the record is about to expire
+    (or its expiration is unknown: 0).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.time, min_seconds: float = MIN_BAN_SECONDS):
+        self._clock = clock
+        self._min_seconds = float(min_seconds)
+        self._bans: dict[str, tuple[float, str]] = {}
+        self._lock = threading.Lock()
+
+    def ban(self, peer_id: str, until: float, reason: str) -> None:
+        """Ban `peer_id` until max(until, now + min_seconds); an existing longer ban is kept."""
+        until = float(until) if until is not None and math.isfinite(float(until)) else 0.0
+        until = max(until, self._clock() + self._min_seconds)
+        with self._lock:
+            previous = self._bans.get(peer_id)
+            if previous is not None and previous[0] > until:
+                until = previous[0]
+            self._bans[peer_id] = (until, str(reason))
+
+    def unban(self, peer_id: str) -> None:
+        with self._lock:
+            self._bans.pop(peer_id, None)
+
+    def is_banned(self, peer_id: str, now: float | None = None) -> bool:
+        now = self._clock() if now is None else now
+        with self._lock:
+            entry = self._bans.get(peer_id)
+            if entry is None:
+                return False
+            if entry[0] <= now:
+                del self._bans[peer_id]
+                return False
+            return True
+
+    def active(self, now: float | None = None) -> dict[str, tuple[float, str]]:
+        """{peer_id: (until, reason)} of the bans still running (expired ones are dropped)."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            for peer_id in [p for p, (until, _) in self._bans.items() if until <= now]:
+                del self._bans[peer_id]
+            return dict(self._bans)
+
+    def __len__(self) -> int:
+        return len(self.active())
+
+
+class _PeerLoad:
+    __slots__ = ("virtual_finish", "sec_per_unit", "measured", "guessed", "sidelined")
+
+    def __init__(self, virtual_finish: float, sec_per_unit: float, guessed: bool):
+        self.virtual_finish = virtual_finish
+        self.sec_per_unit = sec_per_unit
+        self.measured = 0  # number of observe() updates
+        self.guessed = guessed  # estimate is the stage median / default, not the peer's announcement
+        self.sidelined = False  # was skipped as banned: re-enters at the current minimum
+
+
+class StageRouter:
+    """Chooses among the online peers of one target stage (one instance per target stage)."""
+
+    def __init__(
+        self,
+        rng: random.Random,
+        ema_alpha: float = EMA_ALPHA,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if not 0.0 < ema_alpha <= 1.0:
+            raise ValueError(f"ema_alpha must be in (0, 1], got {ema_alpha}")
+        self._rng = rng
+        self._alpha = float(ema_alpha)
+        self._clock = clock
+        self._peers: dict[str, _PeerLoad] = {}
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ membership
+
+    def _default_sec_per_unit(self) -> float:
+        known = [p.sec_per_unit for p in self._peers.values() if not p.guessed]
+        return statistics.median(known) if known else 1.0 / DEFAULT_THROUGHPUT
+
+    def _floor_load(self, now: float, among: Iterable[_PeerLoad]) -> float:
+        """The current minimum: the earliest time one of `among` is free (now if one is idle)."""
+        finishes = [p.virtual_finish for p in among]
+        return max(now, min(finishes)) if finishes else now
+
+    def update_peers(self, records: Iterable[PeerRecord]) -> None:
+        """Replace the peer set with `records` (the stage's current online peers from the DHT).
+
+        New peers enter at the current minimum load; peers absent from `records` are dropped
+        (with their estimates); an announced throughput seeds the estimate of a peer we have not
+        measured yet and is ignored once we have (our measurement includes the network path).
+        Records that are not `online` are skipped.
+        """
+        now = self._clock()
+        with self._lock:
+            fresh: dict[str, PeerRecord] = {}
+            for record in records:
+                if record.serving:
+                    fresh[record.peer_id] = record
+            for peer_id in [p for p in self._peers if p not in fresh]:
+                del self._peers[peer_id]
+            floor = self._floor_load(now, (p for p in self._peers.values() if not p.sidelined))
+            added: list[tuple[str, float | None]] = []
+            for peer_id, record in fresh.items():
+                announced = _usable_throughput(record.throughput)
+                state = self._peers.get(peer_id)
+                if state is None:
+                    added.append((peer_id, announced))
+                elif state.measured == 0 and announced is not None:
+                    state.sec_per_unit, state.guessed = 1.0 / announced, False
+            default = None
+            for peer_id, announced in added:
+                if announced is not None:
+                    self._peers[peer_id] = _PeerLoad(floor, 1.0 / announced, guessed=False)
+            for peer_id, announced in added:
+                if announced is None:
+                    if default is None:
+                        default = self._default_sec_per_unit()
+                    self._peers[peer_id] = _PeerLoad(floor, default, guessed=True)
+
+    def remove(self, peer_id: str) -> None:
+        with self._lock:
+            self._peers.pop(peer_id, None)
+
+    def __contains__(self, peer_id: object) -> bool:
+        return peer_id in self._peers
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    # ------------------------------------------------------------------ choosing
+
+    def choose(
+        self,
+        exclude: Collection[str] = (),
+        bans: BanList | None = None,
+        task_size: float = 1.0,
+    ) -> str | None:
+        """The peer with the earliest expected completion of a `task_size` task, charged for it.
+
+        Skips peers in `exclude` (a retry after a timeout) and peers banned in `bans`. Among keys
+        within TIE_RTOL of the smallest one is drawn at random. Returns None if no candidate.
+        """
+        if not (task_size > 0.0 and math.isfinite(task_size)):
+            raise ValueError(f"task_size must be a positive finite number, got {task_size}")
+        now = self._clock()
+        with self._lock:
+            eligible: list[tuple[str, _PeerLoad]] = []
+            for peer_id in sorted(self._peers):  # sorted: the draw depends on the rng only
+                state = self._peers[peer_id]
+                if bans is not None and bans.is_banned(peer_id):
+                    state.sidelined = True
+                    continue
+                if peer_id in exclude:
+                    continue
+                eligible.append((peer_id, state))
+            if not eligible:
+                return None
+            returning = [state for _, state in eligible if state.sidelined]
+            if returning:  # back from a ban: re-enter at the current minimum, like a new peer
+                floor = self._floor_load(now, (s for s in self._peers.values() if not s.sidelined))
+                for state in returning:
+                    state.virtual_finish = max(state.virtual_finish, floor)
+                    state.sidelined = False
+            offsets = [
+                max(state.virtual_finish - now, 0.0) + task_size * state.sec_per_unit for _, state in eligible
+            ]
+            best = min(offsets)
+            window = best * (1.0 + TIE_RTOL) + TIE_ATOL
+            tied = [i for i, offset in enumerate(offsets) if offset <= window]
+            index = tied[0] if len(tied) == 1 else self._rng.choice(tied)
+            peer_id, state = eligible[index]
+            state.virtual_finish = now + offsets[index]
+            return peer_id
+
+    def release(self, peer_id: str, task_size: float) -> None:
+        """Un-charge a task `choose` assigned but the peer never got (the send failed)."""
+        with self._lock:
+            state = self._peers.get(peer_id)
+            if state is not None and task_size > 0.0:
+                state.virtual_finish -= task_size * state.sec_per_unit
+
+    def observe(self, peer_id: str, task_size: float, seconds: float) -> None:
+        """A measured service time: sec_per_unit <- (1 - alpha) * sec_per_unit + alpha * seconds / task_size.
+
+        A peer whose estimate is only a guess (it announced no throughput and was never measured)
+        takes the first measurement as is. Unknown (vanished) peers are ignored.
+        """
+        if not (task_size > 0.0 and math.isfinite(task_size)):
+            raise ValueError(f"task_size must be a positive finite number, got {task_size}")
+        if not math.isfinite(seconds) or seconds < 0.0:
+            raise ValueError(f"seconds must be a finite number >= 0, got {seconds}")
+        sample = max(seconds / task_size, MIN_SEC_PER_UNIT)
+        with self._lock:
+            state = self._peers.get(peer_id)
+            if state is None:
+                return
+            if state.guessed and state.measured == 0:
+                state.sec_per_unit = sample
+            else:
+                state.sec_per_unit = (1.0 - self._alpha) * state.sec_per_unit + self._alpha * sample
+            state.guessed = False
+            state.measured += 1
+
+    # ------------------------------------------------------------------ reporting
+
+    def throughput(self, peer_id: str) -> float | None:
+        with self._lock:
+            state = self._peers.get(peer_id)
+            return None if state is None else 1.0 / state.sec_per_unit
+
+    def snapshot(self) -> list[tuple[str, float, float]]:
+        """(peer_id, load, throughput) per peer, sorted by peer id; load = expected seconds of
+        work we have queued on it from now (0 when idle)."""
+        now = self._clock()
+        with self._lock:
+            return [
+                (peer_id, max(state.virtual_finish - now, 0.0), 1.0 / state.sec_per_unit)
+                for peer_id, state in sorted(self._peers.items())
+            ]
+
+
+class Router:
+    """The StageRouters of every target stage of one node, plus the BanList they share."""
+
+    def __init__(
+        self,
+        rng: random.Random,
+        num_stages: int,
+        *,
+        ema_alpha: float = EMA_ALPHA,
+        clock: Callable[[], float] = time.monotonic,
+        dht_clock: Callable[[], float] = time.time,
+        min_ban_seconds: float = MIN_BAN_SECONDS,
+    ):
+        if num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+        self.num_stages = num_stages
+        self.bans = BanList(clock=dht_clock, min_seconds=min_ban_seconds)
+        self._dht_clock = dht_clock
+        self._stages = [StageRouter(rng, ema_alpha=ema_alpha, clock=clock) for _ in range(num_stages)]
+
+    def for_stage(self, stage: int) -> StageRouter:
+        if not 0 <= stage < self.num_stages:
+            raise ValueError(f"stage {stage} outside [0, {self.num_stages})")
+        return self._stages[stage]
+
+    def refresh(self, peers_by_stage: Mapping[int, Sequence[PeerRecord]]) -> None:
+        """Update each stage listed in `peers_by_stage` (stages not listed keep their peers: a
+        failed DHT read must not empty a router). Only `online` records filed under their own
+        stage and not yet expired (by `expires`, when known) are routable."""
+        now = self._dht_clock()
+        for stage, records in peers_by_stage.items():
+            if not 0 <= stage < self.num_stages:
+                continue
+            self._stages[stage].update_peers(
+                r for r in records if r.serving and r.stage == stage and not (0.0 < r.expires <= now)
+            )
+
+    def choose(
+        self, stage: int, exclude: Collection[str] = (), task_size: float = 1.0
+    ) -> str | None:
+        """`for_stage(stage).choose(...)` with the shared ban list."""
+        return self.for_stage(stage).choose(exclude=exclude, bans=self.bans, task_size=task_size)
+
+    def ban(self, peer_id: str, until: float, reason: str) -> None:
+        """Ban a peer that errored (until its record's expiration, or the minimum)."""
+        self.bans.ban(peer_id, until, reason)
+
+    def snapshot(self) -> dict[int, list[tuple[str, float, float]]]:
+        return {stage: router.snapshot() for stage, router in enumerate(self._stages)}
