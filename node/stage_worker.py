@@ -6,10 +6,13 @@ worker's plain synchronous methods off the asyncio event loop::
     out = await loop.run_in_executor(worker.executor, worker.forward, key, hidden)
 
 ``worker.executor`` is a single-thread ThreadPoolExecutor, so all of one stage's compute is
-serialized. Thread-safety contract: every method that touches the module, the optimizer or the
-stored activations (everything except ``lr_at`` and reading the plain counters ``inner_step``,
-``last_grad_norm``, ``microbatches_done``, ``throughput``) must be called through that executor;
-the worker takes no locks.
+serialized. Thread-safety contract: every method that touches the module or the optimizer
+(forward, backward, embed, head_loss_backward, embed_backward, measure_throughput, state_dict,
+load_state_dict, reset_optimizer) must be called through that executor, and takes no lock.
+Bookkeeping of stored activations (``drop``, ``expire``, ``num_stored``) and reading the plain
+counters (``inner_step``, ``last_grad_norm``, ``microbatches_done``, ``throughput``) are safe from
+any thread, the event loop included: the store is guarded by a small lock, held only for dict
+operations, never during compute.
 
 Layout follows ../shared/ALGORITHMS.md: stage 0 (EdgeStage) embeds tokens, then at the end of the
 pipeline computes norm + head + loss; block stages (1..S) map hidden -> hidden. Per microbatch:
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -137,6 +141,7 @@ class StageWorker:
         self.evicted = 0  # stored activations dropped because max_stored was exceeded
         self.throughput = 0.0  # microbatches/s of compute, EMA; 0.0 = not measured yet
         self._stored: OrderedDict[Hashable, _Stored] = OrderedDict()
+        self._lock = threading.Lock()  # guards _stored only
         self._closed = False
         self.optimizer: torch.optim.AdamW = self._new_optimizer()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}-worker")
@@ -207,7 +212,8 @@ class StageWorker:
             return
         self._closed = True
         self.executor.shutdown(wait=True, cancel_futures=True)
-        self._stored.clear()
+        with self._lock:
+            self._stored.clear()
 
     def __enter__(self) -> "StageWorker":
         return self
@@ -223,36 +229,51 @@ class StageWorker:
         return len(self._stored)
 
     def drop(self, key: Hashable) -> None:
-        """Forget a failed microbatch (no error if it is unknown)."""
-        self._stored.pop(key, None)
+        """Forget a failed microbatch (no error if it is unknown). Safe from any thread."""
+        with self._lock:
+            self._stored.pop(key, None)
 
     def expire(self, older_than: float) -> int:
-        """Forget activations stored more than `older_than` seconds ago; returns how many."""
+        """Forget activations stored more than `older_than` seconds ago; returns how many.
+        Safe from any thread."""
         limit = time.monotonic() - older_than
-        old = [k for k, s in self._stored.items() if s.created <= limit]
-        for k in old:
-            del self._stored[k]
+        with self._lock:
+            old = [k for k, s in self._stored.items() if s.created <= limit]
+            for k in old:
+                del self._stored[k]
         if old:
             logger.debug("stage %d: expired %d stored microbatches", self.stage, len(old))
         return len(old)
 
     def _store(self, key: Hashable, item: _Stored) -> None:
-        if self._stored.pop(key, None) is not None:
-            logger.debug("stage %d: microbatch %r arrived again, replacing the stored one", self.stage, key)
-        self._stored[key] = item
-        while len(self._stored) > self.max_stored:
-            old_key, _ = self._stored.popitem(last=False)
-            self.evicted += 1
-            logger.debug("stage %d: %d activations stored, dropped the oldest %r", self.stage, self.max_stored, old_key)
+        with self._lock:
+            if self._stored.pop(key, None) is not None:
+                logger.debug("stage %d: microbatch %r arrived again, replacing the stored one", self.stage, key)
+            self._stored[key] = item
+            while len(self._stored) > self.max_stored:
+                old_key, _ = self._stored.popitem(last=False)
+                self.evicted += 1
+                logger.debug("stage %d: over %d stored activations, dropped the oldest %r", self.stage, self.max_stored, old_key)
+
+    def _unknown(self, key: Hashable) -> UnknownMicrobatch:
+        return UnknownMicrobatch(f"stage {self.stage}: microbatch {key!r} is unknown, finished, dropped or expired")
 
     def _lookup(self, key: Hashable, kind: str) -> _Stored:
         try:
-            item = self._stored[key]
+            with self._lock:
+                item = self._stored[key]
         except (KeyError, TypeError):  # TypeError: unhashable key from a confused caller
-            raise UnknownMicrobatch(f"stage {self.stage}: microbatch {key!r} is unknown, finished, dropped or expired") from None
+            raise self._unknown(key) from None
         if item.kind != kind:  # cannot happen through the public API, kept as a guard
             raise UnknownMicrobatch(f"stage {self.stage}: microbatch {key!r} is a {item.kind} microbatch, not {kind}")
         return item
+
+    def _take(self, key: Hashable, item: _Stored) -> None:
+        """Remove `item` (validated, about to be consumed); it may have been dropped meanwhile."""
+        with self._lock:
+            if self._stored.get(key) is not item:
+                raise self._unknown(key)
+            del self._stored[key]
 
     def _versions(self) -> tuple[int, ...]:
         return tuple(p._version for p in self._params)
@@ -334,7 +355,7 @@ class StageWorker:
         start = time.perf_counter()
         item = self._lookup(key, "block")
         grad = self._check_hidden("backward gradient", grad_output, item.output.shape)
-        del self._stored[key]
+        self._take(key, item)
         leaf, out = item.leaf, item.output
         if item.versions != self._versions():  # weights changed since the forward: recompute
             leaf = item.inputs.detach().requires_grad_(True)
@@ -394,7 +415,7 @@ class StageWorker:
         if item.head_grads is None:
             raise ValueError(f"stage 0: embed_backward for {key!r} before its head_loss_backward")
         g = self._check_hidden("embedding gradient", grad, item.output.shape)
-        del self._stored[key]
+        self._take(key, item)
         out = item.output
         if item.versions != self._versions():
             with torch.enable_grad():

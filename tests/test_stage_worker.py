@@ -276,6 +276,11 @@ def test_drop_expire_and_bound() -> None:
         assert w.num_stored == 2
         assert w.expire(3600.0) == 0 and w.num_stored == 2
         assert w.expire(0.0) == 2 and w.num_stored == 0
+        # drop from the event-loop thread while the executor owns the compute
+        w.executor.submit(w.forward, "x", torch.randn(1, 4, 64)).result()
+        w.drop("x")
+        with pytest.raises(UnknownMicrobatch):
+            w.executor.submit(w.backward, "x", torch.randn(1, 4, 64)).result()
         for i in range(50):  # a stream of microbatches whose backward never comes
             w.forward(("dead", i), torch.randn(1, 4, 64))
             assert w.num_stored <= 3
