@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--name", default="", help="public name shown to other peers")
     join.add_argument("--throughput", type=float, default=1.0, help="initial throughput estimate before measuring")
     join.add_argument("--join-jitter", type=float, default=2.0, help="max random delay before choosing a stage (s)")
+    join.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:N")
+    join.add_argument("--data", dest="data_path", help="stage 0 data: UTF-8 text file or uint16 token .bin file "
+                      "(default: the swarm's synthetic source)")
+    join.add_argument("--threads", type=int, help="torch CPU threads for this peer")
+    join.add_argument("--quiet", action="store_true", help="logs only, no live status panel")
+    join.add_argument("--no-train", dest="train", action="store_false",
+                      help="hold a place in the registry without serving a stage (for DHT tests)")
 
     status = commands.add_parser("status", help="print a snapshot of the swarm")
     add_initial_peers(status)
@@ -112,7 +119,15 @@ def cmd_join(args: argparse.Namespace) -> int:
     if args.stage != "auto" and not args.stage.isdigit():
         logger.error(f"--stage must be 'auto' or a stage number, not {args.stage!r}")
         return 2
-    return daemon.run(daemon.join(node_options(args)))
+    serve = None
+    if args.train:
+        from functools import partial
+
+        from node.stage_service import ServiceOptions, serve_stage
+
+        options = ServiceOptions(device=args.device, data_path=args.data_path, threads=args.threads, quiet=args.quiet)
+        serve = partial(serve_stage, options=options)
+    return daemon.run(daemon.join(node_options(args), serve))
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -1,0 +1,149 @@
+"""Serving a stage: the pieces a joined peer runs, wired together with explicit state.
+
+worker (compute + inner optimizer) <- pipeline (SWARM traffic) <- transport (libp2p streams)
+router (load-aware choice) <- swarm view (DHT picture) ; heartbeat publishes what they measure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import torch
+
+from dht.heartbeat import Heartbeat
+from dht.records import PeerRecord
+from dht.registry import SwarmRegistry
+from node.config import SwarmConfig
+from node.data import open_source, stream_id_from_peer
+from node.network import Network
+from node.pipeline import Pipeline
+from node.progress import ProgressDisplay
+from node.routing import Router
+from node.stage_worker import StageWorker
+from node.swarm_view import SwarmView
+from node.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServiceOptions:
+    device: str = "auto"
+    data_path: str | None = None
+    threads: int | None = None
+    quiet: bool = False
+
+
+def pick_device(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+@dataclass
+class StageService:
+    """The running parts of a peer that serves one stage."""
+
+    config: SwarmConfig
+    me: PeerRecord
+    worker: StageWorker
+    transport: Transport
+    router: Router
+    view: SwarmView
+    pipeline: Pipeline
+
+    def publish_progress(self) -> None:
+        """Copy what the worker and pipeline measured into this peer's DHT record."""
+        self.me.inner_step = self.worker.inner_step
+        self.me.grad_norm = self.worker.last_grad_norm
+        self.me.throughput = max(self.worker.throughput, 1e-3)
+        if self.me.stage == 0:
+            self.me.loss = self.pipeline.stats.recent_loss
+
+
+async def build_service(network: Network, config: SwarmConfig, me: PeerRecord, options: ServiceOptions) -> StageService:
+    rng = random.Random()
+    registry = SwarmRegistry(network.dht, config.swarm_id)
+    view = SwarmView(registry, config.num_stages, period=max(0.5, config.heartbeat.period / 2))
+    router = Router(rng, config.num_stages)
+    view.on_refresh(router.refresh)
+    worker = StageWorker(config, me.stage, device=pick_device(options.device))
+    transport = Transport(network.p2p, config.swarm_id, me.stage, compression=config.training.wire_compression)
+
+    def ban_until(peer_id: str) -> float:
+        record = view.record_of(peer_id)
+        return max(record.expires if record else 0.0, time.time() + config.heartbeat.ttl)
+
+    pipeline = Pipeline(config, transport, worker, router, me, rng=rng, ban_until=ban_until)
+    return StageService(config, me, worker, transport, router, view, pipeline)
+
+
+@contextlib.asynccontextmanager
+async def running_service(
+    network: Network, config: SwarmConfig, me: PeerRecord, heartbeat: Heartbeat, options: ServiceOptions
+) -> AsyncIterator[StageService]:
+    """A started stage service: handlers registered, swarm view running, this peer `online`."""
+    service = await build_service(network, config, me, options)
+    tasks = [asyncio.create_task(service.view.run(), name="swarm-view")]
+    try:
+        # announce a measured speed from the start: routers and stage choice compare these numbers
+        await asyncio.get_running_loop().run_in_executor(service.worker.executor, service.worker.measure_throughput)
+        await service.pipeline.start()
+        await service.view.refresh()
+        me.state = "online"
+        service.publish_progress()
+        heartbeat.poke()
+        tasks.append(asyncio.create_task(publish_progress_loop(service, heartbeat), name="progress"))
+        yield service
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await service.pipeline.close()
+        service.worker.close()
+
+
+async def serve_stage(
+    network: Network, config: SwarmConfig, me: PeerRecord, heartbeat: Heartbeat, stop: asyncio.Event,
+    options: ServiceOptions,
+) -> None:
+    """Run this peer's stage until `stop` is set."""
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    async with running_service(network, config, me, heartbeat, options) as service:
+        progress = ProgressDisplay(service, quiet=options.quiet)
+        tasks = [asyncio.create_task(progress.run(), name="display")]
+        if me.stage == 0:
+            source = open_source(config, options.data_path, stream_id_from_peer(me.peer_id))
+            tasks.append(asyncio.create_task(drive_when_ready(service, source, stop), name="driver"))
+        try:
+            await stop.wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            progress.close()
+
+
+async def drive_when_ready(service: StageService, source, stop: asyncio.Event) -> None:
+    """Stage 0 starts sending once every block stage has a peer to receive."""
+    while not stop.is_set():
+        if all(service.view.online(stage) for stage in range(1, service.config.num_stages)):
+            break
+        await asyncio.sleep(0.5)
+    await service.pipeline.drive(source, stop)
+
+
+async def publish_progress_loop(service: StageService, heartbeat: Heartbeat) -> None:
+    while True:
+        await asyncio.sleep(heartbeat.period)
+        service.publish_progress()
+        horizon = 4 * service.config.training.hop_timeout * service.config.num_stages
+        # the worker's state belongs to its compute thread: expire there, not on the event loop
+        await asyncio.get_running_loop().run_in_executor(service.worker.executor, service.worker.expire, horizon)
