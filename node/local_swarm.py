@@ -1,4 +1,4 @@
-"""Real multi-process swarms on loopback for tests and benchmarks.
+"""Real multi-process swarms on loopback: `make demo`, the tests and the benchmarks use it.
 
 Every process is started here, remembered with its whole process tree (p2pd included), and ended
 by pid in `close()`, whatever the test did: no orphaned daemons, no fixed ports.
@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import psutil
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent  # PYTHONPATH for children, so a source checkout works too
 
 
 @dataclass

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from tests.swarm_harness import Swarm, peers_by_stage, wait_for
+from node.local_swarm import Swarm, peers_by_stage, wait_for
 
 TTL = 4.0
 
@@ -36,7 +36,7 @@ def observe(swarm: Swarm) -> dict:
 @pytest.mark.timeout(240)
 def test_six_auto_joiners_spread_evenly_and_leave_cleanly(swarm: Swarm):
     swarm.bootstrap("--num-stages", "3", "--heartbeat-period", "1", "--heartbeat-ttl", str(TTL))
-    joiners = [swarm.join(f"peer{i}", "--stage", "auto", "--join-jitter", "3") for i in range(6)]
+    joiners = [swarm.join(f"peer{i}", "--stage", "auto", "--join-jitter", "3", "--no-train") for i in range(6)]
 
     def six_online():
         snapshot = observe(swarm)
