@@ -169,8 +169,11 @@ class Pipeline:
         try:
             key = (msg.meta["origin"], msg.meta["microbatch_id"])
             hidden = await self._compute(self.worker.forward, key, msg.tensors["hidden"])
-        except (ValueError, RuntimeError) as e:
+        except ValueError as e:  # a malformed tensor from a stranger: its origin will retry elsewhere
             logger.info(f"rejected forward from {msg.meta['path'][-1][-8:]}: {e}")
+            return
+        except Exception:
+            logger.exception(f"forward of microbatch {msg.meta['microbatch_id']} failed")
             return
         finally:
             self._queued -= 1
@@ -203,8 +206,11 @@ class Pipeline:
             return
         try:
             grad = await self._compute(self.worker.backward, key, msg.tensors["grad"])
-        except (ValueError, RuntimeError, KeyError) as e:
+        except (ValueError, KeyError) as e:  # malformed gradient, or activations already expired
             logger.info(f"backward of microbatch {msg.meta['microbatch_id']} failed here: {e}")
+            return
+        except Exception:
+            logger.exception(f"backward of microbatch {msg.meta['microbatch_id']} failed")
             return
         meta = {**msg.meta, "hop": hop - 1}
         if await self._send_to(path[hop - 1], BACKWARD, MessageKind.BACKWARD, meta, {"grad": grad}):
@@ -251,12 +257,15 @@ class Pipeline:
 
     # ---- stage 0: the microbatch driver ------------------------------------------------------------
 
-    async def drive(self, source: TokenBatches, stop: asyncio.Event) -> None:
-        """Keep up to max_in_flight microbatches moving through the swarm until `stop`."""
+    async def drive(self, source: TokenBatches, stop: asyncio.Event, ready: Callable[[], bool] = lambda: True) -> None:
+        """Keep up to max_in_flight microbatches moving through the swarm until `stop`; while
+        `ready()` is false (a stage has no peer) start none, instead of failing them one by one."""
         training = self.config.training
         slots = asyncio.Semaphore(training.max_in_flight)
         while not stop.is_set():
             await slots.acquire()
+            while not ready() and not stop.is_set():
+                await asyncio.sleep(0.5)
             if stop.is_set():
                 break
             tokens, targets = source.next_batch(training.microbatch_size, training.sequence_length)
@@ -268,7 +277,7 @@ class Pipeline:
     async def run_microbatch(self, tokens: torch.Tensor, targets: torch.Tensor) -> float | None:
         """One microbatch through the swarm with bounded retries; its loss, or None if dropped."""
         retries = self.config.training.max_retries
-        deadline = self.hop_timeout * (self.num_block_stages + 1) * 2
+        deadline = self.hop_timeout * (self.num_block_stages + 1)
         index = next(self._microbatch_index)
         order = pipeline_order(self.config.num_stages, index, self.config.recovery.checkfree_plus)
         for attempt in range(retries + 1):

@@ -132,12 +132,12 @@ async def serve_stage(
 
 
 async def drive_when_ready(service: StageService, source, stop: asyncio.Event) -> None:
-    """Stage 0 starts sending once every block stage has a peer to receive."""
-    while not stop.is_set():
-        if all(service.view.online(stage) for stage in range(1, service.config.num_stages)):
-            break
-        await asyncio.sleep(0.5)
-    await service.pipeline.drive(source, stop)
+    """Stage 0 sends microbatches whenever every block stage has a peer to receive them."""
+
+    def every_stage_served() -> bool:
+        return all(service.view.online(stage) for stage in range(1, service.config.num_stages))
+
+    await service.pipeline.drive(source, stop, ready=every_stage_served)
 
 
 async def publish_progress_loop(service: StageService, heartbeat: Heartbeat) -> None:
