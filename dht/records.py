@@ -19,6 +19,7 @@ from typing import Any, Mapping
 PEER_STATES = ("joining", "online", "leaving", "rebuilding")
 MAX_ID_CHARS = 128
 MAX_NAME_CHARS = 64
+MAX_FINGERPRINT = 16
 
 
 class RecordError(ValueError):
@@ -63,6 +64,14 @@ def _check_float(value: Any, name: str, optional: bool = False, low: float = -ma
     return value
 
 
+def _check_floats(value: Any, name: str, limit: int) -> list[float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or len(value) > limit:
+        raise RecordError(f"{name}: expected a list of at most {limit} numbers")
+    return [_check_float(item, name) for item in value]  # type: ignore[misc]
+
+
 @dataclass
 class PeerRecord:
     """One peer's self-description, re-announced every heartbeat period."""
@@ -79,6 +88,9 @@ class PeerRecord:
     name: str = ""
     last_partner: str | None = None
     divergence: float | None = None
+    # a seeded random projection of the stage's weights (node.gossip.WeightFingerprint): replicas
+    # of a stage can be compared without exchanging weights
+    fingerprint: list[float] | None = None
     updated: float = 0.0
     # filled in by the reader from the DHT entry, never sent
     expires: float = field(default=0.0, compare=False)
@@ -114,6 +126,7 @@ class PeerRecord:
             if values.get("last_partner") is None
             else _check_str(values["last_partner"], "last_partner", MAX_ID_CHARS),
             divergence=_check_float(values.get("divergence"), "divergence", optional=True, low=0.0),
+            fingerprint=_check_floats(values.get("fingerprint"), "fingerprint", MAX_FINGERPRINT),
             updated=_check_float(values.get("updated", 0.0), "updated", low=0.0),  # type: ignore[arg-type]
             expires=expires,
         )
