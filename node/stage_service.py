@@ -21,6 +21,7 @@ from dht.records import PeerRecord
 from dht.registry import SwarmRegistry
 from node.config import SwarmConfig
 from node.data import open_source, stream_id_from_peer
+from node.gossip import Gossip
 from node.network import Network
 from node.pipeline import Pipeline
 from node.progress import ProgressDisplay
@@ -57,6 +58,7 @@ class StageService:
     router: Router
     view: SwarmView
     pipeline: Pipeline
+    gossip: Gossip
 
     def publish_progress(self) -> None:
         """Copy what the worker and pipeline measured into this peer's DHT record."""
@@ -65,6 +67,10 @@ class StageService:
         self.me.throughput = max(self.worker.throughput, 1e-3)
         if self.me.stage == 0:
             self.me.loss = self.pipeline.stats.recent_loss
+        self.me.outer_round = self.gossip.outer_state.round
+        self.me.last_partner = self.gossip.last_partner
+        self.me.divergence = self.gossip.divergence
+        self.me.fingerprint = self.gossip.fingerprint
 
 
 async def build_service(network: Network, config: SwarmConfig, me: PeerRecord, options: ServiceOptions) -> StageService:
@@ -81,7 +87,8 @@ async def build_service(network: Network, config: SwarmConfig, me: PeerRecord, o
         return max(record.expires if record else 0.0, time.time() + config.heartbeat.ttl)
 
     pipeline = Pipeline(config, transport, worker, router, me, rng=rng, ban_until=ban_until)
-    return StageService(config, me, worker, transport, router, view, pipeline)
+    gossip = Gossip(config, me, worker, transport, view, router.bans, registry, ban_until, rng=rng)
+    return StageService(config, me, worker, transport, router, view, pipeline, gossip)
 
 
 @contextlib.asynccontextmanager
@@ -95,11 +102,14 @@ async def running_service(
         # announce a measured speed from the start: routers and stage choice compare these numbers
         await asyncio.get_running_loop().run_in_executor(service.worker.executor, service.worker.measure_throughput)
         await service.pipeline.start()
+        await service.gossip.start()
+        await service.gossip.refresh_fingerprint()
         await service.view.refresh()
         me.state = "online"
         service.publish_progress()
         heartbeat.poke()
         tasks.append(asyncio.create_task(publish_progress_loop(service, heartbeat), name="progress"))
+        tasks.append(asyncio.create_task(service.gossip.run(), name="gossip"))
         yield service
     finally:
         for task in tasks:
@@ -143,6 +153,7 @@ async def drive_when_ready(service: StageService, source, stop: asyncio.Event) -
 async def publish_progress_loop(service: StageService, heartbeat: Heartbeat) -> None:
     while True:
         await asyncio.sleep(heartbeat.period)
+        await service.gossip.refresh_fingerprint()
         service.publish_progress()
         horizon = 4 * service.config.training.hop_timeout * service.config.num_stages
         # the worker's state belongs to its compute thread: expire there, not on the event loop
