@@ -25,10 +25,12 @@ import io
 import math
 import os
 import re
+import signal
 import sys
 import time
 import unicodedata
-from typing import Any, Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import Any
 
 from rich import box
 from rich.console import Console, Group, RenderableType
@@ -38,14 +40,16 @@ from rich.table import Table
 from rich.text import Text
 
 __all__ = [
-    "DashboardState",
     "SORT_KEYS",
+    "DashboardState",
+    "human_count",
+    "iter_peers",
     "render",
     "render_once",
     "run_live",
-    "sparkline",
-    "human_count",
     "short_id",
+    "sparkline",
+    "stage0_loss",
 ]
 
 SORT_KEYS = ("stage", "throughput", "loss", "last seen")
@@ -153,8 +157,10 @@ def human_count(value: Any, unit: str = "") -> str:
         text = f"{v:.0f}{suffix}"
     elif suffix:
         text = f"{v:.1f}{suffix}" if abs(v) < 100 else f"{v:.0f}{suffix}"
+    elif float(v).is_integer():
+        text = f"{v:.0f}"
     else:
-        text = f"{v:.0f}" if float(v).is_integer() else f"{v:.1f}"
+        text = f"{v:.2f}" if abs(v) < 1 else f"{v:.1f}"
     return text + (unit and f" {unit}")
 
 
@@ -455,13 +461,13 @@ class DashboardState:
             return str(p.get("peer_id") or p.get("name") or "")
 
         if self.sort_key == "throughput":
-            key = lambda p: (-(_num(p.get("throughput")) or 0.0), stage_of(p), ident(p))  # noqa: E731
+            key = lambda p: (-(_num(p.get("throughput")) or 0.0), stage_of(p), ident(p))
         elif self.sort_key == "loss":
-            key = lambda p: (l if (l := _num(p.get("loss"))) is not None else big, stage_of(p), ident(p))  # noqa: E731
+            key = lambda p: (l if (l := _num(p.get("loss"))) is not None else big, stage_of(p), ident(p))
         elif self.sort_key == "last seen":
-            key = lambda p: (-(_num(p.get("updated")) or 0.0), stage_of(p), ident(p))  # noqa: E731
+            key = lambda p: (-(_num(p.get("updated")) or 0.0), stage_of(p), ident(p))
         else:
-            key = lambda p: (stage_of(p), ident(p))  # noqa: E731
+            key = lambda p: (stage_of(p), ident(p))
         return sorted(peers, key=key)
 
     # ---- keys
@@ -947,13 +953,15 @@ async def run_live(
         while True:
             started = loop.time()
             try:
-                snapshot = await asyncio.wait_for(provider(), call_timeout)
+                # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
+                async with asyncio.timeout(call_timeout):
+                    snapshot = await provider()
                 state.update(snapshot)
             except asyncio.CancelledError:
                 raise
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 state.set_error(f"no snapshot within {call_timeout:g}s")
-            except Exception as exc:  # any provider failure is shown, never raised
+            except Exception as exc:  # noqa: BLE001 - any provider failure is shown, never raised
                 state.set_error(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
             wake.set()
             await asyncio.sleep(max(refresh - (loop.time() - started), 0.05))
@@ -975,7 +983,11 @@ async def run_live(
 
     def frame() -> RenderableType:
         size = console.size
-        return render(state, size.width, size.height)
+        try:
+            return render(state, size.width, size.height)
+        except Exception as exc:  # noqa: BLE001 - a snapshot we failed to foresee: say so, keep running
+            return Panel(Text(f"cannot render this snapshot: {type(exc).__name__}: {_clean(str(exc), 200)}\n"
+                              "q quits", style="bold red"), title="pipeswarm dashboard")
 
     fd = _stdin_tty_fd()
     fetcher: asyncio.Task | None = None
@@ -988,11 +1000,15 @@ async def run_live(
         if fd is not None:
             loop.add_reader(fd, on_keys, fd)
             stack.callback(loop.remove_reader, fd)
+        with contextlib.suppress(AttributeError, NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(signal.SIGWINCH, wake.set)  # redraw at once on resize
+            stack.callback(loop.remove_signal_handler, signal.SIGWINCH)
         fetcher = asyncio.ensure_future(fetch_forever())
         try:
             while not quit_requested.is_set():
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(wake.wait(), timeout=refresh)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(refresh):
+                        await wake.wait()
                 wake.clear()
                 if fetcher.done() and not fetcher.cancelled() and fetcher.exception() is not None:
                     # cannot happen (fetch_forever catches everything) but never die silently

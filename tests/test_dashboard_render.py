@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import copy
 import io
 
 import pytest
 from rich.console import Console
 
 from node.dashboard import (
-    DashboardState,
     SORT_KEYS,
+    DashboardState,
     human_count,
     render,
     render_once,
@@ -237,7 +236,7 @@ def test_loss_history_tracks_stage0_mean():
 
 def test_sort_and_filter():
     state = state_of(snapshot())
-    order = lambda: [p["name"] for p in state.visible_peers()]  # noqa: E731
+    order = lambda: [p["name"] for p in state.visible_peers()]
     assert state.sort_key == "stage" and order() == ["host-a", "host-b", "host-c"]
     assert state.cycle_sort() == "throughput" and order() == ["host-a", "host-b", "host-c"]
     state.snapshot["stages"][1]["peers"][0]["throughput"] = 99.0
