@@ -25,6 +25,8 @@ from node.gossip import Gossip
 from node.network import Network
 from node.pipeline import Pipeline
 from node.progress import ProgressDisplay
+from node.rebalance import HandlerScope, Rebalancer, move_record, plan_move
+from node.recovery import LossWatch, must_rebuild, rebuild_into_service
 from node.routing import Router
 from node.stage_worker import StageWorker
 from node.swarm_view import SwarmView
@@ -80,7 +82,8 @@ async def build_service(network: Network, config: SwarmConfig, me: PeerRecord, o
     router = Router(rng, config.num_stages)
     view.on_refresh(router.refresh)
     worker = StageWorker(config, me.stage, device=pick_device(options.device))
-    transport = Transport(network.p2p, config.swarm_id, me.stage, compression=config.training.wire_compression)
+    # handlers registered through a scope, so leaving the stage (a move) removes exactly them
+    transport = Transport(HandlerScope(network.p2p), config.swarm_id, me.stage, compression=config.training.wire_compression)
 
     def ban_until(peer_id: str) -> float:
         record = view.record_of(peer_id)
@@ -105,6 +108,9 @@ async def running_service(
         await service.gossip.start()
         await service.gossip.refresh_fingerprint()
         await service.view.refresh()
+        if must_rebuild(service.view.peers_by_stage, me.stage, me.peer_id):
+            # nobody holds this stage any more: rebuild it from the neighbours (node/recovery.py)
+            await rebuild_into_service(service, heartbeat, SwarmRegistry(network.dht, config.swarm_id))
         me.state = "online"
         service.publish_progress()
         heartbeat.poke()
@@ -116,6 +122,7 @@ async def running_service(
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await service.pipeline.close()
+        await service.transport.p2p.close()  # the HandlerScope: this stage's handlers go
         service.worker.close()
 
 
@@ -123,29 +130,72 @@ async def serve_stage(
     network: Network, config: SwarmConfig, me: PeerRecord, heartbeat: Heartbeat, stop: asyncio.Event,
     options: ServiceOptions,
 ) -> None:
-    """Run this peer's stage until `stop` is set."""
+    """Run this peer's stage until `stop` is set. When the rebalancer moves this peer to a lost
+    stage, the stage service is left and entered again for the new stage, in this process."""
     if options.threads:
         torch.set_num_threads(options.threads)
+    while True:
+        target = await serve_current_stage(network, config, me, heartbeat, stop, options)
+        if target is None:
+            return
+        await move_record(heartbeat, me, target)
+
+
+async def serve_current_stage(
+    network: Network, config: SwarmConfig, me: PeerRecord, heartbeat: Heartbeat, stop: asyncio.Event,
+    options: ServiceOptions,
+) -> int | None:
+    """Serve `me.stage` until `stop` (returns None) or until this peer must move (the new stage)."""
     async with running_service(network, config, me, heartbeat, options) as service:
+        watch = LossWatch(config, SwarmRegistry(network.dht, config.swarm_id), me)
+        service.view.on_refresh(watch.on_refresh)
         progress = ProgressDisplay(service, quiet=options.quiet)
-        tasks = [asyncio.create_task(progress.run(), name="display")]
+        mover = asyncio.create_task(watch_for_move(service, watch), name="rebalance")
+        tasks = [asyncio.create_task(progress.run(), name="display"), mover]
         if me.stage == 0:
             source = open_source(config, options.data_path, stream_id_from_peer(me.peer_id))
-            tasks.append(asyncio.create_task(drive_when_ready(service, source, stop), name="driver"))
+            tasks.append(asyncio.create_task(drive_when_ready(service, source, stop, watch), name="driver"))
+        stopped = asyncio.create_task(stop.wait())
         try:
-            await stop.wait()
+            await asyncio.wait([stopped, mover], return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in tasks:
+            for task in [*tasks, stopped]:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, stopped, return_exceptions=True)
+            watch.close()
             progress.close()
+        if stop.is_set() or mover.cancelled() or mover.exception() is not None:
+            return None
+        return mover.result()
 
 
-async def drive_when_ready(service: StageService, source, stop: asyncio.Event) -> None:
-    """Stage 0 sends microbatches whenever every block stage has a peer to receive them."""
+async def watch_for_move(service: StageService, watch: LossWatch) -> int:
+    """The stage this peer should move to (node/rebalance.py), once confirmed twice."""
+    config, me = service.config, service.me
+    period = config.heartbeat.period
+    rebalancer = Rebalancer(confirm_after=period)
+    while True:
+        await asyncio.sleep(period)
+        if me.state != "online":
+            continue
+        lost_for = {stage: watch.lost_for(stage) for stage in watch.lost}
+        move = plan_move(service.view.peers_by_stage, config.num_stages, lost_for,
+                         config.recovery.rebalance_wait, watch.unrecoverable_reason)
+        confirmed = rebalancer.check(move, time.monotonic())
+        if confirmed is not None and confirmed.peer_id == me.peer_id and confirmed.donor == me.stage:
+            logger.warning(f"stage {confirmed.target} has been lost for over {config.recovery.rebalance_wait:.0f} s "
+                           f"and nobody joined it: moving there from stage {me.stage}")
+            return confirmed.target
+
+
+async def drive_when_ready(service: StageService, source, stop: asyncio.Event, watch: LossWatch) -> None:
+    """Stage 0 sends microbatches whenever every block stage has a peer to receive them, and not
+    while the swarm is unrecoverable (it would train the surviving stages on garbage)."""
 
     def every_stage_served() -> bool:
-        return all(service.view.online(stage) for stage in range(1, service.config.num_stages))
+        return watch.unrecoverable_reason is None and all(
+            service.view.online(stage) for stage in range(1, service.config.num_stages)
+        )
 
     await service.pipeline.drive(source, stop, ready=every_stage_served)
 
