@@ -8,10 +8,17 @@ from typing import Any
 from dht.records import ConfigRecord, PeerRecord
 from dht.registry import SwarmRegistry
 from node import __version__
+from node.checkfree import unrecoverable
 from node.config import SwarmConfig
+from node.recovery import lost_stages_from_events
 
 
-def stage_status(peers: list[PeerRecord]) -> str:
+def stage_status(peers: list[PeerRecord], lost: bool = False, unrecoverable: bool = False) -> str:
+    """ok / single / empty / rebuilding; "lost" for a stage the peers declared lost (no live peer
+    for over recovery.lost_grace in a trained swarm), "unrecoverable" when the stages lost together
+    cannot be rebuilt (node/recovery.py)."""
+    if lost:
+        return "unrecoverable" if unrecoverable else "lost"
     serving = [peer for peer in peers if peer.state in ("online", "joining", "rebuilding")]
     if any(peer.state == "rebuilding" for peer in serving):
         return "rebuilding"
@@ -28,13 +35,18 @@ async def collect_snapshot(registry: SwarmRegistry, record: ConfigRecord, config
     """Everything the DHT says about the swarm now, as plain JSON-able data."""
     peers_by_stage = await registry.all_peers(config.num_stages)
     events = await registry.fetch_events()
+    recovery = config.recovery
+    lost = lost_stages_from_events(peers_by_stage, events, config.num_stages)
+    unrecoverable_reason = (
+        unrecoverable(lost, config.num_stages, recovery.strategy, recovery.checkfree_plus) if lost else None
+    )
     stages = []
     for stage in range(config.num_stages):
         peers = peers_by_stage.get(stage, [])
         stages.append(
             {
                 "stage": stage,
-                "status": stage_status(peers),
+                "status": stage_status(peers, stage in lost, unrecoverable_reason is not None),
                 "throughput": sum(peer.throughput for peer in peers if peer.state != "leaving"),
                 "peers": [peer_view(peer) for peer in peers],
             }
@@ -49,6 +61,8 @@ async def collect_snapshot(registry: SwarmRegistry, record: ConfigRecord, config
         "model_parameters": None,
         "loss_floor": None,
         "stages": stages,
+        "lost_stages": sorted(lost),
+        "unrecoverable": unrecoverable_reason,  # why the swarm cannot recover now, or None
         "events": [event.to_wire() for event in events],
     }
 
@@ -56,6 +70,8 @@ async def collect_snapshot(registry: SwarmRegistry, record: ConfigRecord, config
 def format_table(snapshot: dict[str, Any]) -> str:
     """The human form of `node status`: one line per peer under its stage."""
     lines = [f"swarm {snapshot['swarm_id']}: {snapshot['num_stages']} stages, config {snapshot['config_hash']}"]
+    if snapshot.get("unrecoverable"):
+        lines.append(f"UNRECOVERABLE: {snapshot['unrecoverable']}")
     for stage in snapshot["stages"]:
         lines.append(f"stage {stage['stage']}: {stage['status']}, {len(stage['peers'])} peer(s), "
                      f"throughput {stage['throughput']:.2f}")
