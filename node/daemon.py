@@ -79,15 +79,19 @@ async def keep_config_published(registry: SwarmRegistry, record: ConfigRecord) -
         await asyncio.sleep(CONFIG_TTL / 4)
 
 
-async def bootstrap(config: SwarmConfig, options: NodeOptions, announce: Callable[[list[str]], None]) -> int:
-    stop = install_stop_signals()
-    network = await start_network(
+async def start_peer_network(options: NodeOptions) -> Network:
+    return await start_network(
         host=options.host,
         port=options.port,
         initial_peers=options.initial_peers,
         identity_path=options.identity_path,
         announce_maddrs=options.announce_maddrs,
     )
+
+
+async def bootstrap(config: SwarmConfig, options: NodeOptions, announce: Callable[[list[str]], None]) -> int:
+    stop = install_stop_signals()
+    network = await start_peer_network(options)
     try:
         registry = SwarmRegistry(network.dht, config.swarm_id)
         record = ConfigRecord(PROTOCOL_VERSION, config.config_hash(), config.to_dict(), __version__)
@@ -143,13 +147,7 @@ async def join(options: NodeOptions, serve: StageService | None = None) -> int:
     """Join a swarm and serve a stage until stopped. `serve` runs the stage's work (the training
     runtime); without it the peer only holds its place in the registry."""
     stop = install_stop_signals()
-    network = await start_network(
-        host=options.host,
-        port=options.port,
-        initial_peers=options.initial_peers,
-        identity_path=options.identity_path,
-        announce_maddrs=options.announce_maddrs,
-    )
+    network = await start_peer_network(options)
     tasks: list[asyncio.Task] = []
     heartbeat: Heartbeat | None = None
     me: PeerRecord | None = None

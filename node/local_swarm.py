@@ -91,6 +91,14 @@ class Swarm:
         assert result.returncode == 0, f"node status failed ({result.returncode}):\n{result.stderr}"
         return json.loads(result.stdout)
 
+    def observe(self) -> dict[str, Any]:
+        """A snapshot through an observer inside this process: faster than spawning `node status`."""
+        import asyncio
+
+        from node.observer import observe_once
+
+        return asyncio.run(observe_once(self.initial_peers, None))
+
     def refresh_families(self) -> None:
         for node in self.nodes:
             node.refresh_family()

@@ -3,7 +3,6 @@ and a joiner from a different protocol version refused."""
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import time
 
@@ -15,31 +14,13 @@ from node.local_swarm import Swarm, peers_by_stage, wait_for
 TTL = 4.0
 
 
-@pytest.fixture
-def swarm(tmp_path):
-    swarm = Swarm(tmp_path)
-    try:
-        yield swarm
-    finally:
-        swarm.close()
-        leftovers = [pid for node in swarm.nodes for pid in node.alive_family()]
-        assert not leftovers, f"processes left behind: {leftovers}"
-
-
-def observe(swarm: Swarm) -> dict:
-    """One snapshot through an in-process observer (faster than spawning `node status` each poll)."""
-    from node.observer import observe_once
-
-    return asyncio.run(observe_once(swarm.initial_peers, None))
-
-
 @pytest.mark.timeout(240)
 def test_six_auto_joiners_spread_evenly_and_leave_cleanly(swarm: Swarm):
     swarm.bootstrap("--num-stages", "3", "--heartbeat-period", "1", "--heartbeat-ttl", str(TTL))
     joiners = [swarm.join(f"peer{i}", "--stage", "auto", "--join-jitter", "3", "--no-train") for i in range(6)]
 
     def six_online():
-        snapshot = observe(swarm)
+        snapshot = swarm.observe()
         counts = {stage: len(ids) for stage, ids in peers_by_stage(snapshot).items()}
         return snapshot if sum(counts.values()) == 6 else None
 
@@ -70,7 +51,7 @@ def test_six_auto_joiners_spread_evenly_and_leave_cleanly(swarm: Swarm):
     victim.process.wait()
     killed_at = time.monotonic()
     wait_for(
-        lambda: all(id_of["peer0"] not in ids for ids in peers_by_stage(observe(swarm), ("online", "joining")).values()),
+        lambda: all(id_of["peer0"] not in ids for ids in peers_by_stage(swarm.observe(), ("online", "joining")).values()),
         TTL + 10, "killed peer's record never expired",
     )
     gone_after = time.monotonic() - killed_at
@@ -87,7 +68,7 @@ def test_six_auto_joiners_spread_evenly_and_leave_cleanly(swarm: Swarm):
     assert time.monotonic() - started < 10
     time.sleep(0.5)
     assert leaver.alive_family() == [], "p2pd or another child outlived its node"
-    stages = observe(swarm)["stages"]
+    stages = swarm.observe()["stages"]
     states = {peer["peer_id"]: peer["state"] for stage in stages for peer in stage["peers"]}
     assert states.get(id_of["peer1"], "leaving") == "leaving"
 

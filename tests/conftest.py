@@ -1,0 +1,18 @@
+"""Shared fixtures: a multi-process swarm on loopback that always cleans up after itself."""
+
+from __future__ import annotations
+
+import pytest
+
+from node.local_swarm import Swarm
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    swarm = Swarm(tmp_path)
+    try:
+        yield swarm
+    finally:
+        swarm.close()
+        leftovers = [pid for node in swarm.nodes for pid in node.alive_family()]
+        assert not leftovers, f"processes left behind: {leftovers}"
