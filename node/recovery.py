@@ -419,6 +419,9 @@ async def rebuild_into_service(service, heartbeat, registry: SwarmRegistry, *, r
         await asyncio.get_running_loop().run_in_executor(service.worker.executor, restart_outer_state, gossip, result)
     logger.info(f"rebuilt {result.detail} in {result.seconds:.2f} s; inner step {result.inner_step}, "
                 f"lr x {result.lr_scale:g}")
+    task = asyncio.get_running_loop().create_task(log_first_microbatch(service.worker, me.stage))
+    _background.add(task)
+    task.add_done_callback(_background.discard)
     event = SwarmEvent(time=time.time(), kind="rebuild", peer_id=me.peer_id, stage=me.stage, detail=result.detail)
     try:
         await registry.publish_event(event)
@@ -438,3 +441,19 @@ def restart_outer_state(gossip, result: RebuildResult) -> None:
         outer[name] = weights[param].detach().float().clone() if kind == "phi" else torch.zeros_like(weights[param], dtype=torch.float32)
     round_ = max((src.state.outer_round for src in result.sources.values()), default=0)
     gossip.import_outer(outer, round_)
+
+
+_background: set[asyncio.Task] = set()
+
+
+async def log_first_microbatch(worker: StageWorker, stage: int, poll: float = 0.05, give_up: float = 300.0) -> None:
+    """Log the wall-clock time the first microbatch finishes its backward on the rebuilt stage:
+    the end of "recovery time" (tests/benchmarks/bench_recovery.py reads this line)."""
+    done_at_rebuild = worker.microbatches_done
+    started = time.monotonic()
+    while time.monotonic() - started < give_up:
+        if worker.microbatches_done > done_at_rebuild:
+            logger.info(f"RECOVERED stage {stage}: first microbatch through the rebuilt stage at {time.time():.3f} "
+                        f"({time.monotonic() - started:.2f} s after the rebuild)")
+            return
+        await asyncio.sleep(poll)
