@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 from rich import box
+from rich.cells import cell_len
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.panel import Panel
@@ -733,29 +734,44 @@ def _peer_cells(peer: dict, columns: list[str], now: float, software_version: An
 DROP_ORDER = ("version", "div", "partner", "seen", "inner", "outer", "thr", "name")
 
 
-def _peer_grid(state: DashboardState, columns: list[str], peers: list[dict]) -> Table:
-    snap = _dict(state.snapshot)
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), expand=False)
+def _peer_headers(state: DashboardState, columns: list[str]) -> list[str]:
+    headers = []
     for col in columns:
-        header, justify = _COLUMN_SPECS[col]
+        header = _COLUMN_SPECS[col][0]
         if col == state_sort_column(state.sort_key):
             header += "▼" if state.sort_key in ("throughput", "last seen") else "▲"
+        headers.append(header)
+    return headers
+
+
+_MIN_WIDTH = {"id": 8}
+_MAX_WIDTH = {"name": 20}
+
+
+def _peer_grid(state: DashboardState, columns: list[str], rows: list[list[Text]]) -> Table:
+    """The peer table from precomputed cells (`rows` hold one cell per column of `columns`)."""
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), expand=False)
+    for col, header in zip(columns, _peer_headers(state, columns)):
         table.add_column(
-            header, justify=justify, no_wrap=True, overflow="ellipsis",  # type: ignore[arg-type]
-            min_width=8 if col == "id" else None, max_width=20 if col == "name" else None,
+            header, justify=_COLUMN_SPECS[col][1], no_wrap=True, overflow="ellipsis",  # type: ignore[arg-type]
+            min_width=_MIN_WIDTH.get(col), max_width=_MAX_WIDTH.get(col),
         )
-    now = state.now
-    for peer in peers:
-        table.add_row(*_peer_cells(peer, columns, now, snap.get("software_version")))
-    if not peers:
+    for row in rows:
+        table.add_row(*row)
+    if not rows:
         msg = "no peer matches the filter" if state.filter_text else "no peers"
         table.add_row(Text(msg, style="dim"), *[""] * (len(columns) - 1))
     return table
 
 
-def _natural_width(renderable: RenderableType) -> int:
-    console = Console(width=10_000, file=io.StringIO(), force_terminal=False, color_system=None)
-    return console.measure(renderable).maximum
+def _grid_width(state: DashboardState, columns: list[str], widths: dict[str, int]) -> int:
+    """The natural width of the peer grid: widest cell per column (cells are single lines),
+    within the column's min/max, plus three cells between columns."""
+    total = 0
+    for col, header in zip(columns, _peer_headers(state, columns)):
+        w = max(widths.get(col, 0), cell_len(header), _MIN_WIDTH.get(col, 0))
+        total += min(w, _MAX_WIDTH.get(col, w))
+    return total + 3 * (len(columns) - 1)  # padding 1 + the box's blank divider + padding 1
 
 
 def _peer_table(state: DashboardState, width: int, max_rows: int | None = None) -> RenderableType:
@@ -775,13 +791,15 @@ def _peer_table(state: DashboardState, width: int, max_rows: int | None = None) 
         keep = max(max_rows - 1, 0)
         shown, hidden = peers[:keep], len(peers) - keep
     columns = _peer_columns(width)
-    table = _peer_grid(state, columns, shown)
+    now, software_version = state.now, snap.get("software_version")
+    cells = [dict(zip(columns, _peer_cells(p, columns, now, software_version))) for p in shown]
+    widths = {col: max((row[col].cell_len for row in cells), default=0) for col in columns}
     for col in DROP_ORDER:  # give up optional columns until the rest fits without cutting
-        if _natural_width(table) <= width:
+        if _grid_width(state, columns, widths) <= width:
             break
         if col in columns:
             columns = [c for c in columns if c != col]
-            table = _peer_grid(state, columns, shown)
+    table = _peer_grid(state, columns, [[row[col] for col in columns] for row in cells])
     section = _titled(title, table)
     if hidden:
         section.renderables.append(Text(f"… {hidden} more (/ to filter)", style="dim", no_wrap=True,
