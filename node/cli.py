@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -66,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="print a snapshot of the swarm")
     add_initial_peers(status)
     status.add_argument("--json", action="store_true", help="machine-readable output")
+
+    dashboard = commands.add_parser("dashboard", help="live terminal view of the swarm (an observer: serves nothing)")
+    add_initial_peers(dashboard)
+    dashboard.add_argument("--once", action="store_true", help="print one frame and exit")
+    dashboard.add_argument("--width", type=int, help="frame width for --once (default: the terminal's)")
+    dashboard.add_argument("--refresh", type=float, default=1.5, help="seconds between refreshes")
     return parser
 
 
@@ -147,7 +154,41 @@ def cmd_status(args: argparse.Namespace) -> int:
     return code
 
 
-COMMANDS = {"bootstrap": cmd_bootstrap, "join": cmd_join, "status": cmd_status}
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    import shutil
+
+    from node import daemon
+    from node.dashboard import render_once, run_live
+    from node.observer import ReconnectingObserver
+
+    observer = ReconnectingObserver(args.initial_peers, args.swarm_id)
+
+    async def once() -> int:
+        for attempt in range(3):
+            try:
+                frame = render_once(await observer.snapshot(), args.width or shutil.get_terminal_size().columns)
+                print(frame, end="", flush=True)
+                return 0
+            except daemon.JoinRefused:
+                raise
+            except Exception as e:
+                logger.warning(f"swarm not reachable yet ({e}); retrying ({attempt + 1}/3)")
+                await asyncio.sleep(2.0)
+            finally:
+                await observer.close()
+        logger.error("could not reach the swarm through " + " ".join(args.initial_peers))
+        return 4
+
+    async def live() -> int:
+        try:
+            return await run_live(observer.snapshot, refresh=args.refresh)
+        finally:
+            await observer.close()
+
+    return daemon.run(once() if args.once else live())
+
+
+COMMANDS = {"bootstrap": cmd_bootstrap, "join": cmd_join, "status": cmd_status, "dashboard": cmd_dashboard}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

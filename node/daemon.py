@@ -229,3 +229,5 @@ def run(coroutine: Awaitable[int]) -> int:
     except NetworkError as e:
         logger.error(str(e))
         return 4
+    except KeyboardInterrupt:
+        return 130

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -10,7 +11,22 @@ from dht.registry import SwarmRegistry
 from node import __version__
 from node.checkfree import unrecoverable
 from node.config import SwarmConfig
+from node.data import open_source
+from node.model import count_parameters
 from node.recovery import lost_stages_from_events
+
+
+@functools.lru_cache(maxsize=8)
+def model_parameters(config: SwarmConfig) -> int:
+    return count_parameters(config)
+
+
+@functools.lru_cache(maxsize=8)
+def loss_floor(config: SwarmConfig) -> float | None:
+    """The entropy rate of the swarm's synthetic source, when it trains on one (nats/token)."""
+    if config.data.source != "synthetic":
+        return None
+    return open_source(config, None, 0).loss_floor
 
 
 def stage_status(peers: list[PeerRecord], lost: bool = False, unrecoverable: bool = False) -> str:
@@ -58,8 +74,8 @@ async def collect_snapshot(registry: SwarmRegistry, record: ConfigRecord, config
         "protocol_version": record.protocol_version,
         "config_hash": record.config_hash,
         "software_version": __version__,
-        "model_parameters": None,
-        "loss_floor": None,
+        "model_parameters": model_parameters(config),
+        "loss_floor": loss_floor(config),
         "stages": stages,
         "lost_stages": sorted(lost),
         "unrecoverable": unrecoverable_reason,  # why the swarm cannot recover now, or None
