@@ -180,6 +180,8 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         return 4
 
     async def live() -> int:
+        # log lines written to the terminal would draw over the full-screen view
+        logging.getLogger().setLevel(max(logging.getLogger().level, logging.ERROR))
         try:
             return await run_live(observer.snapshot, refresh=args.refresh)
         finally:
