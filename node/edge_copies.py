@@ -31,7 +31,7 @@ from node.transport import Transport, TransportError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EdgeCopies", "edge_parts_for", "refresh_due", "refresh_edge_copies", "run_edge_copy_refresher"]
+__all__ = ["EdgeCopies", "edge_copies_for", "edge_parts_for", "refresh_due", "refresh_edge_copies", "run_edge_copy_refresher"]
 
 
 def edge_parts_for(stage: int, num_stages: int) -> tuple[str, ...]:
@@ -43,6 +43,16 @@ def edge_parts_for(stage: int, num_stages: int) -> tuple[str, ...]:
     if stage == last and last >= 1:
         parts.append("head")
     return tuple(parts)
+
+
+def edge_copies_for(config, stage: int) -> "EdgeCopies | None":
+    """The copies a peer of `stage` keeps, or None: only stage 1 / stage S peers, only with
+    CheckFree+ and a strategy that rebuilds stage 0 from them (checkfree, copy; see plan_rebuild)."""
+    recovery = config.recovery
+    parts = edge_parts_for(stage, config.num_stages)
+    if not (parts and recovery.checkfree_plus and recovery.strategy in ("checkfree", "copy")):
+        return None
+    return EdgeCopies(stage=stage, parts=parts)
 
 
 @dataclass

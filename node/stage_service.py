@@ -20,7 +20,9 @@ from dht.heartbeat import Heartbeat
 from dht.records import PeerRecord
 from dht.registry import SwarmRegistry
 from node.config import SwarmConfig
+from node.checkpoints import checkpoint_root, run_checkpoints
 from node.data import open_source, stream_id_from_peer
+from node.edge_copies import edge_copies_for, run_edge_copy_refresher
 from node.gossip import Gossip
 from node.network import Network
 from node.pipeline import Pipeline
@@ -29,6 +31,7 @@ from node.rebalance import HandlerScope, Rebalancer, move_record, plan_move
 from node.recovery import LossWatch, must_rebuild, rebuild_into_service
 from node.routing import Router
 from node.stage_worker import StageWorker
+from node.state_transfer import join_live_stage, serve_state, stage_snapshot
 from node.swarm_view import SwarmView
 from node.transport import Transport
 
@@ -106,8 +109,13 @@ async def running_service(
         await asyncio.get_running_loop().run_in_executor(service.worker.executor, service.worker.measure_throughput)
         await service.pipeline.start()
         await service.gossip.start()
-        await service.gossip.refresh_fingerprint()
+        edge_copies = edge_copies_for(config, me.stage)  # CheckFree+: stage 1 / stage S keep stage 0's edges
+        await serve_state(service.transport, stage_snapshot(service.worker, me, edge_copies, lambda: service.gossip))
         await service.view.refresh()
+        if service.view.online(me.stage, exclude=me.peer_id):
+            # a live stage: continue from its current state (still `joining`); False if the donors vanished
+            await join_live_stage(service)
+        await service.gossip.refresh_fingerprint()
         if must_rebuild(service.view.peers_by_stage, me.stage, me.peer_id):
             # nobody holds this stage any more: rebuild it from the neighbours (node/recovery.py)
             await rebuild_into_service(service, heartbeat, SwarmRegistry(network.dht, config.swarm_id))
@@ -116,6 +124,14 @@ async def running_service(
         heartbeat.poke()
         tasks.append(asyncio.create_task(publish_progress_loop(service, heartbeat), name="progress"))
         tasks.append(asyncio.create_task(service.gossip.run(), name="gossip"))
+        if edge_copies is not None:
+            tasks.append(asyncio.create_task(run_edge_copy_refresher(
+                edge_copies, service.transport, lambda: service.view.online(0), config.recovery.edge_copy_interval,
+                heartbeat.period, random.Random()), name="edge-copies"))
+        if config.recovery.strategy == "checkpoint":
+            tasks.append(asyncio.create_task(run_checkpoints(
+                service.worker, checkpoint_root(config.recovery.checkpoint_dir, config.swarm_id),
+                config.recovery.checkpoint_every, check_period=min(1.0, heartbeat.period)), name="checkpoints"))
         yield service
     finally:
         for task in tasks:

@@ -65,6 +65,7 @@ __all__ = [
     "snapshot_worker",
     "stage_snapshot",
     "adopt_state",
+    "join_live_stage",
 ]
 
 SERVICE = "state"
@@ -416,9 +417,11 @@ async def snapshot_worker(worker, gossip=None, outer_round: int = 0) -> StageSta
 
     def take() -> StageState:
         outer = {k: v.detach().to("cpu", copy=True) for k, v in gossip.export_outer().items()} if gossip else {}
+        # the gossip's own round counter is exact; the record's copy lags by up to a heartbeat
+        round_now = getattr(getattr(gossip, "outer_state", None), "round", outer_round)
         return StageState(
             stage=worker.stage, weights=worker.state_dict(), outer=outer, inner_step=worker.inner_step,
-            outer_round=outer_round, grad_norm=worker.last_grad_norm, lr_scale=worker.lr_scale,
+            outer_round=round_now, grad_norm=worker.last_grad_norm, lr_scale=worker.lr_scale,
         )
 
     return await asyncio.get_running_loop().run_in_executor(worker.executor, take)
@@ -468,3 +471,35 @@ async def adopt_state(worker, state: StageState, gossip=None) -> None:
             gossip.import_outer(state.outer, state.outer_round)
 
     await asyncio.get_running_loop().run_in_executor(worker.executor, load)
+
+
+async def join_live_stage(service, attempts: int = 3, rounds: int = 5, retry_every: float = 2.0) -> bool:
+    """Before a peer of a live stage goes online: download the stage's state from one of its online
+    peers and adopt it (`service` is a StageService; its record stays `joining` meanwhile, so
+    nobody routes to it or gossips with it). Up to `attempts` donors per round; between rounds the
+    swarm view is refreshed (donors die, others join). Returns False when no donor is left (the
+    stage is lost: the caller rebuilds it instead); raises TransportError after `rounds` failed rounds.
+    """
+    me, worker = service.me, service.worker
+    shapes = await asyncio.get_running_loop().run_in_executor(
+        worker.executor, lambda: {name: tuple(t.shape) for name, t in worker.module.state_dict().items()}
+    )
+    rng = random.Random()
+    for round_index in range(1, rounds + 1):
+        donors = service.view.online(me.stage, exclude=me.peer_id)
+        if not donors:
+            return False
+        try:
+            state = await download_from_any(service.transport, donors, me.stage, "stage", rng, attempts, expect=shapes)
+        except TransportError as e:
+            if round_index == rounds:
+                raise
+            logger.warning(f"joining stage {me.stage}: {e}; retrying in {retry_every:.0f} s")
+            await asyncio.sleep(retry_every)
+            await service.view.refresh()
+            continue
+        await adopt_state(worker, state, getattr(service, "gossip", None))
+        me.inner_step, me.outer_round = state.inner_step, state.outer_round
+        logger.info(f"joined live stage {me.stage} at inner step {state.inner_step}, outer round {state.outer_round}")
+        return True
+    return False

@@ -339,3 +339,68 @@ def test_checkpoints_keep_only_the_last_few(tmp_path):
     names = sorted(p.name for p in stage_dir(root, 3).iterdir())
     assert names == [f"step{40:010d}{CHECKPOINT_SUFFIX}", f"step{50:010d}{CHECKPOINT_SUFFIX}"]
     assert os.path.basename(str(stage_dir(root, 3))) == "stage3"
+
+
+# ------------------------------------------------------------------------------------------------
+# Through the stage service: a joiner of a live stage, and the CheckFree+ edge copies it keeps
+
+
+@pytest.mark.timeout(180)
+def test_stage_service_joiner_downloads_before_going_online_and_keeps_edge_copies(monkeypatch):
+    from dht.heartbeat import Heartbeat
+    from dht.registry import SwarmRegistry
+    import node.stage_service as stage_service
+    from node.stage_service import ServiceOptions, running_service
+    from tests.inprocess_swarm import inprocess_swarm
+
+    config = tiny_config().replace(heartbeat={"period": 1.0, "ttl": 10.0}, recovery={"checkfree_plus": True})
+    states_during_join = []
+    original_join = stage_service.join_live_stage
+
+    async def observed_join(service):
+        states_during_join.append(service.me.state)
+        return await original_join(service)
+
+    monkeypatch.setattr(stage_service, "join_live_stage", observed_join)
+    source = torch.Generator().manual_seed(5)
+
+    async def scenario():
+        async with inprocess_swarm(config, stages=[0, 1, 2]) as peers:
+            for _ in range(3):
+                tokens = torch.randint(0, config.model.vocab_size, (4, 16), generator=source)
+                assert await peers[0].service.pipeline.run_microbatch(tokens, tokens) is not None
+            assert states_during_join == []  # nobody joined a live stage so far
+            network = await start_network(host="127.0.0.1", initial_peers=await peers[0].network.visible_maddrs())
+            try:
+                me = PeerRecord(peer_id=network.peer_id, stage=1, state="joining")
+                heartbeat = Heartbeat(SwarmRegistry(network.dht, config.swarm_id), lambda: me, 1.0, 10.0)
+                await heartbeat.announce_now()
+                async with running_service(network, config, me, heartbeat, ServiceOptions(device="cpu")) as joined:
+                    donor = peers[1].service.worker
+                    theirs = await asyncio.get_running_loop().run_in_executor(donor.executor, donor.state_dict)
+                    mine = await asyncio.get_running_loop().run_in_executor(joined.worker.executor, joined.worker.state_dict)
+                    steps = (joined.worker.inner_step, donor.inner_step, me.state)
+                    # stage 1 keeps a copy of stage 0's embedding (CheckFree+), served as "edge_copy"
+                    edge = peers[0].service.worker
+                    embed = await asyncio.get_running_loop().run_in_executor(edge.executor, edge.state_dict)
+                    copy_state = None
+                    for _ in range(40):
+                        try:
+                            copy_state = await download_state(joined.transport, peers[1].network.peer_id, 1, "edge_copy", 10.0)
+                            break
+                        except TransportError:
+                            await asyncio.sleep(0.5)
+                    return theirs, mine, steps, embed, copy_state
+            finally:
+                await network.shutdown()
+
+    theirs, mine, steps, embed, copy_state = run(scenario(), timeout=170)
+    assert states_during_join == ["joining"]
+    assert steps == (3, 3, "online")
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    assert copy_state is not None and set(copy_state.weights) == {"embed_tokens.weight"}
+    # taken when stage 1 came online, before any training step; not due again for 50 stage-0 steps
+    from node.model import build_stage
+    assert copy_state.inner_step == 0
+    assert torch.equal(copy_state.weights["embed_tokens.weight"], build_stage(config, 0).embed_tokens.weight)
+    assert not torch.equal(copy_state.weights["embed_tokens.weight"], embed["embed_tokens.weight"])
