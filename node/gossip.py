@@ -191,7 +191,10 @@ class Gossip:
                 if self._exchanging or (self._diloco_task is not None and not self._diloco_task.done()):
                     continue
                 due_since = due_since or time.monotonic()
-                alone_ok = time.monotonic() - due_since > self.settings.round_timeout
+                # bounded wait for a free partner: in time, and in steps (a Delta of many more
+                # steps than the partners' would fail their norm check)
+                alone_ok = (time.monotonic() - due_since > self.settings.round_timeout
+                            or self.steps_since_round >= 2 * self.settings.inner_steps)
                 if self.settings.mode == "diloco":
                     outcome = await self._start_diloco_round(self.outer_state.round)
                 else:
@@ -213,11 +216,12 @@ class Gossip:
     def steps_since_round(self) -> int:
         return self.worker.inner_step - self._round_start_step
 
-    def _ripe(self) -> bool:
-        """Has this replica trained enough since its last round to answer a partner? Half of H:
-        a Delta from a handful of steps would be so small that validate_partner_update would
-        reject an honest partner's full-round Delta as 'far beyond the local norm'."""
-        return self.steps_since_round >= max(1, self.settings.inner_steps // 2)
+    def _ripe(self, partner_steps: int) -> bool:
+        """Has this replica trained enough since its last round to answer a partner that took
+        `partner_steps` inner steps? At least half of H and a quarter of the partner's: a Delta
+        from a handful of steps would be so small that validate_partner_update would reject an
+        honest partner's full-round Delta as 'far beyond the local norm'."""
+        return self.steps_since_round >= max(1, self.settings.inner_steps // 2, partner_steps // 4)
 
     # ---- outer state for state download (recovery) --------------------------------------------
 
@@ -251,6 +255,16 @@ class Gossip:
                 column.append(t.detach().to("cpu", torch.float32, copy=True))
             columns[kind] = column
         self.outer_state = OuterState(phi=columns["phi"], momentum=columns["momentum"], round=round)
+        self._round_start_step = self.worker.inner_step
+        self._published = None
+
+    async def reset_outer(self) -> None:
+        """phi <- the current weights, zero momentum, same round (after weights were replaced without
+        an outer state, e.g. a CheckFree rebuild): otherwise Delta = old phi - new theta would be
+        huge and every honest partner would reject it."""
+        state = await self._compute(OuterState.from_parameters, self._params)
+        state.round = self.outer_state.round
+        self.outer_state = state
         self._round_start_step = self.worker.inner_step
         self._published = None
 
@@ -377,15 +391,17 @@ class Gossip:
                                         s.outer_lr, s.pull_coefficient)
         return await self._finish(snap, new_state, RoundOutcome("lone", snap.state.round))
 
-    def _request_meta(self, round_: int) -> dict:
+    def _request_meta(self, round_: int, steps: int = 0) -> dict:
+        """`steps`: the inner steps the sender's Delta covers (lets the partner judge ripeness)."""
         return {"round": round_, "num_tensors": len(self._params),
-                "total_numel": sum(p.numel() for p in self._params), "mode": self.settings.mode}
+                "total_numel": sum(p.numel() for p in self._params), "mode": self.settings.mode, "steps": steps}
 
     async def _exchange_as_initiator(self, peer: str, snap: _Snapshot) -> RoundOutcome:
         t = self.transport
         timeout = self.settings.round_timeout
         async with t.session(peer, GOSSIP_SERVICE, timeout) as (reader, writer):
-            await self._send(writer, t.message(MessageKind.GOSSIP_REQUEST, self._request_meta(snap.state.round)))
+            steps = snap.inner_step - self._round_start_step
+            await self._send(writer, t.message(MessageKind.GOSSIP_REQUEST, self._request_meta(snap.state.round, steps)))
             reply = await self._recv(reader)
             if reply.kind == MessageKind.BUSY:
                 raise _Busy()
@@ -489,7 +505,9 @@ class Gossip:
         if self.settings.mode == "diloco":
             await asyncio.wait_for(self._serve_diloco(sender, request, writer), self.settings.round_timeout)
             return
-        if self._exchanging or not self._ripe() or self.me.state != "online":
+        steps = request.meta.get("steps")
+        partner_steps = steps if isinstance(steps, int) and not isinstance(steps, bool) else 0
+        if self._exchanging or not self._ripe(partner_steps) or self.me.state != "online":
             await self._send(writer, self.transport.message(MessageKind.BUSY, request_id=request.request_id))
             return
         self._exchanging = True
