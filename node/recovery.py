@@ -89,7 +89,13 @@ def must_rebuild(peers_by_stage: Mapping[int, Sequence[PeerRecord]], stage: int,
     """Whether a peer taking `stage` has to rebuild it: nobody else is online there to download the
     stage from, and the swarm has trained (an untrained swarm's empty stage starts from the seed)."""
     donors = [peer for peer in peers_by_stage.get(stage, ()) if peer.state == "online" and peer.peer_id != me]
-    return not donors and swarm_has_trained(peers_by_stage, exclude=me)
+    if donors:
+        return False
+    trained = swarm_has_trained(peers_by_stage, exclude=me)
+    seen = {s: [(p.state, p.inner_step) for p in peers] for s, peers in peers_by_stage.items()}
+    logger.info(f"stage {stage} has no online peer to download from; the swarm has "
+                f"{'trained: rebuilding it' if trained else 'not trained: starting from the seed'} (seen: {seen})")
+    return trained
 
 
 # ------------------------------------------------------------------------------------------------
@@ -457,3 +463,18 @@ async def log_first_microbatch(worker: StageWorker, stage: int, poll: float = 0.
                         f"({time.monotonic() - started:.2f} s after the rebuild)")
             return
         await asyncio.sleep(poll)
+
+
+async def refresh_until_seen(view, me: str, timeout: float = 20.0, interval: float = 0.5) -> None:
+    """Refresh `view` until it holds this peer's own record (announced before the stage service
+    starts). A freshly started DHT node can read nothing at all for a few seconds; a blind picture
+    would make a stage look empty and the swarm untrained, and a lost stage would be started from
+    the seed instead of rebuilt. Seeing our own write proves reads reach where writes go."""
+    deadline = time.monotonic() + timeout
+    await view.refresh()
+    while view.record_of(me) is None:
+        if time.monotonic() > deadline:
+            logger.warning(f"the swarm view still misses this peer's own record after {timeout:.0f} s; going on with it")
+            return
+        await asyncio.sleep(interval)
+        await view.refresh()

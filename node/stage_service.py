@@ -28,7 +28,7 @@ from node.network import Network
 from node.pipeline import Pipeline
 from node.progress import ProgressDisplay
 from node.rebalance import HandlerScope, Rebalancer, move_record, plan_move
-from node.recovery import LossWatch, must_rebuild, rebuild_into_service
+from node.recovery import LossWatch, must_rebuild, rebuild_into_service, refresh_until_seen
 from node.routing import Router
 from node.stage_worker import StageWorker
 from node.state_transfer import join_live_stage, serve_state, stage_snapshot
@@ -111,7 +111,7 @@ async def running_service(
         await service.gossip.start()
         edge_copies = edge_copies_for(config, me.stage)  # CheckFree+: stage 1 / stage S keep stage 0's edges
         await serve_state(service.transport, stage_snapshot(service.worker, me, edge_copies, lambda: service.gossip))
-        await service.view.refresh()
+        await refresh_until_seen(service.view, me.peer_id)  # a new DHT node may read nothing at first
         if service.view.online(me.stage, exclude=me.peer_id):
             # a live stage: continue from its current state (still `joining`); False if the donors vanished
             await join_live_stage(service)

@@ -149,6 +149,7 @@ def test_a_peer_can_leave_its_stage_service_and_serve_another_stage_in_the_same_
                 heartbeat = Heartbeat(SwarmRegistry(network.dht, config.swarm_id), lambda: me, 1.0, 4.0)
                 for stage in (1, 2, 1):  # leave and enter again, twice
                     me.stage, me.state = stage, "joining"
+                    await heartbeat.announce_now()
                     async with running_service(network, config, me, heartbeat, ServiceOptions(device="cpu")) as service:
                         assert me.state == "online" and service.worker.stage == stage
                         # another peer reaches this peer's forward handler, answered by the new stage's
@@ -172,3 +173,213 @@ def test_a_peer_can_leave_its_stage_service_and_serve_another_stage_in_the_same_
                 await network.shutdown()
 
     asyncio.run(run())
+
+
+# ------------------------------------------------------------------------------------------------
+# Multi-process swarms: kill -9 a whole stage, get it back
+
+RECOVERY_TOML = """
+num_stages = {num_stages}
+[training]
+microbatch_size = 4
+sequence_length = 32
+warmup_steps = 5
+hop_timeout = 5.0
+[gossip]
+mode = "none"
+[heartbeat]
+period = 1.0
+ttl = 4.0
+[recovery]
+strategy = "{strategy}"
+checkfree_plus = true
+lost_grace = 2.0
+rebalance_wait = 3.0
+edge_copy_interval = 5
+checkpoint_every = 5
+checkpoint_dir = "checkpoints"
+"""
+PEER_FLAGS = ("--threads", "1", "--quiet", "--join-jitter", "0.5")
+
+
+def start_training_swarm(swarm: Swarm, num_stages: int, stages: list[int], strategy: str = "checkfree",
+                         min_steps: int = 6) -> list[NodeProcess]:
+    """Bootstrap + one peer per entry of `stages`, trained until every stage took `min_steps` steps.
+    Rebuilding peers dump their inputs under <workdir>/debug (PIPESWARM_DEBUG_DIR)."""
+    swarm.env["PIPESWARM_DEBUG_DIR"] = str(swarm.workdir / "debug")
+    toml = swarm.workdir / "swarm.toml"
+    toml.write_text(RECOVERY_TOML.format(num_stages=num_stages, strategy=strategy))
+    swarm.bootstrap("--config", str(toml))
+    nodes = [swarm.join(f"s{stage}-{i}", "--stage", str(stage), *PEER_FLAGS) for i, stage in enumerate(stages)]
+
+    def trained():
+        snap = swarm.observe()
+        steps = [min((p["inner_step"] for p in s["peers"] if p["state"] == "online"), default=0) for s in snap["stages"]]
+        return snap if min(steps) >= min_steps and mean_loss(snap) is not None else None
+
+    wait_for(trained, 150, lambda: "swarm did not train:\n" + "\n".join(n.log()[-1500:] for n in nodes))
+    return nodes
+
+
+def online(snap: dict, stage: int) -> list[dict]:
+    return [p for p in snap["stages"][stage]["peers"] if p["state"] == "online"]
+
+
+def mean_loss(snap: dict) -> float | None:
+    losses = [p["loss"] for p in online(snap, 0) if p["loss"] is not None]
+    return sum(losses) / len(losses) if losses else None
+
+
+def kill_stage(swarm: Swarm, victims: list[NodeProcess]) -> float:
+    """kill -9 every process of the victims (the python peer and its p2pd: a machine gone)."""
+    for node in victims:
+        node.refresh_family()
+    for node in victims:
+        for pid in node.alive_family():
+            with __import__("contextlib").suppress(ProcessLookupError):
+                __import__("os").kill(pid, signal.SIGKILL)
+    killed_at = time.time()
+    for node in victims:
+        node.process.wait()
+    return killed_at
+
+
+def wait_status(swarm: Swarm, stage: int, status: str, timeout: float = 40) -> dict:
+    return wait_for(lambda: (s := swarm.observe()) and s["stages"][stage]["status"] == status and s, timeout,
+                    lambda: f"stage {stage} never became {status}: {[st['status'] for st in swarm.observe()['stages']]}")
+
+
+def rebuild_dump(swarm: Swarm, stage: int, timeout: float = 90) -> dict:
+    def find():
+        paths = sorted(glob.glob(str(swarm.workdir / "debug" / f"rebuild-stage{stage}-*.pt")))
+        return paths[-1] if paths else None
+
+    path = wait_for(find, timeout, lambda: f"no rebuild of stage {stage}:\n" + "\n".join(n.log()[-2000:] for n in swarm.nodes[-2:]))
+    time.sleep(0.5)  # torch.save finished writing (the dump is written before the peer goes online)
+    return torch.load(path, weights_only=True)
+
+
+def recovery_seconds(node: NodeProcess, stage: int, killed_at: float, timeout: float = 60) -> float:
+    pattern = re.compile(rf"RECOVERED stage {stage}: first microbatch through the rebuilt stage at ([0-9.]+)")
+    match = wait_for(lambda: pattern.search(node.log()), timeout, lambda: f"no microbatch through rebuilt stage {stage}:\n{node.log()[-3000:]}")
+    return float(match.group(1)) - killed_at
+
+
+def loss_falls_below(swarm: Swarm, target: float, timeout: float = 90) -> float:
+    snap = wait_for(lambda: (s := swarm.observe()) and (loss := mean_loss(s)) is not None and loss < target and s,
+                    timeout, lambda: f"stage-0 loss did not fall below {target:.3f} (now {mean_loss(swarm.observe())})")
+    return mean_loss(snap)
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_middle_stage_is_rebuilt_by_a_joiner_as_the_gradient_weighted_average(swarm: Swarm):
+    nodes = start_training_swarm(swarm, 4, [0, 1, 2, 3])
+    before = swarm.observe()
+    loss_at_kill = mean_loss(before)
+    killed_at = kill_stage(swarm, [nodes[2]])
+    lost = wait_status(swarm, 2, "lost")
+    assert lost["unrecoverable"] is None and lost["lost_stages"] == [2]
+
+    joiner = swarm.join("joiner", "--stage", "auto", *PEER_FLAGS)
+    dump = rebuild_dump(swarm, 2)
+    assert (dump["action"], dump["sources"], dump["lr_scale"]) == ("average", [1, 3], pytest.approx(1.1))
+    live = swarm.observe()
+    assert {dump["fetched"][1]["peer_id"]} == {p["peer_id"] for p in online(live, 1)}
+    assert {dump["fetched"][3]["peer_id"]} == {p["peer_id"] for p in online(live, 3)}
+    prev, nxt = dump["fetched"][1], dump["fetched"][3]
+    g_prev, g_next = prev["grad_norm"], nxt["grad_norm"]
+    assert 0.0 < g_prev <= 1.0 + 1e-6 and 0.0 < g_next <= 1.0 + 1e-6  # clipped to grad_clip = 1.0
+    a, b = g_next + 1e-4, g_prev + 1e-4
+    far_apart = 0.0
+    for name, loaded in dump["loaded"].items():
+        w_prev, w_next = prev["weights"][name].double(), nxt["weights"][name].double()
+        expected = (a * w_next + b * w_prev) / (a + b)
+        torch.testing.assert_close(loaded.double(), expected, rtol=0, atol=1e-6, msg=name)
+        far_apart = max(far_apart, float((w_prev - w_next).abs().max()))
+    assert far_apart > 1e-2  # the two neighbours differ: the check is not trivially satisfied
+    assert dump["inner_step"] == max(prev["inner_step"], nxt["inner_step"]) > 0
+
+    seconds = recovery_seconds(joiner, 2, killed_at)
+    snap = swarm.observe()
+    assert [s["status"] for s in snap["stages"]][2] in ("single", "ok")
+    rebuilds = [e for e in snap["events"] if e["kind"] == "rebuild" and e["stage"] == 2]
+    assert rebuilds and re.match(r"stage 2 by checkfree from stages 1 \(\|g\|=[0-9.e-]+\) and 3 \(\|g\|=", rebuilds[-1]["detail"])
+    final = loss_falls_below(swarm, loss_at_kill - 0.15)
+    print(f"middle stage rebuilt by average: recovery {seconds:.1f} s; loss {loss_at_kill:.3f} at kill -> {final:.3f}")
+
+
+@pytest.mark.timeout(300)
+def test_with_checkfree_plus_a_lost_stage_1_is_rebuilt_by_a_peer_moving_from_the_crowded_stage(swarm: Swarm):
+    # nobody joins: after rebalance_wait one stage-2 peer (the lowest id) moves and copies stage 2
+    nodes = start_training_swarm(swarm, 3, [0, 1, 2, 2])
+    loss_at_kill = mean_loss(swarm.observe())
+    stage2_ids = sorted(p["peer_id"] for p in online(swarm.observe(), 2))
+    killed_at = kill_stage(swarm, [nodes[1]])
+    dump = rebuild_dump(swarm, 1)
+    assert (dump["action"], dump["sources"], dump["lr_scale"]) == ("copy", [2], pytest.approx(1.1))
+    mover, stayer = stage2_ids[0], stage2_ids[1]
+    assert dump["fetched"][2]["peer_id"] == stayer  # the mover left stage 2 before fetching it
+    for name, loaded in dump["loaded"].items():
+        assert torch.equal(loaded, dump["fetched"][2]["weights"][name]), name
+    snap = wait_for(lambda: (s := swarm.observe()) and online(s, 1) and s, 30, "the moved peer never came online")
+    assert [p["peer_id"] for p in online(snap, 1)] == [mover]
+    assert [p["peer_id"] for p in online(snap, 2)] == [stayer]  # the donor stage kept one peer
+    moved = next(n for n in nodes if mover in n.log().splitlines()[0])
+    assert "moving there from stage 2" in moved.log()
+    seconds = recovery_seconds(moved, 1, killed_at)
+    final = loss_falls_below(swarm, loss_at_kill - 0.15)
+    print(f"stage 1 rebuilt by a moving peer (copy of stage 2): recovery {seconds:.1f} s; "
+          f"loss {loss_at_kill:.3f} -> {final:.3f}")
+
+
+@pytest.mark.timeout(300)
+def test_with_checkfree_plus_a_lost_stage_0_comes_back_from_edge_copies_then_two_adjacent_losses_stop_training(swarm: Swarm):
+    nodes = start_training_swarm(swarm, 3, [0, 1, 2])
+    loss_at_kill = mean_loss(swarm.observe())
+    killed_at = kill_stage(swarm, [nodes[0]])
+    wait_status(swarm, 0, "lost")
+    joiner = swarm.join("joiner", "--stage", "auto", *PEER_FLAGS)
+    dump = rebuild_dump(swarm, 0)
+    assert (dump["action"], dump["sources"]) == ("edge_copies", [1, 2])
+    embed, head = dump["fetched"][1]["weights"], dump["fetched"][2]["weights"]
+    assert set(embed) == {"embed_tokens.weight"} and set(head) == {"norm.weight", "lm_head.weight"}
+    for name, loaded in dump["loaded"].items():
+        assert torch.equal(loaded, {**embed, **head}[name]), name
+    seconds = recovery_seconds(joiner, 0, killed_at)
+    # stage-0 loss is reported again, by the rebuilt peer, and keeps falling
+    final = loss_falls_below(swarm, loss_at_kill - 0.15)
+    print(f"stage 0 rebuilt from edge copies: recovery {seconds:.1f} s; loss {loss_at_kill:.3f} -> {final:.3f}")
+
+    # every peer of stages 1 and 2 at once: each is the other's source, nothing can rebuild them
+    kill_stage(swarm, [nodes[1], nodes[2]])
+    snap = wait_for(lambda: (s := swarm.observe()) and s["unrecoverable"] and s, 40,
+                    lambda: f"not reported unrecoverable: {swarm.observe()['stages']}")
+    assert [s["status"] for s in snap["stages"]] == ["single", "unrecoverable", "unrecoverable"]
+    assert "lost at the same time" in snap["unrecoverable"]
+    assert any(e["kind"] == "unrecoverable" for e in snap["events"])
+    wait_for(lambda: "cannot recover from losing stages [1, 2]" in joiner.log(), 10, "stage 0 did not log it")
+    # stage 0 stopped training instead of feeding garbage: its step count stands still
+    steps = online(swarm.observe(), 0)[0]["inner_step"]
+    time.sleep(4)
+    assert online(swarm.observe(), 0)[0]["inner_step"] == steps
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_strategy_rolls_a_lost_stage_back_to_its_last_save(swarm: Swarm):
+    from node.checkpoints import load_latest
+
+    nodes = start_training_swarm(swarm, 3, [0, 1, 2], strategy="checkpoint", min_steps=12)
+    killed_at = kill_stage(swarm, [nodes[1]])
+    # the rebuilding peer runs on this machine, in the same working directory: "local" is the
+    # shared directory <workdir>/checkpoints (in real use: a disk or mount the new machine can read)
+    weights, step = load_latest(checkpoint_root(swarm.workdir / "checkpoints", "pipeswarm-demo"), 1)
+    assert step >= 10 and step % 5 == 0
+    joiner = swarm.join("joiner", "--stage", "auto", *PEER_FLAGS)
+    dump = rebuild_dump(swarm, 1)
+    assert (dump["action"], dump["inner_step"], dump["lr_scale"]) == ("checkpoint", step, 1.0)
+    for name, loaded in dump["loaded"].items():
+        assert torch.equal(loaded, weights[name]), name
+    seconds = recovery_seconds(joiner, 1, killed_at)
+    snap = wait_for(lambda: (s := swarm.observe()) and online(s, 1) and s, 30, "rebuilt peer not online")
+    assert online(snap, 1)[0]["inner_step"] >= step
+    print(f"stage 1 rolled back to its save at step {step}: recovery {seconds:.1f} s")
