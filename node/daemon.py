@@ -116,8 +116,8 @@ async def find_swarm(network: Network, swarm_id: str | None, timeout: float) -> 
         if swarm_id is None and len(swarms) > 1:
             raise JoinRefused(f"several swarms share this DHT ({', '.join(sorted(swarms))}): choose one with --swarm")
         if asyncio.get_running_loop().time() > deadline:
-            what = f"swarm {swarm_id!r}" if swarm_id else "any swarm config"
-            raise JoinRefused(f"found no {what} in the DHT within {timeout:.0f} s: is the bootstrap peer up?")
+            what = f"the config of swarm {swarm_id!r}" if swarm_id else "a swarm config"
+            raise JoinRefused(f"found {what} nowhere in the DHT within {timeout:.0f} s: is the bootstrap peer up?")
         await asyncio.sleep(1.0)
 
 

@@ -366,8 +366,8 @@ class DashboardState:
         if key in self._event_keys:
             return
         similar = self._similar(event)
-        if derived and similar is not None:
-            return  # the swarm already reported it
+        if derived and similar is not None and not similar.get("derived"):
+            return  # the swarm already reported it (a peer that leaves twice is two events)
         if not derived and similar is not None and similar.get("derived"):
             # the swarm's own report of something we inferred: keep the report, it says more
             self.events.remove(similar)
