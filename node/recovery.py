@@ -422,7 +422,10 @@ async def rebuild_into_service(service, heartbeat, registry: SwarmRegistry, *, r
             await service.view.refresh()
     gossip = getattr(service, "gossip", None)
     if gossip is not None:  # NoLoCo's outer weights restart from the rebuilt ones, momentum zero
-        await asyncio.get_running_loop().run_in_executor(service.worker.executor, restart_outer_state, gossip, result)
+        await gossip.reset_outer()
+        # the round count continues from the sources', so later partners see a plausible round
+        gossip.outer_state.round = max((src.state.outer_round for src in result.sources.values()),
+                                       default=gossip.outer_state.round)
     logger.info(f"rebuilt {result.detail} in {result.seconds:.2f} s; inner step {result.inner_step}, "
                 f"lr x {result.lr_scale:g}")
     task = asyncio.get_running_loop().create_task(log_first_microbatch(service.worker, me.stage))
@@ -434,19 +437,6 @@ async def rebuild_into_service(service, heartbeat, registry: SwarmRegistry, *, r
     except Exception as e:
         logger.warning(f"could not publish the rebuild event: {e!r}")
     return result
-
-
-def restart_outer_state(gossip, result: RebuildResult) -> None:
-    """Give the gossip outer optimizer the rebuilt weights as phi and zero momentum (a rebuilt
-    stage's old outer state died with it; the neighbours' belongs to other stages). The round
-    number continues from the sources', so partners of later replicas see a plausible round."""
-    weights = dict(gossip.worker.module.state_dict())
-    outer = {}
-    for name in gossip.export_outer():
-        kind, param = name.split(".", 1)
-        outer[name] = weights[param].detach().float().clone() if kind == "phi" else torch.zeros_like(weights[param], dtype=torch.float32)
-    round_ = max((src.state.outer_round for src in result.sources.values()), default=0)
-    gossip.import_outer(outer, round_)
 
 
 _background: set[asyncio.Task] = set()
@@ -465,16 +455,16 @@ async def log_first_microbatch(worker: StageWorker, stage: int, poll: float = 0.
         await asyncio.sleep(poll)
 
 
-async def refresh_until_seen(view, me: str, timeout: float = 20.0, interval: float = 0.5) -> None:
-    """Refresh `view` until it holds this peer's own record (announced before the stage service
-    starts). A freshly started DHT node can read nothing at all for a few seconds; a blind picture
-    would make a stage look empty and the swarm untrained, and a lost stage would be started from
-    the seed instead of rebuilt. Seeing our own write proves reads reach where writes go."""
+async def refresh_until_seen(view, me: str, timeout: float = 8.0, interval: float = 0.5) -> None:
+    """Refresh `view` until it shows any peer record at all (this peer announced its own before the
+    stage service started), for at most `timeout` seconds. A freshly started DHT node can read
+    nothing for a few seconds; that blind picture would make a lost stage look like a brand-new
+    swarm, and the stage would start from the seed instead of being rebuilt. (Only the very first
+    peer of a new swarm waits the whole timeout: its own first write may not be readable yet.)"""
     deadline = time.monotonic() + timeout
     await view.refresh()
-    while view.record_of(me) is None:
+    while not any(view.peers_by_stage.values()) and view.record_of(me) is None:
         if time.monotonic() > deadline:
-            logger.warning(f"the swarm view still misses this peer's own record after {timeout:.0f} s; going on with it")
             return
         await asyncio.sleep(interval)
         await view.refresh()
