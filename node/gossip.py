@@ -612,9 +612,7 @@ class Gossip:
                 # a peer may be ahead of our round counter (we missed rounds): round labels only
                 # group Deltas, so take its number
                 self.outer_state.round = wanted
-                round_task = asyncio.create_task(self._start_diloco_round(wanted))
-                self._tasks.add(round_task)
-                round_task.add_done_callback(self._tasks.discard)
+                self._diloco_task = asyncio.create_task(self._diloco_round(wanted))
             # our round is starting (its snapshot goes through the executor): wait for its Delta
             while self._published is None or self._published[0] != wanted:
                 if self._diloco_task is None or self._diloco_task.done():

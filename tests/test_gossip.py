@@ -16,7 +16,7 @@ import torch
 
 from node.config import load_config
 from node.gossip import Gossip
-from node.noloco import OuterState, outer_step, pseudo_gradient, relative_distance
+from node.noloco import OuterState, diloco_outer_step, outer_step, pseudo_gradient, relative_distance
 from protocol import MessageKind, recv_message, send_message
 from tests.inprocess_swarm import inprocess_swarm
 
@@ -270,3 +270,32 @@ def test_poisoned_phi_is_rejected_and_the_sender_banned(poison, caplog):
 
     with caplog.at_level(logging.WARNING, logger="node.gossip"):
         asyncio.run(scenario())
+
+
+@pytest.mark.timeout(90)
+def test_diloco_mode_averages_all_replicas():
+    config = gossip_config().replace(gossip={"mode": "diloco"})
+    g = config.gossip
+
+    async def scenario():
+        async with inprocess_swarm(config, stages=[1, 1, 1]) as peers:
+            replicas = gossips(peers)
+            for seed, gossip in enumerate(replicas):
+                await train_a_little(gossip, seed)
+            deltas = []
+            for gossip in replicas:
+                state, theta = await snapshot(gossip)
+                deltas.append(pseudo_gradient(state, theta))
+            start = replicas[0].outer_state
+            # one replica starts round 0; the others join it when asked for their Delta
+            outcome = await replicas[0]._start_diloco_round(0)
+            assert outcome.status == "applied" and len(outcome.partners) == 2, outcome
+            await wait_until(lambda: all(r.outer_state.round == 1 for r in replicas))
+            expected = diloco_outer_step(start, deltas, g.outer_momentum, g.outer_lr)
+            for gossip in replicas:
+                for got, want in zip(gossip.outer_state.phi, expected.phi):
+                    assert torch.allclose(got, want, rtol=0, atol=1e-6)
+                for got, want in zip(await on_executor(gossip, weights, gossip), expected.phi):
+                    assert torch.allclose(got, want, rtol=0, atol=1e-6)
+
+    asyncio.run(scenario())
