@@ -1,0 +1,55 @@
+"""Both benchmarks in one run, one report (the tables docs/benchmarks.md records).
+
+    python tests/benchmarks/bench_all.py [--quick] [--json out.json] [flags of bench_transport / bench_swarm]
+
+Runs the transport benchmark first (two peers in this process), then the swarm benchmark (single
+process, then the multi-process swarms); nothing runs concurrently with anything else started here.
+--quick shortens every timing (a smoke run: the figures are noisier).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tests.benchmarks import bench_swarm, bench_transport  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_transport.add_arguments(parser)
+    bench_swarm.add_arguments(parser)
+    parser.add_argument("--quick", action="store_true",
+                        help="short timings: 2 s per transport case, 10 s single process, 3x1 swarm only, 30 s window")
+    parser.add_argument("--json", help="also write the raw results here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.seconds, args.min_reps = 2.0, 10
+        args.single_seconds, args.single_threads = 10.0, [1]
+        args.layouts, args.warmup, args.window = [1], 10.0, 30.0
+
+    transport = bench_transport.run(args)
+    swarm = bench_swarm.run(args)
+    m0, m1 = transport["machine_before"], swarm["machine_after"]
+    print("# pipeswarm benchmarks")
+    print()
+    print(f"machine: {m0['nproc']} CPUs, {m0['cpu']}; python {m0['python']}, torch {m0['torch']}; started {m0['time']}")
+    print(f"load average (1, 5, 15 min): {m0['loadavg']} at start, {transport['machine_after']['loadavg']} after the "
+          f"transport part, {m1['loadavg']} at the end")
+    print()
+    print(bench_swarm.format_report(swarm))
+    print()
+    print(bench_transport.format_report(transport))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"transport": transport, "swarm": swarm}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

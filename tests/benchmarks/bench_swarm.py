@@ -1,0 +1,320 @@
+"""Swarm training tokens/s beside a single process training the same model on the same machine.
+
+Not a test: a script that prints a report (docs/benchmarks.md holds a recorded run).
+
+    python tests/benchmarks/bench_swarm.py [--single-seconds 30] [--warmup 20] [--window 60] \
+        [--layouts 1 2] [--single-threads 1 2] [--json out.json]
+
+single process  The default config (SwarmConfig()), the same StageWorkers (stage 0, 1, 2: embed,
+                two block stages, norm+head+loss; AdamW, clipping, microbatches_per_step
+                accumulation) chained in one process as tests/test_pipeline_correctness.py does,
+                one microbatch at a time on the synthetic source. tokens/s = microbatch_size *
+                sequence_length * microbatches completed / wall seconds, after a few warm-up
+                microbatches.
+swarm           node/local_swarm.py: a bootstrap process plus 3 stages x P peers (`node join
+                --stage s --threads 1 --quiet`), each a process with its own p2pd, on 127.0.0.1,
+                default config (fp16 wire compression, max_in_flight 4), heartbeat 1 s.
+                After every peer is online and stage 0 reports a loss, `--warmup` seconds pass,
+                then two DHT snapshots `--window` seconds apart are read (as `node status` does).
+                For each stage-0 peer: completed microbatches = delta(inner_step) *
+                microbatches_per_step (stage 0 steps once per microbatches_per_step finished
+                embedding backward passes, i.e. per completed microbatches), time = delta of the
+                record's DHT expiration (= announce time + TTL, so the delta is the time between
+                the two announcements). Swarm tokens/s = sum over stage-0 peers of
+                completed * microbatch_size * sequence_length / time. Resolution: inner_step is
+                copied into the record once per heartbeat period (1 s), so each end is up to 1 s
+                stale, and it moves in steps of microbatches_per_step microbatches.
+CPU cost        Beside tokens/s, both runs report CPU seconds (user+system) per microbatch: for the
+                single process its own process time, for the swarm the psutil CPU times of every
+                process the swarm started (bootstrap, peers, all their p2pd daemons) over the
+                window (the benchmark's own DHT observer excluded). On a shared machine tokens/s
+                depends on the share of the CPUs the runs get; CPU ms per microbatch does much less.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+
+import torch  # noqa: E402
+
+from tests.benchmarks.bench_transport import machine_info  # noqa: E402
+
+HEARTBEAT_PERIOD, HEARTBEAT_TTL = 1.0, 5.0
+
+
+def log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+# ---- single process ------------------------------------------------------------------------------
+
+
+def single_process(seconds: float, threads: int, warmup_microbatches: int = 4) -> dict:
+    from node.config import SwarmConfig
+    from node.data import open_source
+    from node.stage_worker import StageWorker
+
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    config = SwarmConfig()
+    t = config.training
+    source = open_source(config, None, stream_id=1)
+    workers = [StageWorker(config, stage) for stage in range(config.num_stages)]
+    losses = []
+
+    def one(index: int) -> float:
+        tokens, targets = source.next_batch(t.microbatch_size, t.sequence_length)
+        key = ("local", index)
+        hidden = workers[0].embed(key, tokens)
+        for worker in workers[1:]:
+            hidden = worker.forward(key, hidden)
+        loss, grad = workers[0].head_loss_backward(key, hidden, targets)
+        for worker in reversed(workers[1:]):
+            grad = worker.backward(key, grad)
+        workers[0].embed_backward(key, grad)
+        return loss
+
+    try:
+        for index in range(warmup_microbatches):
+            one(-1 - index)
+        count = 0
+        started = time.perf_counter()
+        cpu0 = time.process_time()
+        while time.perf_counter() - started < seconds:
+            losses.append(one(count))
+            count += 1
+        elapsed = time.perf_counter() - started
+        cpu = time.process_time() - cpu0
+    finally:
+        for worker in workers:
+            worker.close()
+        torch.set_num_threads(previous_threads)
+    tokens_per_mb = t.microbatch_size * t.sequence_length
+    return {
+        "threads": threads,
+        "microbatches": count,
+        "seconds": elapsed,
+        "cpu_seconds": cpu,
+        "cpu_cores_used": cpu / elapsed,
+        "cpu_ms_per_microbatch": 1e3 * cpu / count,
+        "microbatches_per_s": count / elapsed,
+        "tokens_per_s": count * tokens_per_mb / elapsed,
+        "ms_per_microbatch": 1e3 * elapsed / count,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+    }
+
+
+# ---- swarm ---------------------------------------------------------------------------------------
+
+
+async def _snapshot(initial_peers: list[str]) -> dict:
+    from node.observer import observe_once
+
+    return await observe_once(initial_peers, None)
+
+
+def snapshot(initial_peers: list[str]) -> dict:
+    import uvloop
+
+    return uvloop.run(_snapshot(initial_peers))
+
+
+def online(snap: dict, stage: int) -> list[dict]:
+    return [p for p in snap["stages"][stage]["peers"] if p["state"] == "online"]
+
+
+def swarm_cpu_seconds(swarm) -> dict[int, float]:
+    """user+system CPU seconds so far of every process the swarm started (p2pd daemons included)."""
+    import psutil
+
+    seconds = {}
+    for node in swarm.nodes:
+        for pid in node.refresh_family():
+            try:
+                times = psutil.Process(pid).cpu_times()
+                seconds[pid] = times.user + times.system
+            except psutil.NoSuchProcess:
+                pass
+    return seconds
+
+
+def swarm_run(peers_per_stage: int, warmup: float, window: float, workdir: Path) -> dict:
+    from node.config import SwarmConfig
+    from node.local_swarm import Swarm, peers_by_stage, wait_for
+
+    config = SwarmConfig()
+    t = config.training
+    stages = config.num_stages
+    total = stages * peers_per_stage
+    swarm = Swarm(workdir)
+    try:
+        t0 = time.monotonic()
+        swarm.bootstrap("--num-stages", str(stages), "--heartbeat-period", str(HEARTBEAT_PERIOD),
+                        "--heartbeat-ttl", str(HEARTBEAT_TTL))
+        nodes = [swarm.join(f"peer{i}", "--stage", str(i % stages), "--threads", "1", "--quiet")
+                 for i in range(total)]
+        wait_for(lambda: sum(map(len, peers_by_stage(snapshot(swarm.initial_peers)).values())) == total, 180,
+                 lambda: "peers never came online:\n" + "\n".join(n.log()[-1500:] for n in nodes), interval=1.0)
+        wait_for(lambda: any(p["loss"] is not None for p in online(snapshot(swarm.initial_peers), 0)), 120,
+                 "stage 0 never reported a loss", interval=1.0)
+        startup = time.monotonic() - t0
+        log(f"  swarm 3x{peers_per_stage}: all {total} peers online and training after {startup:.0f} s; "
+            f"warm-up {warmup:.0f} s")
+        time.sleep(warmup)
+        load_before = os.getloadavg()
+        first = snapshot(swarm.initial_peers)
+        cpu_before, cpu_t0 = swarm_cpu_seconds(swarm), time.monotonic()
+        time.sleep(window)
+        cpu_after, cpu_wall = swarm_cpu_seconds(swarm), time.monotonic() - cpu_t0
+        last = snapshot(swarm.initial_peers)
+        load_after = os.getloadavg()
+        swarm.refresh_families()
+        crashed = [n.name for n in swarm.nodes if n.process.poll() is not None]
+        if crashed:  # e.g. someone else's cleanup signalled them: the window means nothing
+            log(f"  swarm 3x{peers_per_stage}: {crashed} exited during the window; this run is INVALID")
+
+        tokens_per_mb = t.microbatch_size * t.sequence_length
+        per_peer = []
+        by_id = {p["peer_id"]: p for p in online(first, 0)}
+        for p in online(last, 0):
+            q = by_id.get(p["peer_id"])
+            if q is None:
+                continue
+            microbatches = (p["inner_step"] - q["inner_step"]) * t.microbatches_per_step
+            seconds = p["expires"] - q["expires"]
+            per_peer.append({"peer": p["peer_id"][-8:], "microbatches": microbatches, "seconds": seconds,
+                             "microbatches_per_s": microbatches / seconds, "loss": p["loss"]})
+        block_steps = {s: sum(p["inner_step"] for p in online(last, s)) - sum(p["inner_step"] for p in online(first, s))
+                       for s in range(1, stages)}
+        microbatches_per_s = sum(p["microbatches_per_s"] for p in per_peer)
+        cpu = sum(cpu_after.get(pid, 0.0) - cpu_before.get(pid, 0.0) for pid in cpu_after if pid in cpu_before)
+        result = {
+            "layout": f"3 stages x {peers_per_stage} peer(s)",
+            "cpu_seconds_window": cpu,
+            "cpu_cores_used": cpu / cpu_wall,
+            "cpu_ms_per_microbatch": 1e3 * cpu / cpu_wall / microbatches_per_s if microbatches_per_s else None,
+            "peers_per_stage": peers_per_stage,
+            "processes": 1 + total,
+            "startup_seconds": startup,
+            "window_seconds": window,
+            "per_stage0_peer": per_peer,
+            "microbatches_per_s": sum(p["microbatches_per_s"] for p in per_peer),
+            "tokens_per_s": sum(p["microbatches_per_s"] for p in per_peer) * tokens_per_mb,
+            "block_stage_microbatches": {s: n * t.microbatches_per_step for s, n in block_steps.items()},
+            "loss_end": [p["loss"] for p in online(last, 0)],
+            "loadavg_window": [round(load_before[0], 2), round(load_after[0], 2)],
+            "crashed": crashed,
+        }
+        return result
+    finally:
+        swarm.close()
+        leftovers = [pid for node in swarm.nodes for pid in node.alive_family()]
+        if leftovers:
+            log(f"  WARNING: processes left behind: {leftovers}")
+
+
+# ---- report --------------------------------------------------------------------------------------
+
+
+def format_report(result: dict) -> str:
+    lines = ["## Swarm training throughput", ""]
+    config = result["config"]
+    lines.append(f"Model/config: defaults (hidden {config['hidden_size']}, {config['num_stages']} stages, microbatch "
+                 f"{config['microbatch_size']} x {config['sequence_length']} tokens = {config['tokens_per_microbatch']} "
+                 f"tokens, microbatches_per_step {config['microbatches_per_step']}, wire {config['wire_compression']}).")
+    lines.append("")
+    lines.append("| run | processes | torch threads/process | tokens/s | microbatches/s | vs single process (1 thread) "
+                 "| CPU cores used | CPU ms per microbatch |")
+    lines.append("|---|---|---|---|---|---|---|---|")
+    base = next((r["tokens_per_s"] for r in result["single"] if r["threads"] == 1), None)
+    for r in result["single"]:
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        lines.append(f"| single process, stages chained ({r['microbatches']} microbatches in {r['seconds']:.0f} s) "
+                     f"| 1 | {r['threads']} | {r['tokens_per_s']:.0f} | {r['microbatches_per_s']:.2f} | {ratio} "
+                     f"| {r['cpu_cores_used']:.2f} | {r['cpu_ms_per_microbatch']:.1f} |")
+    for r in result["swarm"]:
+        if r["crashed"]:
+            lines.append(f"| swarm {r['layout']}: INVALID, peers exited during the window ({r['crashed']}) "
+                         f"| {r['processes']} | 1 | - | - | - | - | - |")
+            continue
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        lines.append(f"| swarm {r['layout']} ({r['window_seconds']:.0f} s window) | {r['processes']} (+{r['processes']} p2pd) "
+                     f"| 1 | {r['tokens_per_s']:.0f} | {r['microbatches_per_s']:.2f} | {ratio} "
+                     f"| {r['cpu_cores_used']:.2f} | {r['cpu_ms_per_microbatch']:.1f} |")
+    lines.append("")
+    for r in result["swarm"]:
+        peers = ", ".join(f"{p['peer']}: {p['microbatches']} mb in {p['seconds']:.1f} s" for p in r["per_stage0_peer"])
+        lines.append(f"- swarm {r['layout']}: stage-0 peers {peers}; block-stage microbatches in the window "
+                     f"{r['block_stage_microbatches']}; 1-min load average {r['loadavg_window'][0]} -> "
+                     f"{r['loadavg_window'][1]}; startup {r['startup_seconds']:.0f} s"
+                     + (f"; EXITED EARLY: {r['crashed']}" if r["crashed"] else ""))
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--single-seconds", type=float, default=30.0, help="timed seconds of the single-process run")
+    parser.add_argument("--single-threads", type=int, nargs="+", default=[1, 2],
+                        help="torch threads of the single-process runs (one run each)")
+    parser.add_argument("--layouts", type=int, nargs="+", default=[1, 2], help="peers per stage of each swarm run")
+    parser.add_argument("--warmup", type=float, default=20.0, help="swarm seconds after the first loss, not measured")
+    parser.add_argument("--window", type=float, default=60.0, help="swarm measurement window (s)")
+    parser.add_argument("--workdir", help="where swarm logs go (default: a temporary directory)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from node.config import SwarmConfig
+
+    config = SwarmConfig()
+    t = config.training
+    result: dict = {
+        "machine_before": machine_info(),
+        "config": {"hidden_size": config.model.hidden_size, "num_stages": config.num_stages,
+                   "microbatch_size": t.microbatch_size, "sequence_length": t.sequence_length,
+                   "tokens_per_microbatch": t.microbatch_size * t.sequence_length,
+                   "microbatches_per_step": t.microbatches_per_step, "wire_compression": t.wire_compression},
+        "single": [],
+        "swarm": [],
+    }
+    for threads in args.single_threads:
+        log(f"swarm benchmark: single process, {threads} torch thread(s), {args.single_seconds:.0f} s ...")
+        result["single"].append(single_process(args.single_seconds, threads))
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pipeswarm-bench-"))
+    for peers in args.layouts:
+        log(f"swarm benchmark: swarm 3 stages x {peers} ... (logs in {workdir})")
+        run_dir = workdir / f"swarm-3x{peers}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        result["swarm"].append(swarm_run(peers, args.warmup, args.window, run_dir))
+    result["machine_after"] = machine_info()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.add_argument("--json", help="also write the raw results here")
+    args = parser.parse_args(argv)
+    result = run(args)
+    m0, m1 = result["machine_before"], result["machine_after"]
+    print(f"machine: {m0['nproc']} CPUs, {m0['cpu']}; load average {m0['loadavg']} before, {m1['loadavg']} after; "
+          f"python {m0['python']}, torch {m0['torch']}; {m0['time']}")
+    print(format_report(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
