@@ -26,4 +26,4 @@ slow: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m slow
 
 bench: $(STAMP)
-	$(PY) tests/benchmarks/bench_transport.py
+	$(PY) tests/benchmarks/bench_all.py
