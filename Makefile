@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-fast slow bench clean-procs
+.PHONY: demo test slow bench
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
