@@ -364,6 +364,7 @@ def test_with_checkfree_plus_a_lost_stage_0_comes_back_from_edge_copies_then_two
     assert online(swarm.observe(), 0)[0]["inner_step"] == steps
 
 
+@pytest.mark.slow  # ~2 min; the rollback rule itself is checked in the default suite above
 @pytest.mark.timeout(300)
 def test_checkpoint_strategy_rolls_a_lost_stage_back_to_its_last_save(swarm: Swarm):
     from node.checkpoints import load_latest
