@@ -36,6 +36,7 @@ class Run:
     rounds: dict[str, int] = field(default_factory=dict)  # peer -> last seen outer_round
     partners: dict[str, set[str]] = field(default_factory=dict)  # peer -> every last_partner seen
     divergences: list[float] = field(default_factory=list)  # fingerprint divergence per late poll
+    stage_divergences: dict[int, list[float]] = field(default_factory=dict)  # the same, per stage
     first_loss: float | None = None
     last_loss: float | None = None
     inner_steps: dict[str, int] = field(default_factory=dict)
@@ -44,7 +45,7 @@ class Run:
 def write_config(path: Path, mode: str) -> Path:
     path.write_text(
         f'[gossip]\nmode = "{mode}"\ninner_steps = 5\nround_timeout = 10.0\n'
-        "[training]\nmicrobatches_per_step = 1\n"
+        "[training]\nmicrobatches_per_step = 2\n"
     )
     return path
 
@@ -58,13 +59,17 @@ def relative(a: list[float], b: list[float]) -> float:
     return diff / max(math.sqrt(sum(x * x for x in a)), 1e-12)
 
 
-def fingerprint_divergence(snapshot: dict) -> float | None:
-    """Mean relative fingerprint distance over all same-stage pairs of online peers."""
-    distances = []
-    for stage in range(NUM_STAGES):
-        prints = [p["fingerprint"] for p in online(snapshot, stage) if p.get("fingerprint")]
-        distances += [relative(a, b) for a, b in itertools.combinations(prints, 2)]
+def stage_divergence(snapshot: dict, stage: int) -> float | None:
+    """Mean relative fingerprint distance over the pairs of online peers of `stage`."""
+    prints = [p["fingerprint"] for p in online(snapshot, stage) if p.get("fingerprint")]
+    distances = [relative(a, b) for a, b in itertools.combinations(prints, 2)]
     return sum(distances) / len(distances) if distances else None
+
+
+def fingerprint_divergence(snapshot: dict) -> float | None:
+    """Mean of the per-stage divergences."""
+    values = [d for stage in range(NUM_STAGES) if (d := stage_divergence(snapshot, stage)) is not None]
+    return sum(values) / len(values) if values else None
 
 
 def mean_loss(snapshot: dict) -> float | None:
@@ -72,15 +77,15 @@ def mean_loss(snapshot: dict) -> float | None:
     return sum(losses) / len(losses) if losses else None
 
 
-def start_swarm(workdir: Path, mode: str) -> Swarm:
+def start_swarm(workdir: Path, mode: str, swarms: dict[str, Swarm]) -> None:
+    """Start a swarm into `swarms` (registered before its first process, so it is always closed)."""
     workdir.mkdir()
-    swarm = Swarm(workdir)
+    swarm = swarms[mode] = Swarm(workdir)
     config = write_config(workdir / "swarm.toml", mode)
     swarm.bootstrap("--config", str(config), "--num-stages", str(NUM_STAGES),
                     "--heartbeat-period", "1", "--heartbeat-ttl", "5", timeout=ONLINE_TIMEOUT)
     for i in range(NUM_STAGES * PEERS_PER_STAGE):
         swarm.join(f"peer{i}", "--stage", str(i % NUM_STAGES), "--threads", "1", "--quiet")
-    return swarm
 
 
 def record(run: Run, snapshot: dict, late: bool) -> None:
@@ -97,6 +102,8 @@ def record(run: Run, snapshot: dict, late: bool) -> None:
     divergence = fingerprint_divergence(snapshot)
     if late and divergence is not None:
         run.divergences.append(divergence)
+        for stage in range(NUM_STAGES):
+            run.stage_divergences.setdefault(stage, []).append(stage_divergence(snapshot, stage) or 0.0)
 
 
 async def watch(swarms: dict[str, Swarm]) -> dict[str, Run]:
@@ -128,7 +135,7 @@ def run_side_by_side(tmp_path: Path, modes: tuple[str, ...]) -> dict[str, Run]:
     swarms = {}
     try:
         for mode in modes:
-            swarms[mode] = start_swarm(tmp_path / mode, mode)
+            start_swarm(tmp_path / mode, mode, swarms)
         return asyncio.run(watch(swarms))
     finally:
         for swarm in swarms.values():
@@ -137,17 +144,21 @@ def run_side_by_side(tmp_path: Path, modes: tuple[str, ...]) -> dict[str, Run]:
         assert not leftovers, f"processes left behind: {leftovers}"
 
 
+def median(values: list[float]) -> float:
+    assert values, "no fingerprints were published"
+    return sorted(values)[len(values) // 2]
+
+
 def median_divergence(run: Run) -> float:
     """Median over the late polls of the mean per-stage fingerprint divergence."""
-    values = sorted(run.divergences)
-    assert values, "no fingerprints were published"
-    return values[len(values) // 2]
+    return median(run.divergences)
 
 
 def describe(mode: str, run: Run) -> str:
     partners = sorted(len(seen) for seen in run.partners.values())
     return (f"{mode}: rounds per peer {sorted(run.rounds.values())}, inner steps {sorted(run.inner_steps.values())}, "
-            f"distinct partners {partners}, fingerprint divergence {median_divergence(run):.4g}, "
+            f"distinct partners {partners}, fingerprint divergence {median_divergence(run):.4g} (per stage "
+            f"{', '.join(f'{median(v):.3g}' for v in run.stage_divergences.values())}), "
             f"loss {run.first_loss} -> {run.last_loss}")
 
 
