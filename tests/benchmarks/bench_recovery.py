@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.scenarios:
         for _ in range(args.repeats):
             r = run_once(name)
-            print(f"| {r['scenario']} | {r['rebuilt_by']} | {r['detail']} | {r['rebuild_s']:.2f} s | "
+            how = r["detail"].replace("|", "\\|")  # |g| would split a markdown cell
+            print(f"| {r['scenario']} | {r['rebuilt_by']} | {how} | {r['rebuild_s']:.2f} s | "
                   f"{r['recovery_s']:.1f} s |", flush=True)
     return 0
 
