@@ -23,14 +23,13 @@ import logging
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from hivemind.p2p import P2P
 
 from dht.heartbeat import Heartbeat
 from dht.records import PeerRecord
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Move", "plan_move", "Rebalancer", "move_record", "HandlerScope"]
+__all__ = ["Move", "plan_move", "Rebalancer", "move_record"]
 
 
 @dataclass(frozen=True)
@@ -104,31 +103,3 @@ async def move_record(heartbeat: Heartbeat, me: PeerRecord, target: int) -> None
     me.inner_step, me.loss, me.grad_norm, me.divergence, me.last_partner = 0, None, None, None, None
     await heartbeat.announce_now()
     logger.info(f"moved from stage {old} to stage {target}")
-
-
-class HandlerScope:
-    """The P2P object a stage service's Transport registers its stream handlers on: it forwards
-    everything to the real P2P and remembers the handler names, so leaving the stage (a move, or
-    shutdown) removes exactly those. p2pd refuses to register a protocol twice, so a peer that
-    enters a stage service again in the same process needs the old handlers gone first."""
-
-    def __init__(self, p2p: P2P):
-        self._p2p = p2p
-        self.names: list[str] = []
-
-    def __getattr__(self, name: str):  # everything but handler registration goes straight through
-        return getattr(self._p2p, name)
-
-    async def add_binary_stream_handler(self, name: str, handler, balanced: bool = False) -> None:
-        await self._p2p.add_binary_stream_handler(name, handler, balanced)
-        self.names.append(name)
-
-    async def close(self) -> None:
-        """Remove every handler registered through this scope (the daemon may be gone at
-        shutdown: failures are logged, not raised)."""
-        while self.names:
-            name = self.names.pop()
-            try:
-                await self._p2p.remove_binary_stream_handler(name)
-            except Exception as e:
-                logger.debug(f"could not remove handler {name}: {e!r}")

@@ -27,7 +27,7 @@ from node.gossip import Gossip
 from node.network import Network
 from node.pipeline import Pipeline
 from node.progress import ProgressDisplay
-from node.rebalance import HandlerScope, Rebalancer, move_record, plan_move
+from node.rebalance import Rebalancer, move_record, plan_move
 from node.recovery import LossWatch, must_rebuild, rebuild_into_service, refresh_until_seen
 from node.routing import Router
 from node.stage_worker import StageWorker
@@ -85,8 +85,7 @@ async def build_service(network: Network, config: SwarmConfig, me: PeerRecord, o
     router = Router(rng, config.num_stages)
     view.on_refresh(router.refresh)
     worker = StageWorker(config, me.stage, device=pick_device(options.device))
-    # handlers registered through a scope, so leaving the stage (a move) removes exactly them
-    transport = Transport(HandlerScope(network.p2p), config.swarm_id, me.stage, compression=config.training.wire_compression)
+    transport = Transport(network.p2p, config.swarm_id, me.stage, compression=config.training.wire_compression)
 
     def ban_until(peer_id: str) -> float:
         record = view.record_of(peer_id)
@@ -138,7 +137,7 @@ async def running_service(
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await service.pipeline.close()
-        await service.transport.p2p.close()  # the HandlerScope: this stage's handlers go
+        await service.transport.close()  # this stage's handlers go: a move may serve another stage next
         service.worker.close()
 
 

@@ -39,6 +39,23 @@ class Transport:
         self.limits = limits
         self.compression = compression
         self._request_ids = itertools.count(1)
+        self._handler_names: list[str] = []
+
+    async def _add_handler(self, service: str, on_stream) -> None:
+        name = self.protocol_name(service)
+        await self.p2p.add_binary_stream_handler(name, on_stream)
+        self._handler_names.append(name)
+
+    async def close(self) -> None:
+        """Remove every handler this transport registered. p2pd refuses to register a protocol
+        twice, so a peer that serves another stage in the same process (a move) needs them gone;
+        at shutdown the daemon may already be gone: failures are logged, not raised."""
+        while self._handler_names:
+            name = self._handler_names.pop()
+            try:
+                await self.p2p.remove_binary_stream_handler(name)
+            except Exception as e:
+                logger.debug(f"could not remove handler {name}: {e!r}")
 
     def protocol_name(self, service: str) -> str:
         return f"/pipeswarm/{self.swarm_id}/{service}"
@@ -79,7 +96,7 @@ class Transport:
             finally:
                 writer.close()
 
-        await self.p2p.add_binary_stream_handler(self.protocol_name(service), on_stream)
+        await self._add_handler(service, on_stream)
 
     async def serve_sessions(self, service: str, handler: SessionHandler) -> None:
         async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -93,7 +110,7 @@ class Transport:
             finally:
                 writer.close()
 
-        await self.p2p.add_binary_stream_handler(self.protocol_name(service), on_stream)
+        await self._add_handler(service, on_stream)
 
     async def request(self, peer_id: str, service: str, message: Message, timeout: float) -> Message:
         """Send one message and wait for the reply. Raises TransportError on any failure, including
