@@ -205,10 +205,25 @@ async def claim(
         stale = PeerRecord(**{**record.to_wire(), "state": "leaving"})
         await registry.announce(stale, max(heartbeat.last_expiration + 1e-3, get_dht_time() + 1.0))
 
+    first_read = True
+
+    async def read_peers() -> dict[int, list[PeerRecord]]:
+        # a DHT node that just joined can read nothing for a few seconds: an empty first answer
+        # is confirmed twice before this peer believes the swarm has no peers at all
+        nonlocal first_read
+        peers = await registry.all_peers(config.num_stages)
+        for _ in range(2 if first_read else 0):
+            if any(peers.values()):
+                break
+            await asyncio.sleep(1.0)
+            peers = await registry.all_peers(config.num_stages)
+        first_read = False
+        return peers
+
     await claim_stage(
         num_stages=config.num_stages,
         me=me,
-        read_peers=lambda: registry.all_peers(config.num_stages),
+        read_peers=read_peers,
         announce=announce,
         withdraw=withdraw,
         rng=random.Random(),
