@@ -583,6 +583,9 @@ def _header(state: DashboardState, width: int, compact: bool = False) -> Rendera
         ("snapshot ", "dim"), (_clock(snap.get("time")), ""),
     )
     lines: list[RenderableType] = [*lines_top, line2] + ([] if compact else [line3])
+    if snap.get("unrecoverable"):
+        lines.append(Text(f"✗✗ UNRECOVERABLE without a checkpoint: {_clean(snap.get('unrecoverable'))} "
+                          "(stage-0 peers have paused training)", style="bold white on red"))
     if state.error is not None:
         age = "" if state.updated_at is None else f" (last data {_ago(time.time() - state.updated_at)})"
         lines.append(Text(f"⟳ reconnecting: {state.error}{age}", style="bold red"))

@@ -208,6 +208,21 @@ def test_state_derives_join_leave_and_lost():
     assert out.index("join") < out.index("ban")  # newest first
 
 
+def test_a_peer_that_leaves_twice_is_two_leave_events():
+    state = state_of(snapshot(T0), snapshot(T0 + 10, drop=("b",)), snapshot(T0 + 20),
+                     snapshot(T0 + 30, drop=("b",)))
+    derived = [(e["kind"], e["time"]) for e in state.events if e.get("derived") and e.get("peer_id") == IDS["b"]]
+    assert derived == [("leave", T0 + 10), ("join", T0 + 20), ("leave", T0 + 30)]
+
+
+def test_unrecoverable_swarm_is_announced_in_the_header():
+    snap = snapshot(T0)
+    snap["unrecoverable"] = "stages 1 and 2 lost together"
+    out = render_once(snap, 120)
+    assert "UNRECOVERABLE" in out and "stages 1 and 2 lost together" in out
+    assert "UNRECOVERABLE without" not in render_once(snapshot(T0), 120)
+
+
 def test_reported_event_replaces_derived_duplicate():
     first, second = snapshot(T0), snapshot(T0 + 2, drop=("b",))
     state = state_of(first, second)
