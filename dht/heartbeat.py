@@ -9,6 +9,7 @@ simply treat `leaving` peers as gone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Callable
 
@@ -50,16 +51,17 @@ class Heartbeat:
         while True:
             await self.announce_now()
             self._wakeup.clear()
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), timeout=self.period)
-            except asyncio.TimeoutError:
-                pass
+            # asyncio.timeout, not wait_for: 3.11's wait_for can swallow this task's cancellation
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.period):
+                    await self._wakeup.wait()
 
     async def farewell(self, record: PeerRecord) -> None:
         """Overwrite this peer's record with state `leaving` (called on clean shutdown or a move)."""
         record.state = "leaving"
         expiration = max(self.last_expiration + 1e-3, get_dht_time() + 1.0)
         try:
-            await asyncio.wait_for(self.registry.announce(record, expiration), timeout=5.0)
+            async with asyncio.timeout(5.0):
+                await self.registry.announce(record, expiration)
         except Exception as e:
             logger.warning(f"could not announce leaving: {e!r}")

@@ -59,6 +59,7 @@ from node.stage_worker import StageWorker
 from node.swarm_view import SwarmView
 from node.transport import Transport, TransportError
 from protocol import Message, MessageKind, ProtocolError, recv_message, send_message
+from node.timeouts import within
 
 __all__ = ["Gossip", "RoundOutcome", "GOSSIP_SERVICE", "CHUNK_ELEMENTS", "WeightFingerprint"]
 
@@ -336,7 +337,7 @@ class Gossip:
 
         async def publish() -> None:
             try:
-                await asyncio.wait_for(self.registry.publish_event(event), 10.0)
+                await within(self.registry.publish_event(event), 10.0)
             except Exception as e:  # the event list is best effort
                 logger.debug(f"could not publish {kind} event: {e!r}")
 
@@ -368,7 +369,7 @@ class Gossip:
                 return await self._lone_step(snap)
             for peer in candidates[:MAX_PARTNER_TRIES]:
                 try:
-                    return await asyncio.wait_for(self._exchange_as_initiator(peer, snap), self.settings.round_timeout)
+                    return await within(self._exchange_as_initiator(peer, snap), self.settings.round_timeout)
                 except _Busy:
                     continue
                 except _Reject as e:
@@ -497,13 +498,13 @@ class Gossip:
     # ---- serving -------------------------------------------------------------------------------
 
     async def _on_session(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        request = await asyncio.wait_for(self._recv(reader), self.settings.round_timeout)
+        request = await within(self._recv(reader), self.settings.round_timeout)
         refusal = self._refusal(sender, request)
         if refusal is not None:
             await self._send(writer, self.transport.error(refusal, request.request_id))
             return
         if self.settings.mode == "diloco":
-            await asyncio.wait_for(self._serve_diloco(sender, request, writer), self.settings.round_timeout)
+            await within(self._serve_diloco(sender, request, writer), self.settings.round_timeout)
             return
         steps = request.meta.get("steps")
         partner_steps = steps if isinstance(steps, int) and not isinstance(steps, bool) else 0
@@ -512,7 +513,7 @@ class Gossip:
             return
         self._exchanging = True
         try:
-            await asyncio.wait_for(self._exchange_as_responder(sender, reader, writer), self.settings.round_timeout)
+            await within(self._exchange_as_responder(sender, reader, writer), self.settings.round_timeout)
         except _Reject as e:
             self._reject(sender, str(e))
             self._record(RoundOutcome("rejected", self.outer_state.round, (sender,), str(e)))
@@ -588,7 +589,7 @@ class Gossip:
                     await self._expect(reader, MessageKind.GOSSIP_DONE)
                     return delta
 
-            delta = await asyncio.wait_for(fetch(), self.settings.round_timeout)
+            delta = await within(fetch(), self.settings.round_timeout)
         except (TransportError, ProtocolError, EOFError, ConnectionError, OSError,
                 asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
             logger.info(f"diloco round {round_}: no Delta from {peer[-8:]}: {e!r}")

@@ -34,6 +34,7 @@ from node.routing import Router
 from node.stage_worker import StageWorker
 from node.transport import Transport, TransportError
 from protocol import Message, MessageKind, ProtocolError
+from node.timeouts import within
 
 logger = logging.getLogger(__name__)
 
@@ -291,7 +292,7 @@ class Pipeline:
                         "order": order, "hop": 1}
                 if await self._send_routed(order[0], FORWARD, MessageKind.FORWARD, meta,
                                            {"hidden": hidden, "targets": targets}):
-                    loss = await asyncio.wait_for(ticket.done, deadline)
+                    loss = await within(ticket.done, deadline)
                     self.stats.losses.append(loss)
                     self.stats.completed += 1
                     self.stats.completions.append(time.monotonic())

@@ -48,6 +48,7 @@ from dht.records import PeerRecord
 from node.transport import Transport, TransportError
 from protocol import Message, MessageKind, ProtocolError, recv_message, send_message
 from protocol.tensors import DTYPES
+from node.timeouts import within
 
 logger = logging.getLogger(__name__)
 
@@ -247,10 +248,10 @@ async def serve_state(
     uploads = asyncio.Semaphore(MAX_CONCURRENT_UPLOADS)
 
     async def send(writer: asyncio.StreamWriter, message: Message) -> None:
-        await asyncio.wait_for(send_message(writer, message, "none", transport.limits), timeout)
+        await within(send_message(writer, message, "none", transport.limits), timeout)
 
     async def handle(sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        request = await asyncio.wait_for(recv_message(reader, transport.limits, transport.swarm_id), timeout)
+        request = await within(recv_message(reader, transport.limits, transport.swarm_id), timeout)
         rid = request.request_id
         if request.kind != MessageKind.STATE_REQUEST:
             await send(writer, transport.error(f"expected a state request, got {request.kind.value}", rid))
@@ -310,7 +311,7 @@ async def download_state(
 
     async def receive(reader: asyncio.StreamReader) -> Message:
         try:
-            return await asyncio.wait_for(recv_message(reader, transport.limits, transport.swarm_id), timeout)
+            return await within(recv_message(reader, transport.limits, transport.swarm_id), timeout)
         except asyncio.TimeoutError:
             raise TransportError(f"state download from {who} stalled for {timeout:.0f} s") from None
         except EOFError:
@@ -321,7 +322,7 @@ async def download_state(
     async with transport.session(peer_id, SERVICE, timeout) as (reader, writer):
         request = transport.message(MessageKind.STATE_REQUEST, {"stage": stage, "part": part})
         try:
-            await asyncio.wait_for(send_message(writer, request, "none", transport.limits), timeout)
+            await within(send_message(writer, request, "none", transport.limits), timeout)
         except (asyncio.TimeoutError, ConnectionError, OSError) as e:
             raise TransportError(f"state request to {who} failed: {e!r}") from e
         header = await receive(reader)

@@ -18,6 +18,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from hivemind.p2p import P2P, PeerID
 
 from protocol import DEFAULT_LIMITS, Limits, Message, MessageKind, ProtocolError, recv_message, send_message
+from node.timeouts import within
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class Transport:
         async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             sender = info.peer_id.to_base58()
             try:
-                request = await asyncio.wait_for(recv_message(reader, self.limits, self.swarm_id), read_timeout)
+                request = await within(recv_message(reader, self.limits, self.swarm_id), read_timeout)
                 try:
                     reply = await handler(sender, request)
                 except ProtocolError as e:
@@ -117,8 +118,8 @@ class Transport:
         an ERROR reply (BUSY is returned, not raised: the caller decides where to go next)."""
         try:
             async with self.session(peer_id, service, timeout) as (reader, writer):
-                await asyncio.wait_for(send_message(writer, message, self.compression, self.limits), timeout)
-                reply = await asyncio.wait_for(recv_message(reader, self.limits, self.swarm_id), timeout)
+                await within(send_message(writer, message, self.compression, self.limits), timeout)
+                reply = await within(recv_message(reader, self.limits, self.swarm_id), timeout)
         except TransportError:
             raise
         except asyncio.TimeoutError as e:
@@ -135,7 +136,7 @@ class Transport:
     ) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
         """An open stream to `peer_id`'s handler for `service`, closed on exit."""
         try:
-            _, reader, writer = await asyncio.wait_for(
+            _, reader, writer = await within(
                 self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), self.protocol_name(service)), timeout
             )
         except asyncio.TimeoutError as e:
