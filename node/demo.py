@@ -30,7 +30,7 @@ def summarize(snapshot: dict) -> dict:
         "per_stage": [len(ids) for ids in peers_by_stage(snapshot).values()],
         "loss": sum(losses) / len(losses) if losses else None,
         "steps": [peer["inner_step"] for peer in online],
-        "throughput": sum(peer["throughput"] for peer in online if peer["stage"] == 0),
+        "stage0_steps": sum(peer["inner_step"] for peer in online if peer["stage"] == 0),
     }
 
 
@@ -38,18 +38,27 @@ async def watch(swarm: Swarm, duration: float, interval: float, console: Console
     from node.observer import observe
 
     losses: list[float] = []
+    training = SwarmConfig().training
+    tokens_per_step = training.microbatches_per_step * training.microbatch_size * training.sequence_length
+    previous: tuple[float, int] | None = None
     async with observe(swarm.initial_peers, None) as observer:
         started = time.monotonic()
         while time.monotonic() - started < duration:
             summary = summarize(await observer.snapshot())
+            now = time.monotonic()
             loss = "-" if summary["loss"] is None else f"{summary['loss']:.3f}"
             if summary["loss"] is not None:
                 losses.append(summary["loss"])
+            # every stage-0 optimizer step is microbatches_per_step microbatches that went all the
+            # way through the swarm and back
+            rate = "-"
+            if previous is not None and now > previous[0]:
+                rate = f"{(summary['stage0_steps'] - previous[1]) * tokens_per_step / (now - previous[0]):.0f}"
+            previous = (now, summary["stage0_steps"])
             steps = f"{min(summary['steps'], default=0)}..{max(summary['steps'], default=0)}"
             console.print(
-                f"[bold]{time.monotonic() - started:5.0f}s[/] peers/stage {summary['per_stage']}  "
-                f"inner steps {steps:<9} stage-0 loss [cyan]{loss}[/] (floor {floor:.3f})  "
-                f"stage-0 throughput {summary['throughput']:.1f} microbatches/s"
+                f"[bold]{now - started:4.0f}s[/] peers/stage {summary['per_stage']} steps {steps:<9} "
+                f"loss [cyan]{loss}[/] (floor {floor:.3f}) {rate} tokens/s"
             )
             await asyncio.sleep(interval)
     return losses
@@ -64,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", help="where peer logs go (default: a temporary directory)")
     args = parser.parse_args(argv)
 
-    console = Console()
+    console = Console(soft_wrap=True)  # one line per report, also when piped
     config = SwarmConfig(num_stages=args.stages)
     floor = open_source(config, None, 0).loss_floor
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pipeswarm-demo-"))
