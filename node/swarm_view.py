@@ -11,10 +11,27 @@ import asyncio
 import logging
 from typing import Callable
 
+from hivemind.utils import get_dht_time
+
 from dht.records import PeerRecord
 from dht.registry import SwarmRegistry
 
 logger = logging.getLogger(__name__)
+
+
+def merge_reads(
+    previous: dict[int, list[PeerRecord]], fresh: dict[int, list[PeerRecord]], now: float
+) -> dict[int, list[PeerRecord]]:
+    """The fresh read, plus records of the previous picture that it missed but that have not
+    expired yet. A DHT traversal now and then comes back without a record that is still alive
+    (a slow replica, a routing-table gap); a record is valid until its expiration, so forgetting it
+    early would make routing and the stage-0 driver stall on a peer that is fine."""
+    merged = {}
+    for stage, records in fresh.items():
+        seen = {record.peer_id for record in records}
+        kept = [r for r in previous.get(stage, []) if r.peer_id not in seen and r.expires > now]
+        merged[stage] = sorted(records + kept, key=lambda record: record.peer_id)
+    return merged
 
 
 class SwarmView:
@@ -40,7 +57,8 @@ class SwarmView:
         return None
 
     async def refresh(self) -> None:
-        self.peers_by_stage = await self.registry.all_peers(self.num_stages)
+        self.peers_by_stage = merge_reads(self.peers_by_stage, await self.registry.all_peers(self.num_stages),
+                                          get_dht_time())
         for listener in self._listeners:
             listener(self.peers_by_stage)
         self.refreshed.set()
