@@ -38,7 +38,7 @@ from node.timeouts import within
 
 logger = logging.getLogger(__name__)
 
-FORWARD, BACKWARD = "forward", "backward"
+FORWARD, BACKWARD, ABORT = "forward", "backward", "abort"
 
 
 class TokenBatches(Protocol):
@@ -117,6 +117,7 @@ class Pipeline:
     async def start(self) -> None:
         await self.transport.serve_requests(FORWARD, self.on_forward)
         await self.transport.serve_requests(BACKWARD, self.on_backward)
+        await self.transport.serve_requests(ABORT, self.on_abort)
 
     def _spawn(self, coroutine: Awaitable) -> None:
         task = asyncio.create_task(coroutine)
@@ -163,6 +164,25 @@ class Pipeline:
         self._spawn(self._run_backward(msg))
         return self._ack(msg)
 
+    async def on_abort(self, sender: str, msg: Message) -> Message:
+        """A peer on a microbatch's path gave up on it: retry now instead of at the deadline."""
+        ticket = self.in_flight.get(msg.meta.get("microbatch_id"))  # type: ignore[arg-type]
+        if ticket is not None and not ticket.done.done():
+            ticket.done.set_exception(TransportError(f"{sender[-8:]} gave up: {msg.meta['reason']}"))
+        return self._ack(msg)
+
+    def _abort(self, origin: str, microbatch_id: int, reason: str) -> None:
+        """Tell a microbatch's origin it is lost here (best effort, in the background)."""
+
+        async def notify() -> None:
+            notice = self.transport.message(MessageKind.ERROR, {"reason": reason[:200], "microbatch_id": microbatch_id})
+            try:
+                await self.transport.request(origin, ABORT, notice, self.hop_timeout)
+            except TransportError as e:
+                logger.debug(f"could not tell {origin[-8:]} about microbatch {microbatch_id}: {e}")
+
+        self._spawn(notify())
+
     def _valid_order(self, order: list[int]) -> bool:
         return sorted(order) == list(range(1, self.num_block_stages + 1))
 
@@ -172,9 +192,11 @@ class Pipeline:
             hidden = await self._compute(self.worker.forward, key, msg.tensors["hidden"])
         except ValueError as e:  # a malformed tensor from a stranger: its origin will retry elsewhere
             logger.info(f"rejected forward from {msg.meta['path'][-1][-8:]}: {e}")
+            self._abort(msg.meta["origin"], msg.meta["microbatch_id"], f"forward rejected: {e}")
             return
         except Exception:
             logger.exception(f"forward of microbatch {msg.meta['microbatch_id']} failed")
+            self._abort(msg.meta["origin"], msg.meta["microbatch_id"], "forward failed")
             return
         finally:
             self._queued -= 1
@@ -190,6 +212,8 @@ class Pipeline:
             self.stats.forwarded += 1
         else:
             self.worker.drop(key)
+            if next_stage != 0:
+                self._abort(msg.meta["origin"], msg.meta["microbatch_id"], f"no peer of stage {next_stage} took it")
 
     async def _run_backward(self, msg: Message) -> None:
         path, hop = msg.meta["path"], msg.meta["hop"]
@@ -209,13 +233,17 @@ class Pipeline:
             grad = await self._compute(self.worker.backward, key, msg.tensors["grad"])
         except (ValueError, KeyError) as e:  # malformed gradient, or activations already expired
             logger.info(f"backward of microbatch {msg.meta['microbatch_id']} failed here: {e}")
+            self._abort(path[0], msg.meta["microbatch_id"], f"backward failed at stage {self.me.stage}")
             return
         except Exception:
             logger.exception(f"backward of microbatch {msg.meta['microbatch_id']} failed")
+            self._abort(path[0], msg.meta["microbatch_id"], f"backward failed at stage {self.me.stage}")
             return
         meta = {**msg.meta, "hop": hop - 1}
         if await self._send_to(path[hop - 1], BACKWARD, MessageKind.BACKWARD, meta, {"grad": grad}):
             self.stats.backwarded += 1
+        elif hop - 1 > 0:
+            self._abort(path[0], msg.meta["microbatch_id"], "backward could not reach the previous hop")
 
     # ---- sending -------------------------------------------------------------------------------
 
@@ -236,6 +264,10 @@ class Pipeline:
         stage_router = self.router.for_stage(stage)
         for _ in range(self.config.training.max_retries + 1):
             peer_id = stage_router.choose(exclude=tried, bans=self.router.bans)
+            if peer_id is None and not tried:
+                # every peer of the stage is banned: after a transient error on a stage's only
+                # peer, trying it again beats stalling the whole pipeline for the ban's length
+                peer_id = stage_router.choose(exclude=tried, bans=None)
             if peer_id is None:
                 break
             tried.add(peer_id)

@@ -6,6 +6,7 @@ One peer per stage (so routing is deterministic), uncompressed activations, real
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -89,3 +90,32 @@ def test_swarm_training_follows_single_process_loss_curve():
     assert all(loss is not None for loss in swarm)
     assert swarm == pytest.approx(single, rel=1e-4, abs=1e-5)
     assert single[-1] < single[0]  # it is training, not just evaluating
+
+
+@pytest.mark.timeout(120)
+def test_a_microbatch_lost_mid_pipeline_is_retried_at_once_not_at_the_deadline():
+    config = exact_config(microbatches_per_step=1000).replace(training={"hop_timeout": 30.0})
+    source = open_source(config, None, stream_id=3)
+    tokens, targets = source.next_batch(4, 32)
+
+    async def run():
+        async with inprocess_swarm(config, stages=[0, 1, 2]) as peers:
+            last_stage = peers[2].service.worker
+            real_forward, calls = last_stage.forward, []
+
+            def fail_once(key, hidden):
+                calls.append(key)
+                if len(calls) == 1:
+                    raise ValueError("simulated bad activations")
+                return real_forward(key, hidden)
+
+            last_stage.forward = fail_once
+            pipeline = peers[0].service.pipeline
+            started = time.monotonic()
+            loss = await pipeline.run_microbatch(tokens, targets)
+            return loss, time.monotonic() - started, pipeline.stats.retried, len(calls)
+
+    loss, seconds, retried, calls = asyncio.run(run())
+    assert loss is not None and retried == 1 and calls == 2
+    # the stage that failed told the origin: far sooner than the 90 s deadline (3 x hop_timeout)
+    assert seconds < 15, seconds
