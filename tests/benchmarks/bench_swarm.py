@@ -34,8 +34,6 @@ CPU cost        Beside tokens/s, both runs report CPU seconds (user+system) per 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import os
 import sys
 import tempfile
@@ -49,7 +47,7 @@ os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 
 import torch  # noqa: E402
 
-from tests.benchmarks.bench_transport import machine_info  # noqa: E402
+from tests.benchmarks.bench_transport import machine_info, script_main  # noqa: E402
 
 HEARTBEAT_PERIOD, HEARTBEAT_TTL = 1.0, 5.0
 
@@ -302,18 +300,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    parser.add_argument("--json", help="also write the raw results here")
-    args = parser.parse_args(argv)
-    result = run(args)
-    m0, m1 = result["machine_before"], result["machine_after"]
-    print(f"machine: {m0['nproc']} CPUs, {m0['cpu']}; load average {m0['loadavg']} before, {m1['loadavg']} after; "
-          f"python {m0['python']}, torch {m0['torch']}; {m0['time']}")
-    print(format_report(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return 0
+    return script_main(__doc__, add_arguments, run, format_report, argv)
 
 
 if __name__ == "__main__":

@@ -418,8 +418,10 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def script_main(doc: str, add_arguments: Callable, run: Callable, format_report: Callable,
+                argv: list[str] | None = None) -> int:
+    """The command line every benchmark script shares: arguments, run, one report, optional JSON."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     parser.add_argument("--json", help="also write the raw results here")
     args = parser.parse_args(argv)
@@ -431,6 +433,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return script_main(__doc__, add_arguments, run, format_report, argv)
 
 
 if __name__ == "__main__":
