@@ -43,10 +43,9 @@ from node.checkpoints import checkpoint_root, load_latest
 from node.checkfree import RebuildPlan, execute_rebuild, plan_rebuild, recovered_lr_scale, unrecoverable
 from node.config import SwarmConfig
 from node.model import build_stage
-from node.state_transfer import StageState, choose_donor, download_state
+from node.state_transfer import StageState, download_from_any
 from node.stage_worker import StageWorker
 from node.transport import Transport, TransportError
-from protocol import ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -283,23 +282,12 @@ async def fetch_sources(
     shape_check = expect if part == "stage" else None
     sources: dict[int, SourceState] = {}
     for stage in plan.sources:
-        candidates = [peer for peer in peers_by_stage.get(stage, ()) if peer.state == "online"]
-        failures = []
-        for _ in range(FETCH_ATTEMPTS):
-            if not candidates:
-                break
-            donor = choose_donor(candidates, rng)
-            candidates.remove(donor)
-            try:
-                state = await download_state(transport, donor.peer_id, stage, part, expect=shape_check)
-            except (TransportError, ProtocolError) as e:
-                failures.append(f"{donor.peer_id[-8:]}: {e}")
-                continue
-            sources[stage] = SourceState(stage, donor.peer_id, state)
-            break
-        if stage not in sources:
-            why = "; ".join(failures) or "no online peer"
-            raise RebuildFailed(f"stage {plan.lost_stage} is rebuilt from stage {stage}'s {part}: {why}")
+        try:
+            state = await download_from_any(transport, peers_by_stage.get(stage, ()), stage, part, rng,
+                                            attempts=FETCH_ATTEMPTS, expect=shape_check)
+        except TransportError as e:
+            raise RebuildFailed(f"stage {plan.lost_stage} is rebuilt from stage {stage}'s {part}: {e}") from e
+        sources[stage] = SourceState(stage, state.donor, state)
     return sources
 
 

@@ -34,6 +34,7 @@ donor serves, and a donor refuses any other):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import math
@@ -96,6 +97,7 @@ class StageState:
     outer_round: int = 0
     grad_norm: float | None = None
     lr_scale: float = 1.0  # a rebuilt stage keeps lr x 1.1; its later replicas must train alike
+    donor: str | None = None  # the peer it was downloaded from (None: taken locally)
 
 
 Snapshot = Callable[[str], Awaitable[StageState]]
@@ -360,7 +362,7 @@ async def download_state(
         if not computed == layout.checksum == message.meta["checksum"]:
             raise ProtocolError(f"state download from {who}: checksum mismatch (computed {computed[:12]}, header "
                                 f"{layout.checksum[:12]}, end {message.meta['checksum'][:12]})")
-    return _decode_payload(payload, layout, header.meta)
+    return dataclasses.replace(_decode_payload(payload, layout, header.meta), donor=peer_id)
 
 
 def choose_donor(candidates: Sequence[PeerRecord], rng: random.Random) -> PeerRecord:
