@@ -88,7 +88,7 @@ class PeerRecord:
     name: str = ""
     last_partner: str | None = None
     divergence: float | None = None
-    # a seeded random projection of the stage's weights (node.gossip.WeightFingerprint): replicas
+    # a seeded random projection of the stage's weights (node.averaging.gossip.WeightFingerprint): replicas
     # of a stage can be compared without exchanging weights
     fingerprint: list[float] | None = None
     updated: float = 0.0

@@ -93,7 +93,7 @@ def print_bootstrap_addresses(maddrs: list[str]) -> None:
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
-    from node import daemon
+    from node.server import daemon
 
     try:
         config = load_config(
@@ -111,7 +111,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
 
 def node_options(args: argparse.Namespace) -> Any:
-    from node.daemon import NodeOptions
+    from node.server.daemon import NodeOptions
 
     options = NodeOptions(initial_peers=list(args.initial_peers), swarm_id=args.swarm_id)
     for name in ("host", "port", "identity_path", "announce_maddrs", "name", "stage", "throughput", "join_jitter"):
@@ -121,7 +121,7 @@ def node_options(args: argparse.Namespace) -> Any:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
-    from node import daemon
+    from node.server import daemon
 
     if args.stage != "auto" and not args.stage.isdigit():
         logger.error(f"--stage must be 'auto' or a stage number, not {args.stage!r}")
@@ -130,7 +130,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     if args.train:
         from functools import partial
 
-        from node.stage_service import ServiceOptions, serve_stage
+        from node.server.stage_service import ServiceOptions, serve_stage
 
         options = ServiceOptions(device=args.device, data_path=args.data_path, threads=args.threads, quiet=args.quiet)
         serve = partial(serve_stage, options=options)
@@ -138,9 +138,9 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from node import daemon
-    from node.observer import observe_once
-    from node.status import format_table
+    from node.server import daemon
+    from node.monitor.observer import observe_once
+    from node.monitor.status import format_table
 
     result: dict[str, Any] = {}
 
@@ -157,9 +157,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_dashboard(args: argparse.Namespace) -> int:
     import shutil
 
-    from node import daemon
-    from node.dashboard import render_once, run_live
-    from node.observer import ReconnectingObserver
+    from node.server import daemon
+    from node.monitor.dashboard import render_once, run_live
+    from node.monitor.observer import ReconnectingObserver
 
     observer = ReconnectingObserver(args.initial_peers, args.swarm_id)
 

@@ -2,7 +2,7 @@
 
 The bootstrapper builds it from defaults, a TOML file and flags, publishes it in the DHT with its
 hash, and every joiner refuses to train if its own protocol version or the hash differ. Defaults
-follow ../shared/ALGORITHMS.md (NoLoCo alpha 0.5, beta 0.7, gamma = beta, H = 50; CheckFree lr
+follow docs/algorithms.md (NoLoCo alpha 0.5, beta 0.7, gamma = beta, H = 50; CheckFree lr
 scale 1.1; grad clip 1.0) scaled down to a model that trains on a laptop CPU.
 """
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from rich.console import Console
 
 from node.config import SwarmConfig
-from node.data import open_source
+from node.model.data import open_source
 from node.local_swarm import Swarm, peers_by_stage, wait_for
 
 
@@ -35,7 +35,7 @@ def summarize(snapshot: dict) -> dict:
 
 
 async def watch(swarm: Swarm, duration: float, interval: float, console: Console, floor: float | None) -> list[float]:
-    from node.observer import observe
+    from node.monitor.observer import observe
 
     losses: list[float] = []
     training = SwarmConfig().training

@@ -95,7 +95,7 @@ class Swarm:
         """A snapshot through an observer inside this process: faster than spawning `node status`."""
         import asyncio
 
-        from node.observer import observe_once
+        from node.monitor.observer import observe_once
 
         return asyncio.run(observe_once(self.initial_peers, None))
 

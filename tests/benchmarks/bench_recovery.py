@@ -3,7 +3,7 @@
     python tests/benchmarks/bench_recovery.py [--repeats N] [--scenarios joiner move edge]
 
 Real multi-process swarms on loopback (tiny model, 1 thread per peer, heartbeat 1 s / TTL 4 s,
-lost_grace 2 s, rebalance_wait 3 s; the config of tests/test_swarm_recovery.py). Scenarios:
+lost_grace 2 s, rebalance_wait 3 s; the config of tests/swarm/test_swarm_recovery.py). Scenarios:
   joiner  4 stages x 1 peer; stage 2 is killed (kill -9, p2pd included) and a new `--stage auto`
           peer is started at that moment: it rebuilds stage 2 by the CheckFree average
   move    3 stages, peers 0, 1, 2, 2; stage 1 is killed and nobody joins: after lost_grace +
@@ -30,7 +30,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from node.local_swarm import Swarm  # noqa: E402
-from tests.test_swarm_recovery import (  # noqa: E402
+from tests.swarm.test_swarm_recovery import (  # noqa: E402
     PEER_FLAGS,
     kill_stage,
     rebuild_dump,

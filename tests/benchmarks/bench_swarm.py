@@ -7,7 +7,7 @@ Not a test: a script that prints a report (docs/benchmarks.md holds a recorded r
 
 single process  The default config (SwarmConfig()), the same StageWorkers (stage 0, 1, 2: embed,
                 two block stages, norm+head+loss; AdamW, clipping, microbatches_per_step
-                accumulation) chained in one process as tests/test_pipeline_correctness.py does,
+                accumulation) chained in one process as tests/swarm/test_pipeline_correctness.py does,
                 one microbatch at a time on the synthetic source. tokens/s = microbatch_size *
                 sequence_length * microbatches completed / wall seconds, after a few warm-up
                 microbatches.
@@ -61,8 +61,8 @@ def log(text: str) -> None:
 
 def single_process(seconds: float, threads: int, warmup_microbatches: int = 4) -> dict:
     from node.config import SwarmConfig
-    from node.data import open_source
-    from node.stage_worker import StageWorker
+    from node.model.data import open_source
+    from node.pipeline.stage_worker import StageWorker
 
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -119,7 +119,7 @@ def single_process(seconds: float, threads: int, warmup_microbatches: int = 4) -
 
 
 async def _snapshot(initial_peers: list[str]) -> dict:
-    from node.observer import observe_once
+    from node.monitor.observer import observe_once
 
     return await observe_once(initial_peers, None)
 

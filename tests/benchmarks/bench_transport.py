@@ -11,7 +11,7 @@ its own p2pd child process):
   pipeswarm   Transport.request(peer, "forward", FORWARD{hidden}) answered by ACK, exactly one hop
               of the pipeline: open a libp2p stream, encode_message (+ wire compression none or
               fp16), length-prefixed frame, server decode_message (validation + tensor rebuild),
-              ACK back, stream closed. Between two peers made by node.network.start_network.
+              ACK back, stream closed. Between two peers made by node.p2p.network.start_network.
   hivemind    hivemind's expert-forward stream path between the same two P2P instances:
               serialize_torch_tensor -> split_for_streaming(4 MiB parts) -> ExpertRequest per part
               -> P2P.iterate_protobuf_handler (stream_input/stream_output handler) -> server
@@ -171,8 +171,8 @@ async def run_network_benchmarks(shapes: list[tuple[int, ...]], args: argparse.N
     from hivemind.utils.asyncio import as_aiter
     from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-    from node.network import start_network
-    from node.transport import Transport
+    from node.p2p.network import start_network
+    from node.p2p.transport import Transport
     from protocol import MessageKind, encode_message
 
     server_net = await start_network(host="127.0.0.1")

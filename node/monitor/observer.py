@@ -1,0 +1,76 @@
+"""A read-only view of a swarm: a client-mode DHT peer that serves nothing and never disturbs
+training. Used by `node status` and `node dashboard`."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Sequence
+
+from dht.records import ConfigRecord
+from dht.registry import SwarmRegistry
+from node.config import SwarmConfig
+from node.server.daemon import check_compatible, find_swarm
+from node.p2p.network import Network, start_network
+from node.monitor.status import collect_snapshot
+
+
+@dataclass
+class Observer:
+    network: Network
+    registry: SwarmRegistry
+    record: ConfigRecord
+    config: SwarmConfig
+
+    async def snapshot(self) -> dict[str, Any]:
+        return await collect_snapshot(self.registry, self.record, self.config)
+
+
+@contextlib.asynccontextmanager
+async def observe(initial_peers: Sequence[str], swarm_id: str | None, find_timeout: float = 20.0) -> AsyncIterator[Observer]:
+    network = await start_network(initial_peers=initial_peers, client_mode=True)
+    try:
+        record = await find_swarm(network, swarm_id, find_timeout)
+        config = check_compatible(record)
+        yield Observer(network, SwarmRegistry(network.dht, config.swarm_id), record, config)
+    finally:
+        await network.shutdown()
+
+
+class ReconnectingObserver:
+    """An observer that (re)connects on demand: `snapshot()` raises while the swarm is unreachable
+    and connects again on the next call, so a live view can show "reconnecting" and carry on."""
+
+    def __init__(self, initial_peers: Sequence[str], swarm_id: str | None, find_timeout: float = 10.0):
+        self.initial_peers = list(initial_peers)
+        self.swarm_id = swarm_id
+        self.find_timeout = find_timeout
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._observer: Observer | None = None
+
+    async def snapshot(self) -> dict[str, Any]:
+        if self._observer is None:
+            stack = contextlib.AsyncExitStack()
+            try:
+                self._observer = await stack.enter_async_context(
+                    observe(self.initial_peers, self.swarm_id, self.find_timeout)
+                )
+            except BaseException:
+                await stack.aclose()
+                raise
+            self._stack = stack
+        try:
+            return await self._observer.snapshot()
+        except Exception:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        stack, self._stack, self._observer = self._stack, None, None
+        if stack is not None:
+            await stack.aclose()
+
+
+async def observe_once(initial_peers: Sequence[str], swarm_id: str | None) -> dict[str, Any]:
+    async with observe(initial_peers, swarm_id) as observer:
+        return await observer.snapshot()

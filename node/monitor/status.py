@@ -1,0 +1,98 @@
+"""A snapshot of the swarm read from the DHT: the data behind `node status` and the dashboard."""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+from dht.records import ConfigRecord, PeerRecord
+from dht.registry import SwarmRegistry
+from node import __version__
+from node.recovery.checkfree import unrecoverable
+from node.config import SwarmConfig
+from node.model.data import open_source
+from node.model.llama import count_parameters
+from node.recovery.rebuild import lost_stages_from_events
+
+
+@functools.lru_cache(maxsize=8)
+def model_parameters(config: SwarmConfig) -> int:
+    return count_parameters(config)
+
+
+@functools.lru_cache(maxsize=8)
+def loss_floor(config: SwarmConfig) -> float | None:
+    """The entropy rate of the swarm's synthetic source, when it trains on one (nats/token)."""
+    if config.data.source != "synthetic":
+        return None
+    return open_source(config, None, 0).loss_floor
+
+
+def stage_status(peers: list[PeerRecord], lost: bool = False, unrecoverable: bool = False) -> str:
+    """ok / single / empty / rebuilding; "lost" for a stage the peers declared lost (no live peer
+    for over recovery.lost_grace in a trained swarm), "unrecoverable" when the stages lost together
+    cannot be rebuilt (node/recovery/rebuild.py)."""
+    if lost:
+        return "unrecoverable" if unrecoverable else "lost"
+    serving = [peer for peer in peers if peer.state in ("online", "joining", "rebuilding")]
+    if any(peer.state == "rebuilding" for peer in serving):
+        return "rebuilding"
+    if not serving:
+        return "empty"
+    return "single" if len(serving) == 1 else "ok"
+
+
+def peer_view(peer: PeerRecord) -> dict[str, Any]:
+    return {**peer.to_wire(), "expires": peer.expires}
+
+
+async def collect_snapshot(registry: SwarmRegistry, record: ConfigRecord, config: SwarmConfig) -> dict[str, Any]:
+    """Everything the DHT says about the swarm now, as plain JSON-able data."""
+    peers_by_stage = await registry.all_peers(config.num_stages)
+    events = await registry.fetch_events()
+    recovery = config.recovery
+    lost = lost_stages_from_events(peers_by_stage, events, config.num_stages)
+    unrecoverable_reason = (
+        unrecoverable(lost, config.num_stages, recovery.strategy, recovery.checkfree_plus) if lost else None
+    )
+    stages = []
+    for stage in range(config.num_stages):
+        peers = peers_by_stage.get(stage, [])
+        stages.append(
+            {
+                "stage": stage,
+                "status": stage_status(peers, stage in lost, unrecoverable_reason is not None),
+                "throughput": sum(peer.throughput for peer in peers if peer.state != "leaving"),
+                "peers": [peer_view(peer) for peer in peers],
+            }
+        )
+    return {
+        "time": time.time(),
+        "swarm_id": config.swarm_id,
+        "num_stages": config.num_stages,
+        "protocol_version": record.protocol_version,
+        "config_hash": record.config_hash,
+        "software_version": __version__,
+        "model_parameters": model_parameters(config),
+        "loss_floor": loss_floor(config),
+        "stages": stages,
+        "lost_stages": sorted(lost),
+        "unrecoverable": unrecoverable_reason,  # why the swarm cannot recover now, or None
+        "events": [event.to_wire() for event in events],
+    }
+
+
+def format_table(snapshot: dict[str, Any]) -> str:
+    """The human form of `node status`: one line per peer under its stage."""
+    lines = [f"swarm {snapshot['swarm_id']}: {snapshot['num_stages']} stages, config {snapshot['config_hash']}"]
+    if snapshot.get("unrecoverable"):
+        lines.append(f"UNRECOVERABLE: {snapshot['unrecoverable']}")
+    for stage in snapshot["stages"]:
+        lines.append(f"stage {stage['stage']}: {stage['status']}, {len(stage['peers'])} peer(s), "
+                     f"throughput {stage['throughput']:.2f}")
+        for peer in stage["peers"]:
+            loss = "-" if peer["loss"] is None else f"{peer['loss']:.3f}"
+            lines.append(f"  {peer['peer_id'][-12:]}  {peer['state']:<10} step {peer['inner_step']:<6} "
+                         f"round {peer['outer_round']:<4} loss {loss:<7} v{peer['version']} {peer['name']}")
+    return "\n".join(lines)

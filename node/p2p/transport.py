@@ -1,0 +1,149 @@
+"""Messages between peers over hivemind's libp2p streams.
+
+Unary libp2p calls are capped at 4 MiB, so everything here rides on binary streams: one stream
+per exchange, length-prefixed `protocol` frames on it. A request handler gets one decoded message
+and returns one reply; a session handler owns the stream for multi-message exchanges (gossip,
+state download). Malformed input from a stranger is answered with an ERROR message (when the
+stream still works) and logged; it never takes the node down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from typing import AsyncIterator, Awaitable, Callable
+
+from hivemind.p2p import P2P, PeerID
+
+from protocol import DEFAULT_LIMITS, Limits, Message, MessageKind, ProtocolError, recv_message, send_message
+from node.runtime.timeouts import within
+
+logger = logging.getLogger(__name__)
+
+RequestHandler = Callable[[str, Message], Awaitable[Message]]
+SessionHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class TransportError(RuntimeError):
+    """A peer could not be reached, timed out, or answered with an error."""
+
+
+class Transport:
+    """Sends and serves messages for one swarm. `stage` is this peer's current stage (it moves)."""
+
+    def __init__(self, p2p: P2P, swarm_id: str, stage: int, limits: Limits = DEFAULT_LIMITS, compression: str = "none"):
+        self.p2p = p2p
+        self.swarm_id = swarm_id
+        self.stage = stage
+        self.limits = limits
+        self.compression = compression
+        self._request_ids = itertools.count(1)
+        self._handler_names: list[str] = []
+
+    async def _add_handler(self, service: str, on_stream) -> None:
+        name = self.protocol_name(service)
+        await self.p2p.add_binary_stream_handler(name, on_stream)
+        self._handler_names.append(name)
+
+    async def close(self) -> None:
+        """Remove every handler this transport registered. p2pd refuses to register a protocol
+        twice, so a peer that serves another stage in the same process (a move) needs them gone;
+        at shutdown the daemon may already be gone: failures are logged, not raised."""
+        while self._handler_names:
+            name = self._handler_names.pop()
+            try:
+                await self.p2p.remove_binary_stream_handler(name)
+            except Exception as e:
+                logger.debug(f"could not remove handler {name}: {e!r}")
+
+    def protocol_name(self, service: str) -> str:
+        return f"/pipeswarm/{self.swarm_id}/{service}"
+
+    def message(self, kind: MessageKind, meta: dict | None = None, tensors: dict | None = None, request_id: int | None = None) -> Message:
+        return Message(
+            kind=kind,
+            swarm_id=self.swarm_id,
+            sender_stage=self.stage,
+            request_id=next(self._request_ids) if request_id is None else request_id,
+            meta=meta or {},
+            tensors=tensors or {},
+        )
+
+    def error(self, reason: str, request_id: int = 0) -> Message:
+        return self.message(MessageKind.ERROR, {"reason": reason[:500]}, request_id=request_id)
+
+    async def serve_requests(self, service: str, handler: RequestHandler, read_timeout: float = 60.0) -> None:
+        async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            sender = info.peer_id.to_base58()
+            try:
+                request = await within(recv_message(reader, self.limits, self.swarm_id), read_timeout)
+                try:
+                    reply = await handler(sender, request)
+                except ProtocolError as e:
+                    reply = self.error(str(e), request.request_id)
+                await send_message(writer, reply, self.compression, self.limits)
+            except (ProtocolError, EOFError, asyncio.TimeoutError) as e:
+                logger.info(f"bad {service} request from {sender[-8:]}: {e!r}")
+                with contextlib.suppress(Exception):
+                    await send_message(writer, self.error(f"bad request: {e}"), "none", self.limits)
+            except (ConnectionError, asyncio.IncompleteReadError) as e:
+                logger.debug(f"{service} stream from {sender[-8:]} broke: {e!r}")
+            except Exception:
+                logger.exception(f"{service} handler failed on a request from {sender[-8:]}")
+                with contextlib.suppress(Exception):
+                    await send_message(writer, self.error("internal error"), "none", self.limits)
+            finally:
+                writer.close()
+
+        await self._add_handler(service, on_stream)
+
+    async def serve_sessions(self, service: str, handler: SessionHandler) -> None:
+        async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            sender = info.peer_id.to_base58()
+            try:
+                await handler(sender, reader, writer)
+            except (ProtocolError, EOFError, asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:
+                logger.info(f"{service} session with {sender[-8:]} ended: {e!r}")
+            except Exception:
+                logger.exception(f"{service} session with {sender[-8:]} failed")
+            finally:
+                writer.close()
+
+        await self._add_handler(service, on_stream)
+
+    async def request(self, peer_id: str, service: str, message: Message, timeout: float) -> Message:
+        """Send one message and wait for the reply. Raises TransportError on any failure, including
+        an ERROR reply (BUSY is returned, not raised: the caller decides where to go next)."""
+        try:
+            async with self.session(peer_id, service, timeout) as (reader, writer):
+                await within(send_message(writer, message, self.compression, self.limits), timeout)
+                reply = await within(recv_message(reader, self.limits, self.swarm_id), timeout)
+        except TransportError:
+            raise
+        except asyncio.TimeoutError as e:
+            raise TransportError(f"{service} to {peer_id[-8:]} timed out after {timeout:.1f} s") from e
+        except (ProtocolError, EOFError, ConnectionError, OSError, asyncio.IncompleteReadError) as e:
+            raise TransportError(f"{service} to {peer_id[-8:]} failed: {e!r}") from e
+        if reply.kind == MessageKind.ERROR:
+            raise TransportError(f"{peer_id[-8:]} refused {service}: {reply.meta.get('reason')}")
+        return reply
+
+    @contextlib.asynccontextmanager
+    async def session(
+        self, peer_id: str, service: str, timeout: float
+    ) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+        """An open stream to `peer_id`'s handler for `service`, closed on exit."""
+        try:
+            _, reader, writer = await within(
+                self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), self.protocol_name(service)), timeout
+            )
+        except asyncio.TimeoutError as e:
+            raise TransportError(f"opening {service} stream to {peer_id[-8:]} timed out") from e
+        except Exception as e:  # p2pd reports unreachable peers and unknown protocols as generic errors
+            raise TransportError(f"cannot open {service} stream to {peer_id[-8:]}: {e}") from e
+        try:
+            yield reader, writer
+        finally:
+            writer.close()

@@ -1,0 +1,493 @@
+"""What one peer computes for its stage: forward, backward, gradient accumulation, inner optimizer.
+
+No networking here. The network code receives activations from other peers and runs the
+worker's plain synchronous methods off the asyncio event loop::
+
+    out = await loop.run_in_executor(worker.executor, worker.forward, key, hidden)
+
+``worker.executor`` is a single-thread ThreadPoolExecutor, so all of one stage's compute is
+serialized. Thread-safety contract: every method that touches the module or the optimizer
+(forward, backward, embed, head_loss_backward, embed_backward, measure_throughput, state_dict,
+load_state_dict, reset_optimizer) must be called through that executor, and takes no lock.
+Bookkeeping of stored activations (``drop``, ``expire``, ``num_stored``) and reading the plain
+counters (``inner_step``, ``last_grad_norm``, ``microbatches_done``, ``throughput``) are safe from
+any thread, the event loop included: the store is guarded by a small lock, held only for dict
+operations, never during compute.
+
+Layout follows docs/algorithms.md: stage 0 (EdgeStage) embeds tokens, then at the end of the
+pipeline computes norm + head + loss; block stages (1..S) map hidden -> hidden. Per microbatch:
+
+    stage 0  embed(key, tokens)                     -> hidden           (remembers the graph)
+    stage s  forward(key, hidden)                   -> hidden           (remembers input + graph)
+    stage 0  head_loss_backward(key, hidden, tgt)   -> (loss, grad)     (grad of loss / mbs_per_step)
+    stage s  backward(key, grad)                    -> grad wrt input   (counts; steps when due)
+    stage 0  embed_backward(key, grad)                                  (counts; steps when due)
+
+Each stage steps on its own after ``microbatches_per_step`` completed backward passes (in a swarm,
+microbatches of different stage-0 peers mix at the block stages: SWARM's design).
+
+Weight staleness: a microbatch forwarded before an optimizer step (or any other in-place change of
+the weights, e.g. a gossip update through load_state_dict) and backpropagated after it cannot use
+its stored autograd graph (the saved weights were modified in place). The worker notices through
+the parameters' version counters and then recomputes the forward from the stored input with the
+current weights before backpropagating, as SWARM / hivemind expert backends always do.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Hashable
+
+import torch
+from torch import Tensor, nn
+
+from node.config import SwarmConfig
+from node.model.llama import BlockStage, EdgeStage, build_stage
+
+__all__ = ["StageWorker", "UnknownMicrobatch", "ADAM_BETAS", "ADAM_EPS", "THROUGHPUT_EMA", "lr_at"]
+
+logger = logging.getLogger(__name__)
+
+ADAM_BETAS = (0.9, 0.95)
+ADAM_EPS = 1e-8
+THROUGHPUT_EMA = 0.1  # weight of the newest sample (SWARM's alpha)
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+class UnknownMicrobatch(KeyError):
+    """The key names no stored microbatch here (never seen, already finished, dropped or expired)."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0]) if self.args else "unknown microbatch"
+
+
+def lr_at(config: SwarmConfig, step: int, lr_scale: float = 1.0) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup, cosine decay, then flat.
+
+    step < W:        lr * (step + 1) / W            (W = warmup_steps; the first step is not wasted)
+    W <= step < T:   lr * (m + (1 - m) * (1 + cos(pi * (step - W) / (T - W))) / 2)
+    step >= T:       lr * m                         (T = total_steps, m = min_lr_ratio)
+    all times lr_scale.
+    """
+    t = config.training
+    if step < t.warmup_steps:
+        factor = (step + 1) / t.warmup_steps
+    elif step >= t.total_steps:
+        factor = t.min_lr_ratio
+    else:
+        progress = (step - t.warmup_steps) / (t.total_steps - t.warmup_steps)
+        factor = t.min_lr_ratio + (1.0 - t.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return t.learning_rate * factor * lr_scale
+
+
+@dataclass
+class _Stored:
+    """One microbatch between its forward and its backward on this stage."""
+
+    kind: str  # "block" (forward/backward) or "edge" (embed/head_loss_backward/embed_backward)
+    inputs: Tensor  # block: detached input hidden; edge: the tokens
+    leaf: Tensor | None  # block: the input leaf the graph starts from (requires_grad)
+    output: Tensor  # output with its autograd graph
+    versions: tuple[int, ...]  # parameter version counters when the graph was built
+    created: float  # time.monotonic() when stored
+    seconds: float  # compute time spent on this microbatch so far
+    head_grads: list[Tensor | None] | None = field(default=None)  # edge: norm/head grads, applied at embed_backward
+
+
+class StageWorker:
+    """The module, inner optimizer and in-flight activations of one stage on one peer."""
+
+    def __init__(
+        self,
+        config: SwarmConfig,
+        stage: int,
+        device: str = "cpu",
+        module: nn.Module | None = None,
+        lr_scale: float = 1.0,
+        max_stored: int | None = None,
+        max_batch: int | None = None,
+    ) -> None:
+        if not 0 <= stage < config.num_stages:
+            raise ValueError(f"stage {stage} out of range 0..{config.num_stages - 1}")
+        if module is None:
+            module = build_stage(config, stage)
+        expected = EdgeStage if stage == 0 else BlockStage
+        if not isinstance(module, expected):
+            raise TypeError(f"stage {stage} needs a {expected.__name__}, got {type(module).__name__}")
+        t = config.training
+        self.config = config
+        self.stage = stage
+        self.device = torch.device(device)
+        self.module: nn.Module = module.to(self.device).train()
+        self._params = [p for p in self.module.parameters()]
+        self.dtype = self._params[0].dtype
+        self.max_stored = max_stored if max_stored is not None else 16 * t.max_in_flight
+        self.max_batch = max_batch if max_batch is not None else t.microbatch_size
+        if self.max_stored < 1 or self.max_batch < 1:
+            raise ValueError("max_stored and max_batch must be >= 1")
+        self.lr_scale = 1.0
+        self.set_lr_scale(lr_scale)
+        self.inner_step = 0  # optimizer steps taken (drives the lr schedule; a joiner may set it)
+        self.skipped_steps = 0  # steps skipped because the gradient was not finite
+        self.last_grad_norm: float | None = None  # norm of the clipped gradient at the last step
+        self.microbatches_done = 0  # completed backward passes on this stage
+        self.accumulated = 0  # completed backward passes since the last step
+        self.evicted = 0  # stored activations dropped because max_stored was exceeded
+        self.throughput = 0.0  # microbatches/s of compute, EMA; 0.0 = not measured yet
+        self._stored: OrderedDict[Hashable, _Stored] = OrderedDict()
+        self._lock = threading.Lock()  # guards _stored only
+        self._closed = False
+        self.optimizer: torch.optim.AdamW = self._new_optimizer()
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}-worker")
+
+    # ------------------------------------------------------------------------------------------
+    # Optimizer, schedule, state
+
+    def _new_optimizer(self) -> torch.optim.AdamW:
+        return torch.optim.AdamW(
+            self._params,
+            lr=self.current_lr,  # set again before every step (the schedule lives in lr_at)
+            betas=ADAM_BETAS,
+            eps=ADAM_EPS,
+            weight_decay=self.config.training.weight_decay,
+        )
+
+    def lr_at(self, step: int) -> float:
+        return lr_at(self.config, step, self.lr_scale)
+
+    @property
+    def current_lr(self) -> float:
+        """The learning rate the next optimizer step will use."""
+        return self.lr_at(self.inner_step)
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Multiply the schedule by `scale` from the next step on (CheckFree: 1.1 after a rebuild)."""
+        if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+            raise ValueError(f"lr_scale must be a finite number > 0, got {scale!r}")
+        self.lr_scale = float(scale)
+
+    def reset_optimizer(self) -> None:
+        """A fresh AdamW (moments dropped); accumulated gradients and the schedule position stay."""
+        self.optimizer = self._new_optimizer()
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """A detached CPU copy of the module's weights (safe to serialize while training goes on)."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+
+    def load_state_dict(self, sd: dict[str, Tensor], fresh_optimizer: bool = True) -> None:
+        """Copy weights in (names and shapes must match exactly; ValueError otherwise).
+
+        fresh_optimizer=True (rejoin, CheckFree rebuild): new AdamW and the gradients accumulated
+        so far are discarded. False (a gossip/outer update): optimizer moments and the current
+        accumulation are kept. Stored activations stay valid: their backward recomputes the
+        forward with the new weights.
+        """
+        own = self.module.state_dict()
+        missing, extra = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
+        if missing or extra:
+            raise ValueError(f"state dict mismatch: missing {missing[:5]}, unexpected {extra[:5]}")
+        for name, value in sd.items():
+            if not isinstance(value, Tensor) or value.shape != own[name].shape:
+                shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                raise ValueError(f"{name}: expected shape {tuple(own[name].shape)}, got {shape}")
+            if not value.is_floating_point() or not torch.isfinite(value).all():
+                raise ValueError(f"{name}: weights must be finite floating-point values")
+        with torch.no_grad():
+            for name, target in own.items():
+                target.copy_(sd[name].to(device=target.device, dtype=target.dtype))
+        if fresh_optimizer:
+            self.reset_optimizer()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.accumulated = 0
+
+    def close(self) -> None:
+        """Stop the executor (queued calls are cancelled, a running one finishes) and free activations."""
+        if self._closed:
+            return
+        self._closed = True
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            self._stored.clear()
+
+    def __enter__(self) -> "StageWorker":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------
+    # Stored activations
+
+    @property
+    def num_stored(self) -> int:
+        return len(self._stored)
+
+    def drop(self, key: Hashable) -> None:
+        """Forget a failed microbatch (no error if it is unknown). Safe from any thread."""
+        with self._lock:
+            self._stored.pop(key, None)
+
+    def expire(self, older_than: float) -> int:
+        """Forget activations stored more than `older_than` seconds ago; returns how many.
+        Safe from any thread."""
+        limit = time.monotonic() - older_than
+        with self._lock:
+            old = [k for k, s in self._stored.items() if s.created <= limit]
+            for k in old:
+                del self._stored[k]
+        if old:
+            logger.debug("stage %d: expired %d stored microbatches", self.stage, len(old))
+        return len(old)
+
+    def _store(self, key: Hashable, item: _Stored) -> None:
+        with self._lock:
+            if self._stored.pop(key, None) is not None:
+                logger.debug("stage %d: microbatch %r arrived again, replacing the stored one", self.stage, key)
+            self._stored[key] = item
+            while len(self._stored) > self.max_stored:
+                old_key, _ = self._stored.popitem(last=False)
+                self.evicted += 1
+                logger.debug("stage %d: over %d stored activations, dropped the oldest %r", self.stage, self.max_stored, old_key)
+
+    def _unknown(self, key: Hashable) -> UnknownMicrobatch:
+        return UnknownMicrobatch(f"stage {self.stage}: microbatch {key!r} is unknown, finished, dropped or expired")
+
+    def _lookup(self, key: Hashable, kind: str) -> _Stored:
+        try:
+            with self._lock:
+                item = self._stored[key]
+        except (KeyError, TypeError):  # TypeError: unhashable key from a confused caller
+            raise self._unknown(key) from None
+        if item.kind != kind:  # cannot happen through the public API, kept as a guard
+            raise UnknownMicrobatch(f"stage {self.stage}: microbatch {key!r} is a {item.kind} microbatch, not {kind}")
+        return item
+
+    def _take(self, key: Hashable, item: _Stored) -> None:
+        """Remove `item` (validated, about to be consumed); it may have been dropped meanwhile."""
+        with self._lock:
+            if self._stored.get(key) is not item:
+                raise self._unknown(key)
+            del self._stored[key]
+
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(p._version for p in self._params)
+
+    # ------------------------------------------------------------------------------------------
+    # Input validation (anything from the wire; raises ValueError, never leaves state half-changed)
+
+    def _need(self, block: bool) -> None:
+        if self._closed:
+            raise RuntimeError(f"stage {self.stage} worker is closed")
+        if block and self.stage == 0:
+            raise ValueError("stage 0 is the edge stage: use embed / head_loss_backward / embed_backward")
+        if not block and self.stage != 0:
+            raise ValueError(f"stage {self.stage} is a block stage: use forward / backward")
+
+    def _check_bt(self, what: str, batch: int, seq: int) -> None:
+        if not 1 <= batch <= self.max_batch:
+            raise ValueError(f"{what}: batch size {batch} outside 1..{self.max_batch}")
+        limit = self.config.model.max_position_embeddings
+        if not 1 <= seq <= limit:
+            raise ValueError(f"{what}: sequence length {seq} outside 1..{limit} (max_position_embeddings)")
+
+    def _check_hidden(self, what: str, hidden: object, shape: torch.Size | None = None) -> Tensor:
+        if not isinstance(hidden, Tensor):
+            raise ValueError(f"{what}: expected a tensor, got {type(hidden).__name__}")
+        if not hidden.is_floating_point():
+            raise ValueError(f"{what}: expected a floating-point tensor, got {hidden.dtype}")
+        if shape is not None:
+            if hidden.shape != shape:
+                raise ValueError(f"{what}: shape {tuple(hidden.shape)} does not match the stored {tuple(shape)}")
+        else:
+            if hidden.dim() != 3:
+                raise ValueError(f"{what}: expected [batch, seq, hidden], got shape {tuple(hidden.shape)}")
+            self._check_bt(what, hidden.shape[0], hidden.shape[1])
+            if hidden.shape[2] != self.config.model.hidden_size:
+                raise ValueError(f"{what}: hidden size {hidden.shape[2]} != {self.config.model.hidden_size}")
+        hidden = hidden.detach().to(device=self.device, dtype=self.dtype)
+        if not torch.isfinite(hidden).all():  # checked after the cast: fp32 values may overflow fp16
+            raise ValueError(f"{what}: contains NaN or infinite values")
+        return hidden
+
+    def _check_tokens(self, what: str, tokens: object, shape: torch.Size | None = None) -> Tensor:
+        if not isinstance(tokens, Tensor):
+            raise ValueError(f"{what}: expected a tensor, got {type(tokens).__name__}")
+        if tokens.dtype not in _INT_DTYPES:
+            raise ValueError(f"{what}: expected an integer tensor, got {tokens.dtype}")
+        if tokens.dim() != 2:
+            raise ValueError(f"{what}: expected [batch, seq], got shape {tuple(tokens.shape)}")
+        if shape is not None and tokens.shape != shape:
+            raise ValueError(f"{what}: shape {tuple(tokens.shape)} does not match {tuple(shape)}")
+        self._check_bt(what, tokens.shape[0], tokens.shape[1])
+        vocab = self.config.model.vocab_size
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"{what}: token ids must be in [0, {vocab}), got range [{lo}, {hi}]")
+        return tokens.detach().to(device=self.device, dtype=torch.long)
+
+    def _out(self, t: Tensor) -> Tensor:
+        return t.detach().to("cpu")
+
+    # ------------------------------------------------------------------------------------------
+    # Block stage (stage >= 1)
+
+    def forward(self, key: Hashable, hidden: Tensor) -> Tensor:
+        """Training forward: hidden [B, T, H] -> [B, T, H] (CPU, module dtype); remembers the graph."""
+        self._need(block=True)
+        start = time.perf_counter()
+        x = self._check_hidden("forward input", hidden)
+        leaf = x.requires_grad_(True)
+        with torch.enable_grad():
+            out = self.module(leaf)
+        elapsed = time.perf_counter() - start
+        self._store(key, _Stored("block", x.detach(), leaf, out, self._versions(), time.monotonic(), elapsed))
+        return self._out(out)
+
+    def backward(self, key: Hashable, grad_output: Tensor) -> Tensor:
+        """Gradient wrt the stored input; accumulates parameter grads, counts, steps when due."""
+        self._need(block=True)
+        start = time.perf_counter()
+        item = self._lookup(key, "block")
+        grad = self._check_hidden("backward gradient", grad_output, item.output.shape)
+        self._take(key, item)
+        leaf, out = item.leaf, item.output
+        if item.versions != self._versions():  # weights changed since the forward: recompute
+            leaf = item.inputs.detach().requires_grad_(True)
+            with torch.enable_grad():
+                out = self.module(leaf)
+        assert leaf is not None
+        out.backward(grad)
+        grad_in = leaf.grad
+        assert grad_in is not None
+        self._finish(item.seconds + time.perf_counter() - start)
+        return self._out(grad_in)
+
+    # ------------------------------------------------------------------------------------------
+    # Edge stage (stage 0)
+
+    def embed(self, key: Hashable, tokens: Tensor) -> Tensor:
+        """tokens [B, T] -> hidden [B, T, H] (CPU, module dtype); remembers the embedding graph."""
+        self._need(block=False)
+        start = time.perf_counter()
+        ids = self._check_tokens("embed tokens", tokens)
+        with torch.enable_grad():
+            out = self.module.embed(ids)
+        elapsed = time.perf_counter() - start
+        self._store(key, _Stored("edge", ids, None, out, self._versions(), time.monotonic(), elapsed))
+        return self._out(out)
+
+    def head_loss_backward(self, key: Hashable, hidden: Tensor, targets: Tensor) -> tuple[float, Tensor]:
+        """Mean cross-entropy of the last block stage's output, and its gradient wrt `hidden`.
+
+        The gradient is that of loss / microbatches_per_step, so the grads every stage accumulates
+        over a step are the mean over its microbatches. The norm/head grads are kept with the
+        microbatch and added to .grad only when embed_backward finishes it, so all of stage 0's
+        gradient for a microbatch lands in the same optimizer step (and none if it fails).
+        """
+        self._need(block=False)
+        start = time.perf_counter()
+        item = self._lookup(key, "edge")
+        h = self._check_hidden("head input", hidden, item.output.shape)
+        tgt = self._check_tokens("targets", targets, item.inputs.shape)
+        h.requires_grad_(True)
+        head_params = [p for n, p in self.module.named_parameters() if not n.startswith("embed_tokens.")]
+        with torch.enable_grad():
+            loss = self.module.loss(h, tgt)
+            grads = torch.autograd.grad(
+                loss / self.config.training.microbatches_per_step, [h, *head_params], allow_unused=True
+            )
+        item.head_grads = list(grads[1:])
+        item.seconds += time.perf_counter() - start
+        return float(loss.detach()), self._out(grads[0])
+
+    def embed_backward(self, key: Hashable, grad: Tensor) -> None:
+        """Finish the microbatch at stage 0: apply its head grads, backprop into the embedding,
+        count it and step when microbatches_per_step are done."""
+        self._need(block=False)
+        start = time.perf_counter()
+        item = self._lookup(key, "edge")
+        if item.head_grads is None:
+            raise ValueError(f"stage 0: embed_backward for {key!r} before its head_loss_backward")
+        g = self._check_hidden("embedding gradient", grad, item.output.shape)
+        self._take(key, item)
+        out = item.output
+        if item.versions != self._versions():
+            with torch.enable_grad():
+                out = self.module.embed(item.inputs)
+        out.backward(g)
+        head_params = [p for n, p in self.module.named_parameters() if not n.startswith("embed_tokens.")]
+        with torch.no_grad():
+            for p, hg in zip(head_params, item.head_grads):
+                if hg is None:
+                    continue
+                if p.grad is None:
+                    p.grad = hg.clone()
+                else:
+                    p.grad.add_(hg)
+        self._finish(item.seconds + time.perf_counter() - start)
+
+    # ------------------------------------------------------------------------------------------
+    # Accumulation, the optimizer step, throughput
+
+    def _finish(self, seconds: float) -> None:
+        self.microbatches_done += 1
+        self.accumulated += 1
+        if seconds > 0:
+            sample = 1.0 / seconds
+            self.throughput = sample if self.throughput <= 0 else (1 - THROUGHPUT_EMA) * self.throughput + THROUGHPUT_EMA * sample
+        if self.accumulated >= self.config.training.microbatches_per_step:
+            self._step()
+
+    def _step(self) -> None:
+        self.accumulated = 0
+        params = [p for p in self._params if p.grad is not None]
+        if not params:
+            return
+        total = torch.nn.utils.clip_grad_norm_(params, self.config.training.grad_clip)
+        if not torch.isfinite(total):
+            self.skipped_steps += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            logger.warning("stage %d: gradient norm %s is not finite, step skipped", self.stage, float(total))
+            return
+        clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        lr = self.current_lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.inner_step += 1
+        # the norm of the clipped gradients; float32 rounding can put it a hair above the clip
+        self.last_grad_norm = min(float(clipped), self.config.training.grad_clip)
+
+    def measure_throughput(self, batch: int | None = None, seq: int | None = None, repeats: int = 3) -> float:
+        """Time forward+backward on random inputs (no .grad touched, no stored state) and set
+        `throughput` (microbatches/s). Run it through the executor before the first announcement."""
+        batch = batch or self.config.training.microbatch_size
+        seq = seq or self.config.training.sequence_length
+        m = self.config.model
+        gen = torch.Generator().manual_seed(0)
+        params = self._params
+        best = math.inf
+        for i in range(repeats + 1):  # the first run warms up allocators and kernels
+            start = time.perf_counter()
+            with torch.enable_grad():
+                if self.stage == 0:
+                    tokens = torch.randint(0, m.vocab_size, (batch, seq), generator=gen).to(self.device)
+                    h = self.module.embed(tokens)
+                    loss = self.module.loss(h, tokens)
+                    torch.autograd.grad(loss, params, allow_unused=True)
+                else:
+                    x = torch.randn(batch, seq, m.hidden_size, generator=gen).to(self.device, self.dtype)
+                    x.requires_grad_(True)
+                    out = self.module(x)
+                    torch.autograd.grad(out, [x, *params], torch.ones_like(out))
+            if i > 0:
+                best = min(best, time.perf_counter() - start)
+        self.throughput = 1.0 / max(best, 1e-9)
+        return self.throughput

@@ -1,0 +1,370 @@
+"""SWARM pipeline traffic: activations forward along a randomly routed chain of peers, gradients back.
+
+A microbatch's life (path = the peers it visited, path[0] its stage-0 origin):
+  origin embeds -> FORWARD to a peer of stage order[0] (hop 1) -> ... each peer runs its stage and
+  forwards to a load-aware choice among the next stage's peers ... the last block stage sends the
+  final hidden states back to the origin (hop len(order)+1), which computes the loss and sends
+  BACKWARD to path[-1]; every peer backpropagates and passes the gradient to the peer before it,
+  down to the origin, which finishes the embedding's backward. `order` is the stage order of this
+  microbatch (CheckFree+ swaps edge block stages on odd microbatches).
+
+Each hop is acknowledged as soon as the receiver has queued the work, so no peer waits for a whole
+round trip. A send that errors or times out bans that peer until its DHT record expires and goes
+to another peer of the stage (bounded retries); a microbatch lost past an acknowledgement (a peer
+died holding it) is noticed by its origin's deadline and run again from the start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Protocol
+
+import torch
+
+from dht.records import PeerRecord
+from node.recovery.checkfree import pipeline_order
+from node.config import SwarmConfig
+from node.pipeline.routing import Router
+from node.pipeline.stage_worker import StageWorker
+from node.p2p.transport import Transport, TransportError
+from protocol import Message, MessageKind, ProtocolError
+from node.runtime.timeouts import within
+
+logger = logging.getLogger(__name__)
+
+FORWARD, BACKWARD, ABORT = "forward", "backward", "abort"
+
+
+class TokenBatches(Protocol):
+    def next_batch(self, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass
+class InFlight:
+    """Stage-0 bookkeeping for one microbatch attempt."""
+
+    microbatch_id: int
+    targets: torch.Tensor
+    order: list[int]
+    started: float
+    done: asyncio.Future
+    loss: float | None = None
+
+
+@dataclass
+class PipelineStats:
+    losses: deque = field(default_factory=lambda: deque(maxlen=32))
+    completed: int = 0
+    retried: int = 0
+    dropped: int = 0
+    forwarded: int = 0
+    backwarded: int = 0
+    busy_replies: int = 0
+    completions: deque = field(default_factory=lambda: deque(maxlen=64))  # monotonic times of completions
+
+    @property
+    def recent_loss(self) -> float | None:
+        return sum(self.losses) / len(self.losses) if self.losses else None
+
+    def rate(self, now: float) -> float:
+        """Completed microbatches per second over the recent window."""
+        recent = [t for t in self.completions if now - t < 30.0]
+        if len(recent) < 2:
+            return 0.0
+        return (len(recent) - 1) / max(recent[-1] - recent[0], 1e-6)
+
+
+class Pipeline:
+    def __init__(
+        self,
+        config: SwarmConfig,
+        transport: Transport,
+        worker: StageWorker,
+        router: Router,
+        me: PeerRecord,
+        *,
+        rng: random.Random | None = None,
+        ban_until: Callable[[str], float] | None = None,
+        max_queue: int | None = None,
+    ):
+        self.config = config
+        self.transport = transport
+        self.worker = worker
+        self.router = router
+        self.me = me
+        self.rng = rng or random.Random()
+        self.ban_until = ban_until or (lambda peer_id: time.time() + config.heartbeat.ttl)
+        training = config.training
+        self.max_queue = max_queue or 4 * training.max_in_flight
+        self.hop_timeout = training.hop_timeout
+        self.compression = training.wire_compression
+        self.num_block_stages = config.num_stages - 1
+        self.in_flight: dict[int, InFlight] = {}
+        self.stats = PipelineStats()
+        self._microbatch_ids = itertools.count(self.rng.randrange(1 << 40))
+        self._microbatch_index = itertools.count()
+        self._queued = 0
+        self._tasks: set[asyncio.Task] = set()
+
+    # ---- serving -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.transport.serve_requests(FORWARD, self.on_forward)
+        await self.transport.serve_requests(BACKWARD, self.on_backward)
+        await self.transport.serve_requests(ABORT, self.on_abort)
+
+    def _spawn(self, coroutine: Awaitable) -> None:
+        task = asyncio.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _compute(self, fn: Callable, *args):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.worker.executor, fn, *args)
+
+    def _ack(self, request: Message) -> Message:
+        return self.transport.message(MessageKind.ACK, request_id=request.request_id)
+
+    async def on_forward(self, sender: str, msg: Message) -> Message:
+        order, path, hop = msg.meta["order"], msg.meta["path"], msg.meta["hop"]
+        if not self._valid_order(order):
+            raise ProtocolError(f"bad stage order {order}")
+        if not 1 <= hop <= len(order) + 1 or len(path) != hop or path[-1] != sender:
+            raise ProtocolError(f"inconsistent hop {hop} for a path of {len(path)} peers")
+        expected_stage = order[hop - 1] if hop <= len(order) else 0
+        if expected_stage != self.me.stage or self.me.state != "online":
+            return self.transport.error(f"this peer serves stage {self.me.stage} ({self.me.state}), not {expected_stage}")
+        if hop == len(order) + 1:
+            if msg.meta["origin"] != self.me.peer_id or msg.meta["microbatch_id"] not in self.in_flight:
+                return self.transport.error("unknown microbatch")
+            self._spawn(self._finish_forward(msg))
+            return self._ack(msg)
+        if self._queued >= self.max_queue:
+            self.stats.busy_replies += 1
+            return self.transport.message(MessageKind.BUSY, request_id=msg.request_id)
+        self._queued += 1
+        self._spawn(self._run_block_forward(msg))
+        return self._ack(msg)
+
+    async def on_backward(self, sender: str, msg: Message) -> Message:
+        path, hop = msg.meta["path"], msg.meta["hop"]
+        if not 0 <= hop < len(path) or path[hop] != self.me.peer_id:
+            raise ProtocolError(f"backward hop {hop} does not match its path")
+        expected_sender = path[hop + 1] if hop + 1 < len(path) else path[0]  # the origin starts backward
+        if sender != expected_sender:
+            raise ProtocolError("backward arrived from a peer that is not the next hop of its path")
+        if hop == 0 and msg.meta["microbatch_id"] not in self.in_flight:
+            return self.transport.error("unknown microbatch")
+        self._spawn(self._run_backward(msg))
+        return self._ack(msg)
+
+    async def on_abort(self, sender: str, msg: Message) -> Message:
+        """A peer on a microbatch's path gave up on it: retry now instead of at the deadline."""
+        ticket = self.in_flight.get(msg.meta.get("microbatch_id"))  # type: ignore[arg-type]
+        if ticket is not None and not ticket.done.done():
+            ticket.done.set_exception(TransportError(f"{sender[-8:]} gave up: {msg.meta['reason']}"))
+        return self._ack(msg)
+
+    def _abort(self, origin: str, microbatch_id: int, reason: str) -> None:
+        """Tell a microbatch's origin it is lost here (best effort, in the background)."""
+
+        async def notify() -> None:
+            notice = self.transport.message(MessageKind.ERROR, {"reason": reason[:200], "microbatch_id": microbatch_id})
+            try:
+                await self.transport.request(origin, ABORT, notice, self.hop_timeout)
+            except TransportError as e:
+                logger.debug(f"could not tell {origin[-8:]} about microbatch {microbatch_id}: {e}")
+
+        self._spawn(notify())
+
+    def _valid_order(self, order: list[int]) -> bool:
+        return sorted(order) == list(range(1, self.num_block_stages + 1))
+
+    async def _run_block_forward(self, msg: Message) -> None:
+        try:
+            key = (msg.meta["origin"], msg.meta["microbatch_id"])
+            hidden = await self._compute(self.worker.forward, key, msg.tensors["hidden"])
+        except ValueError as e:  # a malformed tensor from a stranger: its origin will retry elsewhere
+            logger.info(f"rejected forward from {msg.meta['path'][-1][-8:]}: {e}")
+            self._abort(msg.meta["origin"], msg.meta["microbatch_id"], f"forward rejected: {e}")
+            return
+        except Exception:
+            logger.exception(f"forward of microbatch {msg.meta['microbatch_id']} failed")
+            self._abort(msg.meta["origin"], msg.meta["microbatch_id"], "forward failed")
+            return
+        finally:
+            self._queued -= 1
+        order, hop = msg.meta["order"], msg.meta["hop"]
+        next_stage = order[hop] if hop < len(order) else 0
+        meta = {**msg.meta, "hop": hop + 1, "path": [*msg.meta["path"], self.me.peer_id]}
+        tensors = {"hidden": hidden, **({"targets": msg.tensors["targets"]} if "targets" in msg.tensors else {})}
+        if next_stage == 0:
+            sent = await self._send_to(msg.meta["origin"], FORWARD, MessageKind.FORWARD, meta, tensors)
+        else:
+            sent = await self._send_routed(next_stage, FORWARD, MessageKind.FORWARD, meta, tensors)
+        if sent:
+            self.stats.forwarded += 1
+        else:
+            self.worker.drop(key)
+            if next_stage != 0:
+                self._abort(msg.meta["origin"], msg.meta["microbatch_id"], f"no peer of stage {next_stage} took it")
+
+    async def _run_backward(self, msg: Message) -> None:
+        path, hop = msg.meta["path"], msg.meta["hop"]
+        key = (path[0], msg.meta["microbatch_id"])
+        if hop == 0:
+            ticket = self.in_flight.get(msg.meta["microbatch_id"])
+            if ticket is None or ticket.done.done():
+                return
+            try:
+                await self._compute(self.worker.embed_backward, key, msg.tensors["grad"])
+            except (ValueError, RuntimeError, KeyError) as e:
+                ticket.done.set_exception(TransportError(f"embedding backward failed: {e}"))
+                return
+            ticket.done.set_result(ticket.loss)
+            return
+        try:
+            grad = await self._compute(self.worker.backward, key, msg.tensors["grad"])
+        except (ValueError, KeyError) as e:  # malformed gradient, or activations already expired
+            logger.info(f"backward of microbatch {msg.meta['microbatch_id']} failed here: {e}")
+            self._abort(path[0], msg.meta["microbatch_id"], f"backward failed at stage {self.me.stage}")
+            return
+        except Exception:
+            logger.exception(f"backward of microbatch {msg.meta['microbatch_id']} failed")
+            self._abort(path[0], msg.meta["microbatch_id"], f"backward failed at stage {self.me.stage}")
+            return
+        meta = {**msg.meta, "hop": hop - 1}
+        if await self._send_to(path[hop - 1], BACKWARD, MessageKind.BACKWARD, meta, {"grad": grad}):
+            self.stats.backwarded += 1
+        elif hop - 1 > 0:
+            self._abort(path[0], msg.meta["microbatch_id"], "backward could not reach the previous hop")
+
+    # ---- sending -------------------------------------------------------------------------------
+
+    async def _send_to(self, peer_id: str, service: str, kind: MessageKind, meta: dict, tensors: dict) -> bool:
+        """Send to one specific peer (the origin or the previous hop): no alternative exists."""
+        message = self.transport.message(kind, meta, tensors)
+        try:
+            reply = await self.transport.request(peer_id, service, message, self.hop_timeout)
+        except TransportError as e:
+            logger.info(f"{service} of microbatch {meta['microbatch_id']} lost: {e}")
+            return False
+        return reply.kind == MessageKind.ACK
+
+    async def _send_routed(self, stage: int, service: str, kind: MessageKind, meta: dict, tensors: dict) -> bool:
+        """Send to a load-aware choice among `stage`'s peers; on failure ban and try another."""
+        message = self.transport.message(kind, meta, tensors)
+        tried: set[str] = set()
+        stage_router = self.router.for_stage(stage)
+        for _ in range(self.config.training.max_retries + 1):
+            peer_id = stage_router.choose(exclude=tried, bans=self.router.bans)
+            if peer_id is None and not tried:
+                # every peer of the stage is banned: after a transient error on a stage's only
+                # peer, trying it again beats stalling the whole pipeline for the ban's length
+                peer_id = stage_router.choose(exclude=tried, bans=None)
+            if peer_id is None:
+                break
+            tried.add(peer_id)
+            try:
+                reply = await self.transport.request(peer_id, service, message, self.hop_timeout)
+            except TransportError as e:
+                stage_router.release(peer_id, 1.0)
+                self.router.bans.ban(peer_id, self.ban_until(peer_id), str(e))
+                logger.info(f"banned {peer_id[-8:]} (stage {stage}): {e}")
+                continue
+            if reply.kind == MessageKind.BUSY:
+                stage_router.release(peer_id, 1.0)
+                self.stats.busy_replies += 1
+                continue
+            # no observe(): the ACK comes before the compute, so its latency says nothing about the
+            # peer's speed; the router follows the throughput the peer measures and announces
+            return True
+        logger.info(f"no peer of stage {stage} took microbatch {meta['microbatch_id']} (tried {len(tried)})")
+        return False
+
+    # ---- stage 0: the microbatch driver ------------------------------------------------------------
+
+    async def drive(self, source: TokenBatches, stop: asyncio.Event, ready: Callable[[], bool] = lambda: True) -> None:
+        """Keep up to max_in_flight microbatches moving through the swarm until `stop`; while
+        `ready()` is false (a stage has no peer) start none, instead of failing them one by one."""
+        training = self.config.training
+        slots = asyncio.Semaphore(training.max_in_flight)
+        while not stop.is_set():
+            await slots.acquire()
+            while not ready() and not stop.is_set():
+                await asyncio.sleep(0.5)
+            if stop.is_set():
+                break
+            tokens, targets = source.next_batch(training.microbatch_size, training.sequence_length)
+            task = asyncio.create_task(self.run_microbatch(tokens, targets))
+            task.add_done_callback(lambda _: slots.release())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def run_microbatch(self, tokens: torch.Tensor, targets: torch.Tensor) -> float | None:
+        """One microbatch through the swarm with bounded retries; its loss, or None if dropped."""
+        retries = self.config.training.max_retries
+        deadline = self.hop_timeout * (self.num_block_stages + 1)
+        index = next(self._microbatch_index)
+        order = pipeline_order(self.config.num_stages, index, self.config.recovery.checkfree_plus)
+        for attempt in range(retries + 1):
+            microbatch_id = next(self._microbatch_ids)
+            key = (self.me.peer_id, microbatch_id)
+            ticket = InFlight(microbatch_id, targets, order, time.monotonic(), asyncio.get_running_loop().create_future())
+            self.in_flight[microbatch_id] = ticket
+            try:
+                hidden = await self._compute(self.worker.embed, key, tokens)
+                meta = {"microbatch_id": microbatch_id, "origin": self.me.peer_id, "path": [self.me.peer_id],
+                        "order": order, "hop": 1}
+                if await self._send_routed(order[0], FORWARD, MessageKind.FORWARD, meta,
+                                           {"hidden": hidden, "targets": targets}):
+                    loss = await within(ticket.done, deadline)
+                    self.stats.losses.append(loss)
+                    self.stats.completed += 1
+                    self.stats.completions.append(time.monotonic())
+                    return loss
+            except (asyncio.TimeoutError, TransportError) as e:
+                logger.info(f"microbatch {microbatch_id} failed (attempt {attempt + 1}): {e!r}")
+            finally:
+                self.in_flight.pop(microbatch_id, None)
+                if not ticket.done.done():
+                    ticket.done.cancel()
+            self.worker.drop(key)
+            self.stats.retried += 1
+            await asyncio.sleep(min(0.5 * (attempt + 1), 2.0))
+        self.stats.dropped += 1
+        logger.warning(f"dropped a microbatch after {retries + 1} attempts")
+        return None
+
+    async def _finish_forward(self, msg: Message) -> None:
+        """At the origin: loss on the final hidden states, then the gradient goes back."""
+        ticket = self.in_flight.get(msg.meta["microbatch_id"])
+        if ticket is None or ticket.done.done():
+            return
+        targets = msg.tensors.get("targets")
+        if targets is None or not torch.equal(targets, ticket.targets):
+            ticket.done.set_exception(TransportError("targets came back altered"))
+            return
+        key = (self.me.peer_id, ticket.microbatch_id)
+        try:
+            loss, grad = await self._compute(self.worker.head_loss_backward, key, msg.tensors["hidden"], ticket.targets)
+        except (ValueError, RuntimeError) as e:
+            ticket.done.set_exception(TransportError(f"loss computation failed: {e}"))
+            return
+        ticket.loss = loss
+        path = msg.meta["path"]
+        meta = {"microbatch_id": ticket.microbatch_id, "path": path, "hop": len(path) - 1}
+        if not await self._send_to(path[-1], BACKWARD, MessageKind.BACKWARD, meta, {"grad": grad}):
+            if not ticket.done.done():
+                ticket.done.set_exception(TransportError("backward to the last stage failed"))
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

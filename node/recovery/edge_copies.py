@@ -1,0 +1,128 @@
+"""CheckFree+ edge copies: stage 1 keeps a copy of stage 0's embedding, stage S of its final norm
+and LM head, so a lost stage 0 can be rebuilt (Blagoev et al. 2025, section "CheckFree+"; see
+docs/algorithms.md). Small extra storage, no extra compute: the copies only travel.
+
+Refresh rule (RecoveryConfig.edge_copy_interval, counted in stage-0 optimizer steps): a holder
+refreshes when the most advanced online stage-0 peer announces an inner_step at least
+`edge_copy_interval` past the step of the copy it holds, checked every `check_period` seconds
+(the heartbeat period: that is how often the announced steps change). Steps rather than seconds,
+because what a stale copy loses is training progress: a stalled swarm costs no traffic, a fast
+one never lets the copy fall more than one interval behind. Without any copy the holder fetches
+at once.
+
+A copy is served back through the "state" service as part "edge_copy"; its inner_step is the
+stage-0 step it was taken at, and weights hold the stage-0 names (embed_tokens.weight, or
+norm.weight + lm_head.weight, or all three when S = 1 and stage 1 holds both).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from torch import Tensor
+
+from dht.records import PeerRecord
+from node.recovery.state_transfer import StageState, StateUnavailable, download_from_any
+from node.p2p.transport import Transport, TransportError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EdgeCopies", "edge_copies_for", "edge_parts_for", "refresh_due", "refresh_edge_copies", "run_edge_copy_refresher"]
+
+
+def edge_parts_for(stage: int, num_stages: int) -> tuple[str, ...]:
+    """Which stage-0 parts a peer of `stage` keeps: stage 1 "embed", stage S "head" (both if S = 1)."""
+    last = num_stages - 1
+    parts = []
+    if stage == 1:
+        parts.append("embed")
+    if stage == last and last >= 1:
+        parts.append("head")
+    return tuple(parts)
+
+
+def edge_copies_for(config, stage: int) -> "EdgeCopies | None":
+    """The copies a peer of `stage` keeps, or None: only stage 1 / stage S peers, only with
+    CheckFree+ and a strategy that rebuilds stage 0 from them (checkfree, copy; see plan_rebuild)."""
+    recovery = config.recovery
+    parts = edge_parts_for(stage, config.num_stages)
+    if not (parts and recovery.checkfree_plus and recovery.strategy in ("checkfree", "copy")):
+        return None
+    return EdgeCopies(stage=stage, parts=parts)
+
+
+@dataclass
+class EdgeCopy:
+    weights: dict[str, Tensor]
+    inner_step: int  # stage 0's inner step when the copy was taken
+
+
+@dataclass
+class EdgeCopies:
+    """The latest copies of stage-0 parts this peer holds, by part ("embed", "head")."""
+
+    stage: int
+    parts: tuple[str, ...]
+    copies: dict[str, EdgeCopy] = field(default_factory=dict)
+
+    def update(self, part: str, state: StageState) -> None:
+        if part not in self.parts:
+            raise ValueError(f"stage {self.stage} keeps {self.parts}, not {part!r}")
+        self.copies[part] = EdgeCopy(state.weights, state.inner_step)
+
+    def step_of(self, part: str) -> int | None:
+        copy = self.copies.get(part)
+        return None if copy is None else copy.inner_step
+
+    def snapshot(self) -> StageState:
+        """All copies held, merged (part "edge_copy"); inner_step is the oldest copy's step. The
+        tensors are replaced, never modified, on refresh: handing them out without a copy is safe."""
+        if not self.copies:
+            raise StateUnavailable(f"stage {self.stage} holds no edge copy yet")
+        weights: dict[str, Tensor] = {}
+        for copy in self.copies.values():
+            weights.update(copy.weights)
+        return StageState(stage=self.stage, weights=weights, inner_step=min(c.inner_step for c in self.copies.values()))
+
+
+def refresh_due(copy_step: int | None, stage0_peers: Sequence[PeerRecord], interval: int) -> bool:
+    """Whether a copy taken at `copy_step` (None: no copy yet) should be refreshed now."""
+    online = [peer for peer in stage0_peers if peer.state == "online"]
+    if not online:
+        return False
+    return copy_step is None or max(peer.inner_step for peer in online) >= copy_step + interval
+
+
+async def refresh_edge_copies(
+    copies: EdgeCopies, transport: Transport, stage0_peers: Sequence[PeerRecord], interval: int, rng: random.Random,
+    *, force: bool = False,
+) -> list[str]:
+    """Refresh every due part from a stage-0 peer; returns the parts refreshed. A failed download
+    keeps the previous copy (stale beats none) and is retried at the next check."""
+    refreshed = []
+    for part in copies.parts:
+        if not (force or refresh_due(copies.step_of(part), stage0_peers, interval)):
+            continue
+        try:
+            state = await download_from_any(transport, stage0_peers, 0, part, rng)
+        except TransportError as e:
+            logger.warning(f"edge copy {part} not refreshed: {e}")
+            continue
+        copies.update(part, state)
+        refreshed.append(part)
+        logger.info(f"edge copy {part} refreshed at stage-0 step {state.inner_step}")
+    return refreshed
+
+
+async def run_edge_copy_refresher(
+    copies: EdgeCopies, transport: Transport, stage0_peers: Callable[[], Sequence[PeerRecord]], interval: int,
+    check_period: float, rng: random.Random,
+) -> None:
+    """Keep `copies` fresh until cancelled; `stage0_peers` reads the swarm view."""
+    while True:
+        await refresh_edge_copies(copies, transport, stage0_peers(), interval, rng)
+        await asyncio.sleep(check_period)

@@ -1,0 +1,74 @@
+"""`node join`'s own live status line: stage, step, microbatches/s, loss, peers seen."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from node.server.stage_service import StageService
+
+logger = logging.getLogger(__name__)
+
+
+class ProgressDisplay:
+    """A compact rich panel on a terminal; a log line every `log_every` seconds otherwise (or --quiet)."""
+
+    def __init__(self, service: "StageService", quiet: bool = False, log_every: float = 10.0):
+        self.service = service
+        self.console = Console(file=sys.stderr)
+        self.live_view = not quiet and self.console.is_terminal
+        self.log_every = log_every
+        self._live: Live | None = None
+
+    def summary(self) -> dict:
+        service = self.service
+        stats = service.pipeline.stats
+        return {
+            "stage": service.me.stage,
+            "state": service.me.state,
+            "step": service.worker.inner_step,
+            "rate": stats.rate(time.monotonic()) if service.me.stage == 0 else service.worker.throughput,
+            "loss": stats.recent_loss,
+            "peers": sum(len(peers) for peers in service.view.peers_by_stage.values()),
+            "done": stats.completed,
+            "retried": stats.retried,
+            "dropped": stats.dropped,
+        }
+
+    def line(self) -> str:
+        s = self.summary()
+        loss = "-" if s["loss"] is None else f"{s['loss']:.3f}"
+        unit = "microbatches/s (completed)" if s["stage"] == 0 else "microbatches/s (compute)"
+        return (f"stage {s['stage']} {s['state']} | step {s['step']} | {s['rate']:.2f} {unit} | loss {loss} | "
+                f"peers seen {s['peers']} | done {s['done']} retried {s['retried']} dropped {s['dropped']}")
+
+    def render(self) -> Table:
+        s = self.summary()
+        table = Table.grid(padding=(0, 2))
+        for key in ("stage", "state", "step", "rate", "loss", "peers", "done", "retried", "dropped"):
+            value = s[key]
+            table.add_row(key, "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value))
+        return table
+
+    async def run(self) -> None:
+        if self.live_view:
+            with Live(self.render(), console=self.console, refresh_per_second=2) as live:
+                self._live = live
+                while True:
+                    await asyncio.sleep(0.5)
+                    live.update(self.render())
+        while True:
+            await asyncio.sleep(self.log_every)
+            logger.info(self.line())
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()

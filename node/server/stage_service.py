@@ -1,0 +1,225 @@
+"""Serving a stage: the pieces a joined peer runs, wired together with explicit state.
+
+worker (compute + inner optimizer) <- pipeline (SWARM traffic) <- transport (libp2p streams)
+router (load-aware choice) <- swarm view (DHT picture) ; heartbeat publishes what they measure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import torch
+
+from dht.heartbeat import Heartbeat
+from dht.records import PeerRecord
+from dht.registry import SwarmRegistry
+from node.config import SwarmConfig
+from node.recovery.checkpoints import checkpoint_root, run_checkpoints
+from node.model.data import open_source, stream_id_from_peer
+from node.recovery.edge_copies import edge_copies_for, run_edge_copy_refresher
+from node.averaging.gossip import Gossip
+from node.p2p.network import Network
+from node.pipeline.traffic import Pipeline
+from node.server.progress import ProgressDisplay
+from node.recovery.rebalance import Rebalancer, move_record, plan_move
+from node.recovery.rebuild import LossWatch, must_rebuild, rebuild_into_service, refresh_until_seen
+from node.pipeline.routing import Router
+from node.pipeline.stage_worker import StageWorker
+from node.recovery.state_transfer import join_live_stage, serve_state, stage_snapshot
+from dht.swarm_view import SwarmView
+from node.p2p.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServiceOptions:
+    device: str = "auto"
+    data_path: str | None = None
+    threads: int | None = None
+    quiet: bool = False
+
+
+def pick_device(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+@dataclass
+class StageService:
+    """The running parts of a peer that serves one stage."""
+
+    config: SwarmConfig
+    me: PeerRecord
+    worker: StageWorker
+    transport: Transport
+    router: Router
+    view: SwarmView
+    pipeline: Pipeline
+    gossip: Gossip
+
+    def publish_progress(self) -> None:
+        """Copy what the worker and pipeline measured into this peer's DHT record."""
+        self.me.inner_step = self.worker.inner_step
+        self.me.grad_norm = self.worker.last_grad_norm
+        self.me.throughput = max(self.worker.throughput, 1e-3)
+        if self.me.stage == 0:
+            self.me.loss = self.pipeline.stats.recent_loss
+        self.me.outer_round = self.gossip.outer_state.round
+        self.me.last_partner = self.gossip.last_partner
+        self.me.divergence = self.gossip.divergence
+        self.me.fingerprint = self.gossip.fingerprint
+
+
+async def build_service(network: Network, config: SwarmConfig, me: PeerRecord, options: ServiceOptions) -> StageService:
+    rng = random.Random()
+    registry = SwarmRegistry(network.dht, config.swarm_id)
+    view = SwarmView(registry, config.num_stages, period=max(0.5, config.heartbeat.period / 2))
+    router = Router(rng, config.num_stages)
+    view.on_refresh(router.refresh)
+    worker = StageWorker(config, me.stage, device=pick_device(options.device))
+    transport = Transport(network.p2p, config.swarm_id, me.stage, compression=config.training.wire_compression)
+
+    def ban_until(peer_id: str) -> float:
+        record = view.record_of(peer_id)
+        return max(record.expires if record else 0.0, time.time() + config.heartbeat.ttl)
+
+    pipeline = Pipeline(config, transport, worker, router, me, rng=rng, ban_until=ban_until)
+    gossip = Gossip(config, me, worker, transport, view, router.bans, registry, ban_until, rng=rng)
+    return StageService(config, me, worker, transport, router, view, pipeline, gossip)
+
+
+@contextlib.asynccontextmanager
+async def running_service(
+    network: Network, config: SwarmConfig, me: PeerRecord, heartbeat: Heartbeat, options: ServiceOptions
+) -> AsyncIterator[StageService]:
+    """A started stage service: handlers registered, swarm view running, this peer `online`."""
+    service = await build_service(network, config, me, options)
+    tasks = [asyncio.create_task(service.view.run(), name="swarm-view")]
+    try:
+        # announce a measured speed from the start: routers and stage choice compare these numbers
+        await asyncio.get_running_loop().run_in_executor(service.worker.executor, service.worker.measure_throughput)
+        await service.pipeline.start()
+        await service.gossip.start()
+        edge_copies = edge_copies_for(config, me.stage)  # CheckFree+: stage 1 / stage S keep stage 0's edges
+        await serve_state(service.transport, stage_snapshot(service.worker, me, edge_copies, lambda: service.gossip))
+        await refresh_until_seen(service.view, me.peer_id)  # a new DHT node may read nothing at first
+        if service.view.online(me.stage, exclude=me.peer_id):
+            # a live stage: continue from its current state (still `joining`); False if the donors vanished
+            await join_live_stage(service)
+        await service.gossip.refresh_fingerprint()
+        if must_rebuild(service.view.peers_by_stage, me.stage, me.peer_id):
+            # nobody holds this stage any more: rebuild it from the neighbours (node/recovery/rebuild.py)
+            await rebuild_into_service(service, heartbeat, SwarmRegistry(network.dht, config.swarm_id))
+        me.state = "online"
+        service.publish_progress()
+        heartbeat.poke()
+        tasks.append(asyncio.create_task(publish_progress_loop(service, heartbeat), name="progress"))
+        tasks.append(asyncio.create_task(service.gossip.run(), name="gossip"))
+        if edge_copies is not None:
+            tasks.append(asyncio.create_task(run_edge_copy_refresher(
+                edge_copies, service.transport, lambda: service.view.online(0), config.recovery.edge_copy_interval,
+                heartbeat.period, random.Random()), name="edge-copies"))
+        if config.recovery.strategy == "checkpoint":
+            tasks.append(asyncio.create_task(run_checkpoints(
+                service.worker, checkpoint_root(config.recovery.checkpoint_dir, config.swarm_id),
+                config.recovery.checkpoint_every, check_period=min(1.0, heartbeat.period)), name="checkpoints"))
+        yield service
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await service.pipeline.close()
+        await service.transport.close()  # this stage's handlers go: a move may serve another stage next
+        service.worker.close()
+
+
+async def serve_stage(
+    network: Network, config: SwarmConfig, me: PeerRecord, heartbeat: Heartbeat, stop: asyncio.Event,
+    options: ServiceOptions,
+) -> None:
+    """Run this peer's stage until `stop` is set. When the rebalancer moves this peer to a lost
+    stage, the stage service is left and entered again for the new stage, in this process."""
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    while True:
+        target = await serve_current_stage(network, config, me, heartbeat, stop, options)
+        if target is None:
+            return
+        await move_record(heartbeat, me, target)
+
+
+async def serve_current_stage(
+    network: Network, config: SwarmConfig, me: PeerRecord, heartbeat: Heartbeat, stop: asyncio.Event,
+    options: ServiceOptions,
+) -> int | None:
+    """Serve `me.stage` until `stop` (returns None) or until this peer must move (the new stage)."""
+    async with running_service(network, config, me, heartbeat, options) as service:
+        watch = LossWatch(config, SwarmRegistry(network.dht, config.swarm_id), me)
+        service.view.on_refresh(watch.on_refresh)
+        progress = ProgressDisplay(service, quiet=options.quiet)
+        mover = asyncio.create_task(watch_for_move(service, watch), name="rebalance")
+        tasks = [asyncio.create_task(progress.run(), name="display"), mover]
+        if me.stage == 0:
+            source = open_source(config, options.data_path, stream_id_from_peer(me.peer_id))
+            tasks.append(asyncio.create_task(drive_when_ready(service, source, stop, watch), name="driver"))
+        stopped = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait([stopped, mover], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in [*tasks, stopped]:
+                task.cancel()
+            await asyncio.gather(*tasks, stopped, return_exceptions=True)
+            watch.close()
+            progress.close()
+        if stop.is_set() or mover.cancelled() or mover.exception() is not None:
+            return None
+        return mover.result()
+
+
+async def watch_for_move(service: StageService, watch: LossWatch) -> int:
+    """The stage this peer should move to (node/recovery/rebalance.py), once confirmed twice."""
+    config, me = service.config, service.me
+    period = config.heartbeat.period
+    rebalancer = Rebalancer(confirm_after=period)
+    while True:
+        await asyncio.sleep(period)
+        if me.state != "online":
+            continue
+        lost_for = {stage: watch.lost_for(stage) for stage in watch.lost}
+        move = plan_move(service.view.peers_by_stage, config.num_stages, lost_for,
+                         config.recovery.rebalance_wait, watch.unrecoverable_reason)
+        confirmed = rebalancer.check(move, time.monotonic())
+        if confirmed is not None and confirmed.peer_id == me.peer_id and confirmed.donor == me.stage:
+            logger.warning(f"stage {confirmed.target} has been lost for over {config.recovery.rebalance_wait:.0f} s "
+                           f"and nobody joined it: moving there from stage {me.stage}")
+            return confirmed.target
+
+
+async def drive_when_ready(service: StageService, source, stop: asyncio.Event, watch: LossWatch) -> None:
+    """Stage 0 sends microbatches whenever every block stage has a peer to receive them, and not
+    while the swarm is unrecoverable (it would train the surviving stages on garbage)."""
+
+    def every_stage_served() -> bool:
+        return watch.unrecoverable_reason is None and all(
+            service.view.online(stage) for stage in range(1, service.config.num_stages)
+        )
+
+    await service.pipeline.drive(source, stop, ready=every_stage_served)
+
+
+async def publish_progress_loop(service: StageService, heartbeat: Heartbeat) -> None:
+    while True:
+        await asyncio.sleep(heartbeat.period)
+        await service.gossip.refresh_fingerprint()
+        service.publish_progress()
+        horizon = 4 * service.config.training.hop_timeout * service.config.num_stages
+        # the worker's state belongs to its compute thread: expire there, not on the event loop
+        await asyncio.get_running_loop().run_in_executor(service.worker.executor, service.worker.expire, horizon)

@@ -1,0 +1,61 @@
+"""Several real peers (each with its own p2pd and DHT node) inside one test process and event loop.
+
+Lets a test reach into every peer's worker and pipeline while the traffic between them goes over
+real libp2p streams on loopback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from dht.heartbeat import Heartbeat
+from dht.records import ConfigRecord, PeerRecord
+from dht.registry import SwarmRegistry
+from node import __version__
+from node.config import SwarmConfig
+from node.p2p.network import Network, start_network
+from node.server.stage_service import ServiceOptions, StageService, running_service
+from protocol.version import PROTOCOL_VERSION
+
+
+@dataclass
+class Peer:
+    network: Network
+    record: PeerRecord
+    heartbeat: Heartbeat
+    service: StageService
+
+
+@contextlib.asynccontextmanager
+async def inprocess_swarm(config: SwarmConfig, stages: list[int]) -> AsyncIterator[list[Peer]]:
+    """A bootstrap DHT node plus one serving peer per entry of `stages`, all online."""
+    anchor = await start_network(host="127.0.0.1")
+    networks = [anchor]
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            registry = SwarmRegistry(anchor.dht, config.swarm_id)
+            record = ConfigRecord(PROTOCOL_VERSION, config.config_hash(), config.to_dict(), __version__)
+            await registry.publish_config(record, 600)
+            initial = await anchor.visible_maddrs()
+            peers = []
+            for stage in stages:
+                network = await start_network(host="127.0.0.1", initial_peers=initial)
+                networks.append(network)
+                me = PeerRecord(peer_id=network.peer_id, stage=stage, state="joining", version=__version__)
+                heartbeat = Heartbeat(SwarmRegistry(network.dht, config.swarm_id), lambda me=me: me,
+                                      config.heartbeat.period, config.heartbeat.ttl)
+                await heartbeat.announce_now()
+                service = await stack.enter_async_context(
+                    running_service(network, config, me, heartbeat, ServiceOptions(device="cpu"))
+                )
+                await heartbeat.announce_now()
+                peers.append(Peer(network, me, heartbeat, service))
+            for peer in peers:
+                await peer.service.view.refresh()
+            yield peers
+        finally:
+            await stack.aclose()
+            for network in reversed(networks):
+                await network.shutdown()

@@ -1,0 +1,301 @@
+"""NoLoCo gossip between real peers (own p2pd + DHT node each) inside one test process.
+
+Rounds are started by hand (`Gossip.run_round`); the round loop stays idle because H is far above
+the inner-step counts the tests set. "Training" is simulated: seeded noise added to the weights
+through the worker's executor, and the inner-step counter moved so the replica counts as ripe.
+Runtime: about 60 s for the file (each test starts its own 2-3 peer swarm).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+import torch
+
+from node.config import load_config
+from node.averaging.gossip import Gossip
+from node.averaging.noloco import OuterState, diloco_outer_step, outer_step, pseudo_gradient, relative_distance
+from protocol import MessageKind, recv_message, send_message
+from tests.helpers.inprocess_swarm import inprocess_swarm
+
+H = 1000  # the round loop needs H steps since the last round: never reached here
+RIPE = 600  # >= H/2: enough to answer a partner
+
+
+def gossip_config():
+    return load_config(
+        None,
+        swarm_id="gossip-test",
+        num_stages=2,
+        **{"gossip.inner_steps": H, "gossip.round_timeout": 8.0, "heartbeat.period": 1.0, "heartbeat.ttl": 10.0},
+    )
+
+
+async def on_executor(gossip: Gossip, fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(gossip.worker.executor, fn, *args)
+
+
+def weights(gossip: Gossip) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in gossip.worker.module.parameters()]
+
+
+async def train_a_little(gossip: Gossip, seed: int, scale: float = 0.01) -> None:
+    """Stand-in for RIPE inner steps: move theta by seeded noise."""
+
+    def move() -> None:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in gossip.worker.module.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * scale)
+
+    await on_executor(gossip, move)
+    gossip.worker.inner_step += RIPE
+
+
+async def snapshot(gossip: Gossip) -> tuple[OuterState, list[torch.Tensor]]:
+    return gossip.outer_state, await on_executor(gossip, weights, gossip)
+
+
+async def wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def gossips(peers) -> list[Gossip]:
+    return [peer.service.gossip for peer in peers]
+
+
+@pytest.mark.timeout(90)
+def test_exchange_applies_exactly_the_outer_step_on_both_sides():
+    config = gossip_config()
+    g = config.gossip
+
+    async def scenario():
+        async with inprocess_swarm(config, stages=[1, 1]) as peers:
+            a, b = gossips(peers)
+            # distinct outer weights (as after earlier rounds) so the pull term is exercised
+            for gossip, seed in ((a, 1), (b, 2)):
+                gen = torch.Generator().manual_seed(seed)
+                outer = {k: v + 0.02 * torch.randn(v.shape, generator=gen) if k.startswith("phi.")
+                         else 0.01 * torch.randn(v.shape, generator=gen) for k, v in gossip.export_outer().items()}
+                gossip.import_outer(outer, round=3)
+            await train_a_little(a, seed=10)
+            await train_a_little(b, seed=20)
+            (state_a, theta_a), (state_b, theta_b) = await snapshot(a), await snapshot(b)
+            delta_a, delta_b = pseudo_gradient(state_a, theta_a), pseudo_gradient(state_b, theta_b)
+
+            outcome = await a.run_round(partner=b.me.peer_id)
+            assert outcome.status == "applied", outcome
+            await wait_until(lambda: b.outer_state.round == 4)
+
+            expected_a = outer_step(state_a, delta_a, [state_b.phi], [delta_b], g.outer_momentum, g.outer_lr,
+                                    g.pull_coefficient)
+            expected_b = outer_step(state_b, delta_b, [state_a.phi], [delta_a], g.outer_momentum, g.outer_lr,
+                                    g.pull_coefficient)
+            for gossip, expected, partner in ((a, expected_a, b), (b, expected_b, a)):
+                assert gossip.outer_state.round == expected.round == 4
+                assert_same(gossip.outer_state.phi, expected.phi)
+                assert_same(gossip.outer_state.momentum, expected.momentum)
+                assert_same(await on_executor(gossip, weights, gossip), expected.phi)  # theta <- phi
+                assert gossip.last_partner == partner.me.peer_id
+            assert a.divergence == pytest.approx(relative_distance(state_a.phi, state_b.phi))
+            assert b.divergence == pytest.approx(relative_distance(state_b.phi, state_a.phi))
+            assert a.divergence > 0
+            # the DHT record carries the round, the partner and the divergence
+            peers[0].service.publish_progress()
+            record = peers[0].record
+            assert (record.outer_round, record.last_partner) == (4, b.me.peer_id)
+            assert record.divergence == a.divergence
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(90)
+def test_peer_in_an_exchange_answers_busy():
+    config = gossip_config()
+
+    async def scenario():
+        async with inprocess_swarm(config, stages=[1, 1, 1]) as peers:
+            a, b, c = gossips(peers)
+            for seed, gossip in enumerate((a, b, c)):
+                await train_a_little(gossip, seed)
+            # c is slow to send: the a <-> c exchange stays open for a while
+            original_send = c._send_tensors
+
+            async def slow_send(writer, round_, tensors):
+                await asyncio.sleep(2.0)
+                await original_send(writer, round_, tensors)
+
+            c._send_tensors = slow_send
+            exchange = asyncio.create_task(a.run_round(partner=c.me.peer_id))
+            await wait_until(lambda: a._exchanging and c._exchanging)
+            before = await on_executor(a, weights, a)
+
+            # on the wire: a request to a busy peer gets BUSY back
+            t = b.transport
+            async with t.session(a.me.peer_id, "gossip", 5.0) as (reader, writer):
+                request = t.message(MessageKind.GOSSIP_REQUEST, b._request_meta(b.outer_state.round))
+                await send_message(writer, request, "none", t.limits)
+                reply = await recv_message(reader, t.limits, t.swarm_id)
+            assert reply.kind == MessageKind.BUSY
+            # and the requester's round reports it, without touching anyone's weights
+            busy = await b.run_round(partner=a.me.peer_id)
+            assert busy.status == "busy"
+            assert b.outer_state.round == 0
+
+            assert (await exchange).status == "applied"
+            assert a.outer_state.round == 1
+            assert not all(torch.equal(x, y) for x, y in zip(before, await on_executor(a, weights, a)))
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(90)
+def test_mutual_pick_does_not_deadlock():
+    config = gossip_config()
+
+    async def scenario():
+        async with inprocess_swarm(config, stages=[1, 1]) as peers:
+            a, b = gossips(peers)
+            await train_a_little(a, seed=1)
+            await train_a_little(b, seed=2)
+            before = [await snapshot(a), await snapshot(b)]
+            # both pick each other at the same moment: each is busy with its own round
+            outcomes = await asyncio.wait_for(
+                asyncio.gather(a.run_round(partner=b.me.peer_id), b.run_round(partner=a.me.peer_id)), 5.0
+            )
+            statuses = sorted(o.status for o in outcomes)
+            assert statuses in (["busy", "busy"], ["applied", "busy"]), statuses
+            if statuses == ["busy", "busy"]:
+                for gossip, (state, theta) in zip((a, b), before):
+                    assert gossip.outer_state is state
+                    assert_same(await on_executor(gossip, weights, gossip), theta)
+                # a random pause (what the round loop does) and the next try pairs them
+                assert (await a.run_round(partner=b.me.peer_id)).status == "applied"
+            await wait_until(lambda: a.outer_state.round == b.outer_state.round == 1)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(90)
+def test_partner_disconnecting_mid_exchange_leaves_both_untouched():
+    config = gossip_config()
+
+    async def scenario():
+        async with inprocess_swarm(config, stages=[1, 1]) as peers:
+            a, b = gossips(peers)
+            await train_a_little(a, seed=1)
+            await train_a_little(b, seed=2)
+            before = [await snapshot(a), await snapshot(b)]
+            original_send = b._send_tensors
+
+            async def send_half_then_vanish(writer, round_, tensors):
+                await original_send(writer, round_, tensors[: len(tensors) // 2])
+                writer.close()
+                raise ConnectionError("simulated crash mid-exchange")
+
+            b._send_tensors = send_half_then_vanish
+            # b as the responder, then b as the initiator
+            assert (await a.run_round(partner=b.me.peer_id)).status == "aborted"
+            assert (await b.run_round(partner=a.me.peer_id)).status == "aborted"
+            await asyncio.sleep(0.5)  # let the other side's handler finish
+            for gossip, (state, theta) in zip((a, b), before):
+                assert gossip.outer_state is state and gossip.outer_state.round == 0
+                assert_same(await on_executor(gossip, weights, gossip), theta)
+                assert not gossip._exchanging
+            assert not a.bans.is_banned(b.me.peer_id)  # a crash is not misbehaviour
+
+            b._send_tensors = original_send  # b recovers: the next round works
+            assert (await a.run_round(partner=b.me.peer_id)).status == "applied"
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("poison", ["nan", "huge"])
+def test_poisoned_phi_is_rejected_and_the_sender_banned(poison, caplog):
+    config = gossip_config()
+
+    async def scenario():
+        async with inprocess_swarm(config, stages=[1, 1, 1]) as peers:
+            a, b, evil = gossips(peers)
+            for seed, gossip in enumerate((a, b, evil)):
+                await train_a_little(gossip, seed)
+            before = [await snapshot(a), await snapshot(b)]
+            original_send = evil._send_tensors
+
+            async def poisoned_send(writer, round_, tensors):
+                tensors = list(tensors)
+                tensors[0] = torch.full_like(tensors[0], float("nan")) if poison == "nan" else tensors[0] * 1e4
+                await original_send(writer, round_, tensors)
+
+            evil._send_tensors = poisoned_send
+            evil_id = evil.me.peer_id
+            # a asks the poisoner; the poisoner asks b: rejected both ways
+            outcome = await a.run_round(partner=evil_id)
+            assert outcome.status == "rejected", outcome
+            assert ("NaN" if poison == "nan" else "norm") in outcome.detail
+            assert (await evil.run_round(partner=b.me.peer_id)).status == "aborted"
+            await asyncio.sleep(0.5)
+            for gossip, (state, theta) in zip((a, b), before):
+                assert gossip.outer_state is state
+                assert_same(await on_executor(gossip, weights, gossip), theta)
+                assert gossip.bans.is_banned(evil_id)
+            assert evil_id not in a._candidates()
+            assert "rejected gossip from" in caplog.text
+
+            # the dashboard's event list names the banned peer
+            registry = a.registry
+
+            async def ban_events():
+                return [e for e in await registry.fetch_events() if e.kind == "ban" and e.peer_id == evil_id]
+
+            for _ in range(50):
+                if len(await ban_events()) >= 2:
+                    break
+                await asyncio.sleep(0.1)
+            assert len(await ban_events()) >= 2
+            # honest peers still gossip with each other
+            assert (await a.run_round()).partners == (b.me.peer_id,)
+
+    with caplog.at_level(logging.WARNING, logger="node.averaging.gossip"):
+        asyncio.run(scenario())
+
+
+@pytest.mark.timeout(90)
+def test_diloco_mode_averages_all_replicas():
+    config = gossip_config().replace(gossip={"mode": "diloco"})
+    g = config.gossip
+
+    async def scenario():
+        async with inprocess_swarm(config, stages=[1, 1, 1]) as peers:
+            replicas = gossips(peers)
+            for seed, gossip in enumerate(replicas):
+                await train_a_little(gossip, seed)
+            deltas = []
+            for gossip in replicas:
+                state, theta = await snapshot(gossip)
+                deltas.append(pseudo_gradient(state, theta))
+            start = replicas[0].outer_state
+            # one replica starts round 0; the others join it when asked for their Delta
+            outcome = await replicas[0]._start_diloco_round(0)
+            assert outcome.status == "applied" and len(outcome.partners) == 2, outcome
+            await wait_until(lambda: all(r.outer_state.round == 1 for r in replicas))
+            expected = diloco_outer_step(start, deltas, g.outer_momentum, g.outer_lr)
+            for gossip in replicas:
+                for got, want in zip(gossip.outer_state.phi, expected.phi):
+                    assert torch.allclose(got, want, rtol=0, atol=1e-6)
+                for got, want in zip(await on_executor(gossip, weights, gossip), expected.phi):
+                    assert torch.allclose(got, want, rtol=0, atol=1e-6)
+
+    asyncio.run(scenario())

@@ -1,0 +1,208 @@
+"""node/pipeline/routing.py: SWARM's load-aware randomized next-stage choice, on fake clocks."""
+
+import random
+from collections import Counter
+
+import pytest
+
+from dht.records import PeerRecord
+from node.pipeline.routing import BanList, Router, StageRouter
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+def rec(peer_id, throughput=1.0, stage=1, state="online", expires=0.0):
+    return PeerRecord(peer_id=peer_id, stage=stage, state=state, throughput=throughput, expires=expires)
+
+
+def make(records, seed=0, clock=None):
+    clock = clock or FakeClock()
+    router = StageRouter(random.Random(seed), clock=clock)
+    router.update_peers(records)
+    return router, clock
+
+
+def run(router, clock, n, dt, **kwargs):
+    counts = Counter()
+    for _ in range(n):
+        counts[router.choose(**kwargs)] += 1
+        clock.advance(dt)
+    return counts
+
+
+def test_faster_peer_gets_its_throughput_share():
+    # arrivals (10/s) above the stage's capacity (1 + 3 = 4/s): the stage is busy, shares ~ 1:3
+    router, clock = make([rec("slow", 1.0), rec("fast", 3.0)])
+    counts = run(router, clock, 400, dt=0.1)
+    assert counts["fast"] / 400 == pytest.approx(0.75, abs=0.02)
+    # and at exactly the stage's capacity
+    router, clock = make([rec("slow", 1.0), rec("fast", 3.0)])
+    counts = run(router, clock, 400, dt=0.25)
+    assert counts["fast"] / 400 == pytest.approx(0.75, abs=0.03)
+
+
+def test_idle_stage_sends_to_the_peer_that_finishes_first():
+    # load decays with real time: nobody is busy, so the faster peer (earliest completion) wins
+    router, clock = make([rec("slow", 1.0), rec("fast", 3.0)])
+    counts = run(router, clock, 50, dt=10.0)
+    assert counts == Counter({"fast": 50})
+    assert all(load == 0.0 for _, load, _ in router.snapshot())
+
+
+def test_equal_peers_split_evenly_with_random_tie_breaks():
+    router, clock = make([rec("a"), rec("b")])
+    counts = run(router, clock, 200, dt=0.1)
+    assert abs(counts["a"] - counts["b"]) <= 2
+    firsts = {make([rec("a"), rec("b")], seed=seed)[0].choose() for seed in range(20)}
+    assert firsts == {"a", "b"}
+    # idle equal peers: every choice is a tie, drawn at random
+    router, clock = make([rec("a"), rec("b"), rec("c")], seed=3)
+    counts = run(router, clock, 300, dt=100.0)
+    assert set(counts) == {"a", "b", "c"} and min(counts.values()) > 60
+
+
+def test_banned_peer_skipped_until_ban_expires_then_chosen_again():
+    dht_time = FakeClock(5000.0)
+    bans = BanList(clock=dht_time, min_seconds=10.0)
+    router, clock = make([rec("a"), rec("b"), rec("c")])
+    bans.ban("b", until=dht_time() + 30.0, reason="bad reply")
+    assert bans.is_banned("b") and list(bans.active()) == ["b"]
+    assert bans.active()["b"] == (5030.0, "bad reply")
+    for _ in range(60):
+        assert router.choose(bans=bans) != "b"
+        clock.advance(0.2)
+        dht_time.advance(0.49)
+    assert bans.is_banned("b")
+    dht_time.advance(1.0)  # past 5030
+    assert not bans.is_banned("b") and bans.active() == {}
+    counts = run(router, clock, 90, dt=0.2, bans=bans)
+    # back at the current minimum: its fair third, neither flooded nor starved
+    assert counts["b"] == pytest.approx(30, abs=3)
+
+
+def test_ban_lasts_at_least_the_minimum_and_keeps_the_longer_ban():
+    dht_time = FakeClock(100.0)
+    bans = BanList(clock=dht_time, min_seconds=10.0)
+    bans.ban("x", until=50.0, reason="record already expired")
+    assert bans.active()["x"][0] == 110.0
+    bans.ban("x", until=300.0, reason="second error")
+    bans.ban("x", until=0.0, reason="third error")
+    assert bans.active()["x"] == (300.0, "third error")
+    assert bans.is_banned("x", now=299.0) and not bans.is_banned("x", now=300.0)
+
+
+def test_new_peer_enters_at_current_minimum():
+    router, clock = make([rec("a"), rec("b")])
+    run(router, clock, 200, dt=0.2)  # 5 tasks/s into 2/s of capacity: large backlogs
+    backlog = min(load for _, load, _ in router.snapshot())
+    assert backlog > 50.0
+    router.update_peers([rec("a"), rec("b"), rec("new")])
+    assert dict((p, load) for p, load, _ in router.snapshot())["new"] == pytest.approx(backlog)
+    first = run(router, clock, 30, dt=0.2)
+    assert 7 <= first["new"] <= 13  # not flooded (entering idle would take all 30)
+    later = run(router, clock, 300, dt=0.2)
+    assert later["new"] / 300 == pytest.approx(1 / 3, abs=0.03)  # not starved
+
+
+def test_new_peer_without_announced_throughput_uses_stage_median_then_measurement():
+    router, clock = make([rec("a", 2.0), rec("b", 4.0), rec("c", 6.0)])
+    router.update_peers([rec("a", 2.0), rec("b", 4.0), rec("c", 6.0), rec("d", 0.0)])
+    assert router.throughput("d") == pytest.approx(4.0)
+    router.observe("d", task_size=2.0, seconds=1.0)  # a guess: the first measurement replaces it
+    assert router.throughput("d") == pytest.approx(2.0)
+    empty, _ = make([rec("z", 0.0)])
+    assert empty.throughput("z") == pytest.approx(1.0)
+
+
+def test_vanished_and_non_online_peers_are_removed():
+    router, clock = make([rec("a"), rec("b"), rec("c", state="joining")])
+    assert [p for p, _, _ in router.snapshot()] == ["a", "b"]
+    router.update_peers([rec("a"), rec("b", state="leaving")])
+    assert [p for p, _, _ in router.snapshot()] == ["a"]
+    assert set(run(router, clock, 20, dt=0.1)) == {"a"}
+    router.observe("b", 1.0, 1.0)  # a late reply from a vanished peer: ignored
+    assert "b" not in router
+    router.update_peers([])
+    assert router.choose() is None
+
+
+def test_exclude_retries_elsewhere():
+    router, clock = make([rec("a", 1.0), rec("b", 5.0), rec("c", 2.0)])
+    assert router.choose() == "b"
+    assert router.choose(exclude={"b"}) == "c"
+    assert router.choose(exclude=["b", "c"]) == "a"
+    assert router.choose(exclude={"a", "b", "c"}) is None
+
+
+def test_observe_is_an_ema_of_seconds_per_unit():
+    router, _ = make([rec("a", 2.0)])  # announced 2/s -> 0.5 s per unit
+    router.observe("a", task_size=1.0, seconds=1.0)
+    assert router.throughput("a") == pytest.approx(1 / (0.9 * 0.5 + 0.1 * 1.0))
+    router.observe("a", task_size=4.0, seconds=1.0)
+    assert router.throughput("a") == pytest.approx(1 / (0.9 * 0.55 + 0.1 * 0.25))
+    # a measured peer ignores later announcements; an unmeasured one is re-seeded
+    router.update_peers([rec("a", 100.0), rec("b", 3.0)])
+    router.update_peers([rec("a", 100.0), rec("b", 6.0)])
+    assert router.throughput("a") == pytest.approx(1 / (0.9 * 0.55 + 0.1 * 0.25))
+    assert router.throughput("b") == pytest.approx(6.0)
+    with pytest.raises(ValueError):
+        router.observe("a", 0.0, 1.0)
+
+
+def test_observed_slowdown_shifts_traffic():
+    router, clock = make([rec("a", 1.0), rec("b", 1.0)])
+    for _ in range(30):
+        router.observe("b", 1.0, 4.0)  # b turns out 4x slower than announced
+    counts = run(router, clock, 500, dt=0.05)
+    assert counts["a"] / 500 == pytest.approx(0.8, abs=0.03)
+
+
+def test_charge_and_release():
+    router, clock = make([rec("a", 2.0)])
+    assert router.choose(task_size=3.0) == "a"
+    assert router.snapshot() == [("a", pytest.approx(1.5), pytest.approx(2.0))]
+    router.release("a", 3.0)
+    assert router.snapshot()[0][1] == 0.0
+    router.choose(task_size=2.0)
+    clock.advance(0.4)
+    assert router.snapshot()[0][1] == pytest.approx(0.6)
+
+
+def test_no_candidate_returns_none():
+    bans = BanList(clock=FakeClock(0.0))
+    assert StageRouter(random.Random(0), clock=FakeClock()).choose() is None
+    router, _ = make([rec("a")])
+    bans.ban("a", until=100.0, reason="x")
+    assert router.choose(bans=bans) is None
+
+
+def test_router_refresh_filters_and_shares_bans():
+    dht_time = FakeClock(500.0)
+    clock = FakeClock()
+    router = Router(random.Random(1), num_stages=3, clock=clock, dht_clock=dht_time)
+    router.refresh(
+        {
+            1: [rec("p1", stage=1), rec("j1", stage=1, state="joining"), rec("x2", stage=2),
+                rec("old", stage=1, expires=400.0), rec("live", stage=1, expires=600.0)],
+            2: [rec("p2", stage=2)],
+            7: [rec("ignored", stage=7)],
+        }
+    )
+    assert [p for p, _, _ in router.for_stage(1).snapshot()] == ["live", "p1"]
+    assert router.choose(2) == "p2"
+    router.ban("p2", until=dht_time() + 20.0, reason="error")
+    assert router.choose(2) is None and router.for_stage(2).choose() == "p2"
+    router.refresh({1: []})  # a stage not listed keeps its peers
+    assert router.for_stage(1).choose() is None and "p2" in router.for_stage(2)
+    assert router.for_stage(0).choose() is None
+    with pytest.raises(ValueError):
+        router.for_stage(3)

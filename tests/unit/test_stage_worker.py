@@ -1,0 +1,363 @@
+"""node/pipeline/stage_worker.py: pipeline == single process (grads and AdamW step), loss falls, clipping,
+bad inputs, activation bookkeeping, lr schedule, staleness across a step, executor."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from node.config import SwarmConfig
+from node.model.data import open_source
+from node.model.llama import ReferenceModel
+from node.pipeline.stage_worker import ADAM_BETAS, ADAM_EPS, StageWorker, UnknownMicrobatch, lr_at
+
+BASE = SwarmConfig(num_stages=3)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matrices: intra-op threads only contend on the shared cores (10x slower with 2)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def cfg(**training: object) -> SwarmConfig:
+    return BASE.replace(training=training) if training else BASE
+
+
+def batch(config: SwarmConfig, b: int = 2, t: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    seqs = torch.randint(0, config.model.vocab_size, (b, t + 1), generator=g)
+    return seqs[:, :-1], seqs[:, 1:]
+
+
+def workers(config: SwarmConfig, **kw: object) -> list[StageWorker]:
+    return [StageWorker(config, s, **kw) for s in range(config.num_stages)]
+
+
+def run_microbatch(ws: list[StageWorker], key: tuple[str, int], tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    h = ws[0].embed(key, tokens)
+    for w in ws[1:]:
+        h = w.forward(key, h)
+    loss, g = ws[0].head_loss_backward(key, h, targets)
+    for w in reversed(ws[1:]):
+        g = w.backward(key, g)
+    ws[0].embed_backward(key, g)
+    return loss
+
+
+def close_all(ws: list[StageWorker]) -> None:
+    for w in ws:
+        w.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. Correctness against the single-process reference
+
+
+def test_pipeline_grads_and_step_match_reference() -> None:
+    config = cfg(microbatches_per_step=3, warmup_steps=2, weight_decay=0.1, grad_clip=0.5)
+    mps = config.training.microbatches_per_step
+    ws = workers(config)
+    ref = ReferenceModel(config)
+    ref_stages = [ref.edge, *ref.blocks]
+    opts = [
+        torch.optim.AdamW(m.parameters(), lr=lr_at(config, 0), betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.1)
+        for m in ref_stages
+    ]
+    data = [batch(config, seed=i) for i in range(mps)]
+    try:
+        for i, (tok, tgt) in enumerate(data):
+            loss = run_microbatch(ws, ("peer", i), tok, tgt)
+            ref_loss = ref(tok, tgt)
+            (ref_loss / mps).backward()
+            assert loss == pytest.approx(ref_loss.item(), abs=1e-6)
+            if i == mps - 2:  # everything accumulated but the step not fired yet
+                for w, m in zip(ws, ref_stages):
+                    assert w.inner_step == 0 and w.accumulated == mps - 1
+                    for (name, p), q in zip(w.module.named_parameters(), m.parameters()):
+                        # the last microbatch is still missing on both sides
+                        assert p.grad is not None and torch.allclose(p.grad, q.grad, atol=1e-5, rtol=0), name
+        for w, m, opt in zip(ws, ref_stages, opts):
+            norm = torch.nn.utils.clip_grad_norm_(list(m.parameters()), config.training.grad_clip)
+            opt.step()
+            assert w.inner_step == 1 and w.accumulated == 0 and w.microbatches_done == mps
+            assert w.last_grad_norm == pytest.approx(min(float(norm), 0.5), rel=1e-4)
+            assert all(p.grad is None for p in w.module.parameters())
+            for (name, p), q in zip(w.module.named_parameters(), m.parameters()):
+                assert torch.allclose(p, q, atol=1e-6, rtol=0), name
+    finally:
+        close_all(ws)
+
+
+def test_backward_after_an_intervening_step_recomputes() -> None:
+    config = cfg(microbatches_per_step=1)
+    w = StageWorker(config, 1)
+    try:
+        xa, xb = torch.randn(2, 8, 64), torch.randn(2, 8, 64)
+        w.forward("a", xa)
+        w.forward("b", xb)
+        w.backward("b", torch.randn(2, 8, 64))  # steps: the weights "a" saw are gone
+        assert w.inner_step == 1
+        expected_module = copy.deepcopy(w.module)
+        x = xa.clone().requires_grad_(True)
+        g = torch.randn(2, 8, 64)
+        expected_module(x).backward(g)
+        grad_in = w.backward("a", g)  # would raise "modified by an inplace operation" without recompute
+        assert torch.allclose(grad_in, x.grad, atol=1e-6)
+        assert w.inner_step == 2
+    finally:
+        w.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. Training works
+
+
+def test_loss_falls_on_synthetic_source() -> None:
+    config = cfg(microbatch_size=8, sequence_length=32, microbatches_per_step=2, warmup_steps=10, total_steps=100)
+    source = open_source(config, None, stream_id=1)
+    ws = workers(config)
+    losses = []
+    try:
+        for i in range(200):
+            tok, tgt = source.next_batch(8, 32)
+            losses.append(run_microbatch(ws, ("p", i), tok, tgt))
+        assert all(w.inner_step == 100 for w in ws)
+        first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+        assert first > math.log(256) - 0.3
+        assert last < 2.5, (first, last)  # floor ~1.10; reaches ~1.6
+        assert all(w.num_stored == 0 for w in ws)
+        assert all(w.throughput > 0 for w in ws)
+    finally:
+        close_all(ws)
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. Clipping
+
+
+@pytest.mark.parametrize("clip", [0.01, 1e6])
+def test_grad_norm_recorded_after_clipping(clip: float) -> None:
+    config = cfg(microbatches_per_step=1, grad_clip=clip)
+    w = StageWorker(config, 1)
+    try:
+        x, g = torch.randn(2, 8, 64), torch.randn(2, 8, 64)
+        m = copy.deepcopy(w.module)
+        m(x).backward(g)
+        total = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in m.parameters()))
+        w.forward("k", x)
+        w.backward("k", g)
+        assert w.last_grad_norm is not None and w.last_grad_norm <= clip
+        assert w.last_grad_norm == pytest.approx(min(total, clip), rel=1e-4)
+        if clip < 1:
+            assert total > clip  # the clipping branch really ran
+    finally:
+        w.close()
+
+
+def test_non_finite_gradient_skips_the_step() -> None:
+    w = StageWorker(cfg(microbatches_per_step=1), 1)
+    try:
+        before = w.state_dict()
+        for p in w.module.parameters():
+            p.grad = torch.full_like(p, float("nan"))
+        w._step()
+        assert w.skipped_steps == 1 and w.inner_step == 0 and w.last_grad_norm is None
+        assert all(torch.equal(before[k], v) for k, v in w.state_dict().items())
+        assert all(p.grad is None for p in w.module.parameters())
+    finally:
+        w.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. Bad inputs
+
+
+def test_bad_block_inputs_raise_and_worker_keeps_working() -> None:
+    config = cfg(microbatches_per_step=1)
+    w = StageWorker(config, 1)
+    try:
+        bad = [
+            torch.randn(2, 8, 32),  # wrong hidden size
+            torch.randn(8, 64),  # wrong rank
+            torch.randn(2, 257, 64),  # longer than max_position_embeddings
+            torch.randn(9, 8, 64),  # batch above microbatch_size
+            torch.zeros(2, 8, 64, dtype=torch.long),  # not floating point
+            torch.full((2, 8, 64), float("nan")),
+            torch.full((2, 8, 64), 1e39, dtype=torch.float64),  # overflows float32 -> inf
+            "not a tensor",
+        ]
+        for x in bad:
+            with pytest.raises(ValueError):
+                w.forward("k", x)  # type: ignore[arg-type]
+        assert w.num_stored == 0
+        with pytest.raises(UnknownMicrobatch) as info:
+            w.backward("nope", torch.randn(2, 8, 64))
+        assert isinstance(info.value, KeyError) and "nope" in str(info.value)
+        with pytest.raises(ValueError):
+            w.embed("k", torch.zeros(2, 8, dtype=torch.long))  # edge-stage call on a block stage
+
+        # fp16 from the wire is accepted and cast; a wrong-shape gradient keeps the entry
+        out = w.forward("k", torch.randn(2, 8, 64).half())
+        assert out.dtype == torch.float32 and out.shape == (2, 8, 64)
+        with pytest.raises(ValueError):
+            w.backward("k", torch.randn(2, 4, 64))
+        with pytest.raises(ValueError):
+            w.backward("k", torch.full((2, 8, 64), float("inf")))
+        assert w.num_stored == 1
+        grad_in = w.backward("k", torch.randn(2, 8, 64).bfloat16())
+        assert grad_in.shape == (2, 8, 64) and torch.isfinite(grad_in).all() and w.inner_step == 1
+
+        # through the executor: the error reaches the caller, the thread lives on
+        fut = w.executor.submit(w.forward, "e", torch.randn(2, 8, 3))
+        with pytest.raises(ValueError):
+            fut.result()
+        assert w.executor.submit(w.forward, "e", torch.randn(2, 8, 64)).result().shape == (2, 8, 64)
+    finally:
+        w.close()
+
+
+def test_bad_edge_inputs_raise_and_worker_keeps_working() -> None:
+    config = cfg(microbatches_per_step=1)
+    ws = workers(config)
+    w0 = ws[0]
+    try:
+        for tok in (
+            torch.full((2, 8), 256),  # out of vocab
+            torch.full((2, 8), -1),
+            torch.zeros(2, 8),  # float tokens
+            torch.zeros(2, 8, dtype=torch.bool),
+            torch.zeros(2, 8, 3, dtype=torch.long),
+        ):
+            with pytest.raises(ValueError):
+                w0.embed("k", tok)
+        with pytest.raises(ValueError):
+            w0.forward("k", torch.randn(2, 8, 64))  # block-stage call on stage 0
+        with pytest.raises(UnknownMicrobatch):
+            w0.head_loss_backward("k", torch.randn(2, 8, 64), torch.zeros(2, 8, dtype=torch.long))
+        tok, tgt = batch(config, t=8)
+        h = w0.embed("k", tok)
+        with pytest.raises(ValueError):
+            w0.embed_backward("k", torch.randn(2, 8, 64))  # before the head
+        with pytest.raises(ValueError):
+            w0.head_loss_backward("k", h, torch.full((2, 8), 999))
+        with pytest.raises(ValueError):
+            w0.head_loss_backward("k", h, tgt[:, :4])
+        with pytest.raises(ValueError):
+            w0.head_loss_backward("k", h[:, :4], tgt[:, :4])
+        w0.drop("k")
+        assert run_microbatch(ws, ("ok", 0), tok, tgt) > 0
+        assert all(w.inner_step == 1 for w in ws)
+    finally:
+        close_all(ws)
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. Stored activations
+
+
+def test_drop_expire_and_bound() -> None:
+    config = cfg()
+    w = StageWorker(config, 2, max_stored=3)
+    try:
+        for i in range(5):
+            w.forward(("p", i), torch.randn(1, 4, 64))
+        assert w.num_stored == 3 and w.evicted == 2
+        with pytest.raises(UnknownMicrobatch):
+            w.backward(("p", 0), torch.randn(1, 4, 64))  # the oldest went first
+        w.drop(("p", 4))
+        w.drop(("p", 99))  # unknown: no error
+        assert w.num_stored == 2
+        assert w.expire(3600.0) == 0 and w.num_stored == 2
+        assert w.expire(0.0) == 2 and w.num_stored == 0
+        # drop from the event-loop thread while the executor owns the compute
+        w.executor.submit(w.forward, "x", torch.randn(1, 4, 64)).result()
+        w.drop("x")
+        with pytest.raises(UnknownMicrobatch):
+            w.executor.submit(w.backward, "x", torch.randn(1, 4, 64)).result()
+        for i in range(50):  # a stream of microbatches whose backward never comes
+            w.forward(("dead", i), torch.randn(1, 4, 64))
+            assert w.num_stored <= 3
+    finally:
+        w.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. Learning-rate schedule
+
+
+def test_lr_schedule_and_scale() -> None:
+    config = cfg(learning_rate=1e-2, warmup_steps=10, total_steps=110, min_lr_ratio=0.1, microbatches_per_step=1)
+    assert lr_at(config, 0) == pytest.approx(1e-3)
+    assert lr_at(config, 4) == pytest.approx(5e-3)
+    assert lr_at(config, 9) == pytest.approx(1e-2)  # end of warmup
+    assert lr_at(config, 10) == pytest.approx(1e-2)  # cosine starts at the peak
+    assert lr_at(config, 60) == pytest.approx(1e-2 * (0.1 + 0.9 * 0.5))  # half way down
+    assert lr_at(config, 110) == pytest.approx(1e-3)
+    assert lr_at(config, 10_000) == pytest.approx(1e-3)  # flat afterwards
+    values = [lr_at(config, s) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+
+    w = StageWorker(config, 1, lr_scale=1.1)
+    try:
+        assert w.current_lr == pytest.approx(1.1e-3)
+        w.set_lr_scale(1.2)
+        assert w.current_lr == pytest.approx(1.2e-3)
+        for bad in (0, -1, float("nan"), float("inf")):
+            with pytest.raises(ValueError):
+                w.set_lr_scale(bad)
+        w.forward("k", torch.randn(1, 4, 64))
+        w.backward("k", torch.randn(1, 4, 64))
+        assert w.optimizer.param_groups[0]["lr"] == pytest.approx(1.2e-3)  # the step used it
+        assert w.current_lr == pytest.approx(1.2 * 2e-3)
+    finally:
+        w.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# State, optimizer reset, throughput, close
+
+
+def test_state_dict_roundtrip_reset_and_close() -> None:
+    config = cfg(microbatches_per_step=2)
+    a, b = StageWorker(config, 1), StageWorker(config, 2)
+    try:
+        sd = a.state_dict()
+        with pytest.raises(ValueError):
+            b.load_state_dict({k: v for k, v in list(sd.items())[1:]})
+        with pytest.raises(ValueError):
+            b.load_state_dict({k: v[..., :1] if v.dim() else v for k, v in sd.items()})
+        b.forward("k", torch.randn(1, 4, 64))
+        b.backward("k", torch.randn(1, 4, 64))
+        assert b.accumulated == 1
+        b.load_state_dict(sd)  # fresh optimizer: accumulated grads are discarded
+        assert b.accumulated == 0 and all(p.grad is None for p in b.module.parameters())
+        assert all(torch.equal(sd[k], v) for k, v in b.state_dict().items())
+        sd["layers.0.mlp.up_proj.weight"].zero_()  # a copy: the worker is untouched
+        assert not torch.equal(b.state_dict()["layers.0.mlp.up_proj.weight"], sd["layers.0.mlp.up_proj.weight"])
+
+        b.forward("k", torch.randn(1, 4, 64))
+        b.backward("k", torch.randn(1, 4, 64))
+        b.forward("k", torch.randn(1, 4, 64))
+        b.backward("k", torch.randn(1, 4, 64))
+        assert b.inner_step == 1 and len(b.optimizer.state) > 0
+        b.reset_optimizer()
+        assert len(b.optimizer.state) == 0 and b.inner_step == 1
+
+        tp = a.measure_throughput(2, 8, repeats=1)
+        assert tp > 0 and a.throughput == tp and a.num_stored == 0
+        assert all(p.grad is None for p in a.module.parameters())
+    finally:
+        a.close()
+        b.close()
+    with pytest.raises(RuntimeError):
+        a.executor.submit(lambda: None)
+    with pytest.raises(RuntimeError):
+        a.forward("k", torch.randn(1, 4, 64))
+    a.close()  # idempotent
