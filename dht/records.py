@@ -14,9 +14,38 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields
+from enum import StrEnum
 from typing import Any, Mapping
 
-PEER_STATES = ("joining", "online", "leaving", "rebuilding")
+from protocol.plain import plain_dict
+
+
+class PeerState(StrEnum):
+    """Where a peer is in its life; only `ONLINE` peers are routed to. A StrEnum so that records
+    stay plain msgpack strings on the wire."""
+
+    JOINING = "joining"  # claimed a stage, still loading its state
+    ONLINE = "online"  # serving its stage
+    LEAVING = "leaving"  # shutting down (written once on SIGTERM)
+    REBUILDING = "rebuilding"  # rebuilding a lost stage from its neighbours
+
+
+class EventKind(StrEnum):
+    """What a `SwarmEvent` reports. Events are displayed, never acted upon."""
+
+    LOST = "lost"
+    REBUILD = "rebuild"
+    UNRECOVERABLE = "unrecoverable"
+    BAN = "ban"
+    GOSSIP_FAILURE = "gossip_failure"
+
+
+def short_peer_id(peer_id: Any, n: int = 8) -> str:
+    """The last `n` characters of a peer id: enough to tell peers apart in logs and tables."""
+    if peer_id is None:
+        return "-"
+    return str(peer_id)[-n:]
+
 MAX_ID_CHARS = 128
 MAX_NAME_CHARS = 64
 MAX_FINGERPRINT = 16
@@ -72,13 +101,20 @@ def _check_floats(value: Any, name: str, limit: int) -> list[float] | None:
     return [_check_float(item, name) for item in value]  # type: ignore[misc]
 
 
+def _check_state(value: Any) -> PeerState:
+    try:
+        return PeerState(_check_str(value, "state", 16))
+    except ValueError:
+        raise RecordError(f"state: {value!r} is not one of {[state.value for state in PeerState]}") from None
+
+
 @dataclass
 class PeerRecord:
     """One peer's self-description, re-announced every heartbeat period."""
 
     peer_id: str
     stage: int
-    state: str = "joining"
+    state: PeerState = PeerState.JOINING
     throughput: float = 0.0
     inner_step: int = 0
     outer_round: int = 0
@@ -96,7 +132,7 @@ class PeerRecord:
     expires: float = field(default=0.0, compare=False)
 
     def to_wire(self) -> dict[str, Any]:
-        wire = asdict(self)
+        wire = asdict(self, dict_factory=plain_dict)
         del wire["expires"]
         return wire
 
@@ -114,7 +150,7 @@ class PeerRecord:
         record = cls(
             peer_id=_check_str(values["peer_id"], "peer_id", MAX_ID_CHARS),
             stage=_check_int(values["stage"], "stage", 0, 1024),
-            state=_check_str(values["state"], "state", 16),
+            state=_check_state(values["state"]),
             throughput=_check_float(values.get("throughput", 0.0), "throughput", low=0.0),  # type: ignore[arg-type]
             inner_step=_check_int(values.get("inner_step", 0), "inner_step"),
             outer_round=_check_int(values.get("outer_round", 0), "outer_round"),
@@ -130,8 +166,6 @@ class PeerRecord:
             updated=_check_float(values.get("updated", 0.0), "updated", low=0.0),  # type: ignore[arg-type]
             expires=expires,
         )
-        if record.state not in PEER_STATES:
-            raise RecordError(f"state: {record.state!r} is not one of {PEER_STATES}")
         if subkey is not None and subkey != record.peer_id:
             raise RecordError(f"record for {record.peer_id!r} filed under subkey {subkey!r}")
         if stage is not None and stage != record.stage:
@@ -141,7 +175,7 @@ class PeerRecord:
     @property
     def serving(self) -> bool:
         """Whether others may route work to this peer."""
-        return self.state == "online"
+        return self.state == PeerState.ONLINE
 
 
 @dataclass(frozen=True)
@@ -154,7 +188,7 @@ class ConfigRecord:
     software_version: str
 
     def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
+        return asdict(self, dict_factory=plain_dict)
 
     @classmethod
     def from_wire(cls, raw: Any) -> "ConfigRecord":
@@ -173,18 +207,25 @@ class ConfigRecord:
         )
 
 
+def _check_event_kind(value: Any) -> EventKind:
+    try:
+        return EventKind(_check_str(value, "kind", 32))
+    except ValueError:
+        raise RecordError(f"event kind {value!r} is not one of {[kind.value for kind in EventKind]}") from None
+
+
 @dataclass(frozen=True)
 class SwarmEvent:
     """Something peers want the dashboard to list: a rebuild, a ban, a failed gossip round."""
 
     time: float
-    kind: str
+    kind: EventKind
     peer_id: str
     stage: int | None
     detail: str
 
     def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
+        return asdict(self, dict_factory=plain_dict)
 
     @classmethod
     def from_wire(cls, raw: Any) -> "SwarmEvent":
@@ -193,7 +234,7 @@ class SwarmEvent:
         stage = raw.get("stage")
         return cls(
             time=_check_float(raw.get("time"), "time", low=0.0),  # type: ignore[arg-type]
-            kind=_check_str(raw.get("kind"), "kind", 32),
+            kind=_check_event_kind(raw.get("kind")),
             peer_id=_check_str(raw.get("peer_id", ""), "peer_id", MAX_ID_CHARS),
             stage=None if stage is None else _check_int(stage, "stage", 0, 1024),
             detail=_check_str(raw.get("detail", ""), "detail", 512),

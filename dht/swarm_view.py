@@ -13,7 +13,7 @@ from typing import Callable
 
 from hivemind.utils import get_dht_time
 
-from dht.records import PeerRecord
+from dht.records import PeerRecord, PeerState
 from dht.registry import SwarmRegistry
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class SwarmView:
         self._listeners.append(listener)
 
     def online(self, stage: int, exclude: str | None = None) -> list[PeerRecord]:
-        return [p for p in self.peers_by_stage.get(stage, []) if p.state == "online" and p.peer_id != exclude]
+        return [p for p in self.peers_by_stage.get(stage, []) if p.state == PeerState.ONLINE and p.peer_id != exclude]
 
     def record_of(self, peer_id: str) -> PeerRecord | None:
         for peers in self.peers_by_stage.values():

@@ -13,10 +13,30 @@ import hashlib
 import json
 import tomllib
 from dataclasses import dataclass, field, fields
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Mapping
 
+from protocol.plain import plain_dict
+from protocol.tensors import Compression
 from protocol.version import PROTOCOL_VERSION
+
+
+class GossipMode(StrEnum):
+    """How replicas of a stage are kept together (docs/gossip.md)."""
+
+    NOLOCO = "noloco"  # every H steps, an outer step with ONE random partner
+    DILOCO = "diloco"  # every H steps, an outer step with every live replica
+    NONE = "none"  # replicas drift apart (a baseline)
+
+
+class RecoveryStrategy(StrEnum):
+    """How a stage whose peers all vanished is rebuilt (docs/recovery.md)."""
+
+    CHECKFREE = "checkfree"  # gradient-norm-weighted average of the two neighbours
+    COPY = "copy"  # copy one neighbour
+    RANDOM = "random"  # a fresh initialisation that can relearn
+    CHECKPOINT = "checkpoint"  # reload the stage's last local checkpoint
 
 
 class ConfigError(ValueError):
@@ -50,14 +70,14 @@ class TrainingConfig:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    wire_compression: str = "fp16"
+    wire_compression: Compression = Compression.FP16
     hop_timeout: float = 20.0
     max_retries: int = 3
 
 
 @dataclass(frozen=True)
 class GossipConfig:
-    mode: str = "noloco"
+    mode: GossipMode = GossipMode.NOLOCO
     inner_steps: int = 50
     outer_momentum: float = 0.5
     outer_lr: float = 0.7
@@ -72,7 +92,7 @@ class GossipConfig:
 
 @dataclass(frozen=True)
 class RecoveryConfig:
-    strategy: str = "checkfree"
+    strategy: RecoveryStrategy = RecoveryStrategy.CHECKFREE
     checkfree_plus: bool = True
     lr_scale: float = 1.1
     lost_grace: float = 10.0
@@ -110,7 +130,8 @@ class SwarmConfig:
         validate(self)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain values only (enums as their strings): it is hashed, stored in the DHT and printed."""
+        return dataclasses.asdict(self, dict_factory=plain_dict)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "SwarmConfig":
@@ -163,6 +184,13 @@ def _build(cls: type, raw: Mapping[str, Any], where: str) -> Any:
     return cls(**values)
 
 
+_ENUM_TYPES: dict[str, type[StrEnum]] = {
+    "Compression": Compression,
+    "GossipMode": GossipMode,
+    "RecoveryStrategy": RecoveryStrategy,
+}
+
+
 def _coerce(spec: dataclasses.Field, value: Any, path: str) -> Any:
     expected = spec.type if isinstance(spec.type, str) else getattr(spec.type, "__name__", str(spec.type))
     if expected == "float | None":
@@ -171,6 +199,13 @@ def _coerce(spec: dataclasses.Field, value: Any, path: str) -> Any:
         expected = "float"
     if expected == "float" and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    enum_type = _ENUM_TYPES.get(expected)
+    if enum_type is not None:
+        try:
+            return enum_type(value)
+        except ValueError:
+            choices = ", ".join(member.value for member in enum_type)
+            raise ConfigError(f"{path}: {value!r} is not one of {choices}") from None
     python_type = {"int": int, "float": float, "str": str, "bool": bool}.get(expected)
     if python_type is None:
         raise ConfigError(f"{path}: unsupported field type {expected}")
@@ -197,13 +232,10 @@ def validate(config: SwarmConfig) -> None:
     t = config.training
     need(t.sequence_length <= m.max_position_embeddings, "sequence_length exceeds max_position_embeddings")
     need(t.microbatch_size >= 1 and t.microbatches_per_step >= 1 and t.max_in_flight >= 1, "batch sizes must be >= 1")
-    need(t.wire_compression in ("none", "fp16", "bf16", "int8"), "wire_compression is one of none, fp16, bf16, int8")
     need(t.hop_timeout > 0 and t.max_retries >= 0 and t.grad_clip > 0, "hop_timeout, grad_clip > 0; max_retries >= 0")
     g = config.gossip
-    need(g.mode in ("noloco", "diloco", "none"), "gossip.mode is one of noloco, diloco, none")
     need(g.inner_steps >= 1 and g.round_timeout > 0 and g.max_norm_factor > 1, "gossip: inner_steps >= 1, timeout > 0, norm factor > 1")
     r = config.recovery
-    need(r.strategy in ("checkfree", "copy", "random", "checkpoint"), "recovery.strategy is one of checkfree, copy, random, checkpoint")
     need(r.lr_scale > 0 and r.lost_grace >= 0 and r.rebalance_wait >= 0, "recovery: lr_scale > 0, waits >= 0")
     h = config.heartbeat
     need(0 < h.period < h.ttl, "heartbeat: 0 < period < ttl")

@@ -13,6 +13,7 @@ import asyncio
 import sys
 import tempfile
 import time
+from dht.records import PeerState
 from pathlib import Path
 
 from rich.console import Console
@@ -23,7 +24,7 @@ from node.local_swarm import Swarm, peers_by_stage, wait_for
 
 
 def summarize(snapshot: dict) -> dict:
-    online = [peer for stage in snapshot["stages"] for peer in stage["peers"] if peer["state"] == "online"]
+    online = [peer for stage in snapshot["stages"] for peer in stage["peers"] if peer["state"] == PeerState.ONLINE]
     losses = [peer["loss"] for peer in online if peer["stage"] == 0 and peer["loss"] is not None]
     return {
         "online": len(online),

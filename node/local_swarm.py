@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from dht.records import PeerState
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -146,7 +147,7 @@ def wait_for(predicate: Callable[[], Any], timeout: float, message: str, interva
         time.sleep(interval)
 
 
-def peers_by_stage(snapshot: dict[str, Any], states: tuple[str, ...] = ("online",)) -> dict[int, list[str]]:
+def peers_by_stage(snapshot: dict[str, Any], states: tuple[str, ...] = (PeerState.ONLINE,)) -> dict[int, list[str]]:
     return {
         stage["stage"]: [peer["peer_id"] for peer in stage["peers"] if peer["state"] in states]
         for stage in snapshot["stages"]

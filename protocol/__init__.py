@@ -12,11 +12,12 @@ from protocol.messages import (
     decode_message,
     encode_message,
 )
-from protocol.tensors import COMPRESSIONS, DTYPES, decode_tensor, encode_tensor
+from protocol.tensors import COMPRESSIONS, Compression, DTYPES, decode_tensor, encode_tensor
 from protocol.version import PROTOCOL_VERSION
 
 __all__ = [
     "COMPRESSIONS",
+    "Compression",
     "DEFAULT_LIMITS",
     "DTYPES",
     "KIND_SCHEMAS",

@@ -13,6 +13,8 @@ import sys
 from typing import Any
 
 import numpy as np
+from enum import StrEnum
+
 import torch
 
 from protocol.errors import ProtocolError
@@ -34,7 +36,18 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
-COMPRESSIONS = ("none", "fp16", "bf16", "int8")
+
+
+class Compression(StrEnum):
+    """How floating tensors travel on the wire (the receiver always gets the original dtype back)."""
+
+    NONE = "none"  # the tensor's own dtype, bit-exact
+    FP16 = "fp16"
+    BF16 = "bf16"
+    INT8 = "int8"  # blockwise absmax int8 with fp32 scales
+
+
+COMPRESSIONS = tuple(Compression)
 # bytes per element of "data" for each lossy codec ("none" uses the original dtype's itemsize)
 _CODEC_ITEMSIZE = {"fp16": 2, "bf16": 2, "int8": 1}
 # int8 scales are fp32: fp16 would flush the scales of typical gradients (absmax ~1e-6) to zero

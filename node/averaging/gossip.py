@@ -42,7 +42,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from dht.records import PeerRecord, SwarmEvent
+from dht.announcer import PeerAnnouncer
+from dht.records import PeerState, SwarmEvent
 from dht.registry import SwarmRegistry
 from node.config import SwarmConfig
 from node.averaging.noloco import (
@@ -136,7 +137,7 @@ class Gossip:
     def __init__(
         self,
         config: SwarmConfig,
-        me: PeerRecord,
+        me: PeerAnnouncer,
         worker: StageWorker,
         transport: Transport,
         view: SwarmView,
@@ -186,7 +187,7 @@ class Gossip:
         try:
             while True:
                 await asyncio.sleep(POLL_SECONDS)
-                if self.me.state != "online" or self.steps_since_round < self.settings.inner_steps:
+                if self.me.state != PeerState.ONLINE or self.steps_since_round < self.settings.inner_steps:
                     due_since = None
                     continue
                 if self._exchanging or (self._diloco_task is not None and not self._diloco_task.done()):
@@ -508,7 +509,7 @@ class Gossip:
             return
         steps = request.meta.get("steps")
         partner_steps = steps if isinstance(steps, int) and not isinstance(steps, bool) else 0
-        if self._exchanging or not self._ripe(partner_steps) or self.me.state != "online":
+        if self._exchanging or not self._ripe(partner_steps) or self.me.state != PeerState.ONLINE:
             await self._send(writer, self.transport.message(MessageKind.BUSY, request_id=request.request_id))
             return
         self._exchanging = True
@@ -607,7 +608,7 @@ class Gossip:
         if self._published is None or self._published[0] != wanted:
             running = self._diloco_task is not None and not self._diloco_task.done()
             if not running:
-                if wanted < self.outer_state.round or not self.steps_since_round or self.me.state != "online":
+                if wanted < self.outer_state.round or not self.steps_since_round or self.me.state != PeerState.ONLINE:
                     await self._send(writer, self.transport.error(f"no Delta for round {wanted}", request.request_id))
                     return
                 # a peer may be ahead of our round counter (we missed rounds): round labels only

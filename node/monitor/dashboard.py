@@ -29,6 +29,7 @@ import signal
 import sys
 import time
 import unicodedata
+from dht.records import PeerState
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
@@ -75,7 +76,7 @@ STATUS_MARKS: dict[str, tuple[str, str]] = {
     "rebuilding": ("↻ REBUILDING", "bold yellow"),
     "unrecoverable": ("✗✗ UNRECOVERABLE", "bold white on red"),
 }
-STATE_STYLES = {"online": "green", "joining": "cyan", "leaving": "yellow", "rebuilding": "magenta"}
+STATE_STYLES = {PeerState.ONLINE: "green", PeerState.JOINING: "cyan", PeerState.LEAVING: "yellow", PeerState.REBUILDING: "magenta"}
 EVENT_STYLES = {
     "join": "green",
     "leave": "yellow",
@@ -534,7 +535,7 @@ def _cell(value: str, style: str = "") -> Text:
 def _header(state: DashboardState, width: int, compact: bool = False) -> RenderableType:
     snap = _dict(state.snapshot)
     peers = list(iter_peers(snap))
-    online = sum(1 for p in peers if p.get("state") == "online")
+    online = sum(1 for p in peers if p.get("state") == PeerState.ONLINE)
     stages = _list(snap.get("stages"))
     stage_thr = [v for e in stages if (v := _num(_dict(e).get("throughput"))) is not None]
     peer_thr = [v for p in peers if (v := _num(p.get("throughput"))) is not None]

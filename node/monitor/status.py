@@ -6,7 +6,7 @@ import functools
 import time
 from typing import Any
 
-from dht.records import ConfigRecord, PeerRecord
+from dht.records import ConfigRecord, PeerRecord, PeerState
 from dht.registry import SwarmRegistry
 from node import __version__
 from node.recovery.checkfree import unrecoverable
@@ -35,8 +35,8 @@ def stage_status(peers: list[PeerRecord], lost: bool = False, unrecoverable: boo
     cannot be rebuilt (node/recovery/rebuild.py)."""
     if lost:
         return "unrecoverable" if unrecoverable else "lost"
-    serving = [peer for peer in peers if peer.state in ("online", "joining", "rebuilding")]
-    if any(peer.state == "rebuilding" for peer in serving):
+    serving = [peer for peer in peers if peer.state in (PeerState.ONLINE, PeerState.JOINING, PeerState.REBUILDING)]
+    if any(peer.state == PeerState.REBUILDING for peer in serving):
         return "rebuilding"
     if not serving:
         return "empty"
@@ -63,7 +63,7 @@ async def collect_snapshot(registry: SwarmRegistry, record: ConfigRecord, config
             {
                 "stage": stage,
                 "status": stage_status(peers, stage in lost, unrecoverable_reason is not None),
-                "throughput": sum(peer.throughput for peer in peers if peer.state != "leaving"),
+                "throughput": sum(peer.throughput for peer in peers if peer.state != PeerState.LEAVING),
                 "peers": [peer_view(peer) for peer in peers],
             }
         )

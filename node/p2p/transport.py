@@ -30,6 +30,13 @@ class TransportError(RuntimeError):
     """A peer could not be reached, timed out, or answered with an error."""
 
 
+# What talking to another peer can raise: it died, timed out, closed the stream or sent garbage.
+# Callers catch these to retry elsewhere; anything else is a bug of ours and propagates.
+PEER_FAILURES: tuple[type[BaseException], ...] = (
+    TransportError, ProtocolError, EOFError, ConnectionError, OSError, asyncio.IncompleteReadError, TimeoutError,
+)
+
+
 class Transport:
     """Sends and serves messages for one swarm. `stage` is this peer's current stage (it moves)."""
 

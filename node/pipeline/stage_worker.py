@@ -3,7 +3,7 @@
 No networking here. The network code receives activations from other peers and runs the
 worker's plain synchronous methods off the asyncio event loop::
 
-    out = await loop.run_in_executor(worker.executor, worker.forward, key, hidden)
+    out = await worker.compute(worker.forward, key, hidden)
 
 ``worker.executor`` is a single-thread ThreadPoolExecutor, so all of one stage's compute is
 serialized. Thread-safety contract: every method that touches the module or the optimizer
@@ -35,6 +35,7 @@ current weights before backpropagating, as SWARM / hivemind expert backends alwa
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import threading
@@ -42,13 +43,15 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Any, Callable, Hashable, TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from node.config import SwarmConfig
 from node.model.llama import BlockStage, EdgeStage, build_stage
+
+T = TypeVar("T")
 
 __all__ = ["StageWorker", "UnknownMicrobatch", "ADAM_BETAS", "ADAM_EPS", "THROUGHPUT_EMA", "lr_at"]
 
@@ -145,6 +148,10 @@ class StageWorker:
         self._closed = False
         self.optimizer: torch.optim.AdamW = self._new_optimizer()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}-worker")
+
+    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` on this stage's compute thread and wait for it from the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     # ------------------------------------------------------------------------------------------
     # Optimizer, schedule, state

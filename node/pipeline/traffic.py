@@ -27,7 +27,8 @@ from typing import Awaitable, Callable, Protocol
 
 import torch
 
-from dht.records import PeerRecord
+from dht.announcer import PeerAnnouncer
+from dht.records import PeerState
 from node.recovery.checkfree import pipeline_order
 from node.config import SwarmConfig
 from node.pipeline.routing import Router
@@ -87,7 +88,7 @@ class Pipeline:
         transport: Transport,
         worker: StageWorker,
         router: Router,
-        me: PeerRecord,
+        me: PeerAnnouncer,
         *,
         rng: random.Random | None = None,
         ban_until: Callable[[str], float] | None = None,
@@ -138,7 +139,7 @@ class Pipeline:
         if not 1 <= hop <= len(order) + 1 or len(path) != hop or path[-1] != sender:
             raise ProtocolError(f"inconsistent hop {hop} for a path of {len(path)} peers")
         expected_stage = order[hop - 1] if hop <= len(order) else 0
-        if expected_stage != self.me.stage or self.me.state != "online":
+        if expected_stage != self.me.stage or self.me.state != PeerState.ONLINE:
             return self.transport.error(f"this peer serves stage {self.me.stage} ({self.me.state}), not {expected_stage}")
         if hop == len(order) + 1:
             if msg.meta["origin"] != self.me.peer_id or msg.meta["microbatch_id"] not in self.in_flight:

@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 from torch import Tensor
 
-from dht.records import PeerRecord
+from dht.records import PeerRecord, PeerState
 from node.recovery.state_transfer import StageState, StateUnavailable, download_from_any
 from node.p2p.transport import Transport, TransportError
 
@@ -91,7 +91,7 @@ class EdgeCopies:
 
 def refresh_due(copy_step: int | None, stage0_peers: Sequence[PeerRecord], interval: int) -> bool:
     """Whether a copy taken at `copy_step` (None: no copy yet) should be refreshed now."""
-    online = [peer for peer in stage0_peers if peer.state == "online"]
+    online = [peer for peer in stage0_peers if peer.state == PeerState.ONLINE]
     if not online:
         return False
     return copy_step is None or max(peer.inner_step for peer in online) >= copy_step + interval

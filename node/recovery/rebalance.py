@@ -24,12 +24,11 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 
-from dht.heartbeat import Heartbeat
-from dht.records import PeerRecord
+from dht.records import PeerRecord, PeerState
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Move", "plan_move", "Rebalancer", "move_record"]
+__all__ = ["Move", "plan_move", "Rebalancer"]
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ class Move:
 
 
 def _online(peers: Sequence[PeerRecord]) -> list[PeerRecord]:
-    return [peer for peer in peers if peer.state == "online"]
+    return [peer for peer in peers if peer.state == PeerState.ONLINE]
 
 
 def plan_move(
@@ -56,7 +55,7 @@ def plan_move(
         return None
     waiting = sorted(stage for stage, seconds in lost_for.items() if seconds >= rebalance_wait)
     # a joiner may already be on its way (joining or rebuilding): leave that stage to it
-    waiting = [s for s in waiting if not any(p.state != "leaving" for p in peers_by_stage.get(s, ()))]
+    waiting = [s for s in waiting if not any(p.state != PeerState.LEAVING for p in peers_by_stage.get(s, ()))]
     if not waiting:
         return None
     target = waiting[0]
@@ -88,18 +87,3 @@ class Rebalancer:
         if move is not None and now - self.pending_since >= self.confirm_after:
             return move
         return None
-
-
-async def move_record(heartbeat: Heartbeat, me: PeerRecord, target: int) -> None:
-    """Leave `me.stage` in the DHT (record overwritten as `leaving`) and claim `target` as `joining`.
-
-    The heartbeat task keeps announcing `me`; after this it does so under the new stage key.
-    Progress fields describe the old stage, so they are cleared until the new stage reports.
-    """
-    old = me.stage
-    await heartbeat.farewell(me)  # state `leaving` under the old stage key
-    me.stage = target
-    me.state = "joining"
-    me.inner_step, me.loss, me.grad_norm, me.divergence, me.last_partner = 0, None, None, None, None
-    await heartbeat.announce_now()
-    logger.info(f"moved from stage {old} to stage {target}")

@@ -37,7 +37,8 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from dht.records import PeerRecord, SwarmEvent
+from dht.announcer import PeerAnnouncer
+from dht.records import PeerRecord, PeerState, SwarmEvent
 from dht.registry import SwarmRegistry
 from node.recovery.checkpoints import checkpoint_root, load_latest
 from node.recovery.checkfree import RebuildPlan, execute_rebuild, plan_rebuild, recovered_lr_scale, unrecoverable
@@ -64,7 +65,7 @@ __all__ = [
     "lost_stages_from_events",
 ]
 
-LIVE_STATES = ("online", "rebuilding")
+LIVE_STATES = (PeerState.ONLINE, PeerState.REBUILDING)
 DEBUG_DIR_ENV = "PIPESWARM_DEBUG_DIR"
 LOST_EVENT_REFRESH = 100.0  # re-announce a stage still lost before its event (TTL 300 s) expires
 FETCH_ATTEMPTS = 3  # donors tried per source stage, each time the rebuild is attempted
@@ -87,7 +88,7 @@ def swarm_has_trained(peers_by_stage: Mapping[int, Sequence[PeerRecord]], exclud
 def must_rebuild(peers_by_stage: Mapping[int, Sequence[PeerRecord]], stage: int, me: str) -> bool:
     """Whether a peer taking `stage` has to rebuild it: nobody else is online there to download the
     stage from, and the swarm has trained (an untrained swarm's empty stage starts from the seed)."""
-    donors = [peer for peer in peers_by_stage.get(stage, ()) if peer.state == "online" and peer.peer_id != me]
+    donors = [peer for peer in peers_by_stage.get(stage, ()) if peer.state == PeerState.ONLINE and peer.peer_id != me]
     if donors:
         return False
     trained = swarm_has_trained(peers_by_stage, exclude=me)
@@ -146,7 +147,7 @@ class LossWatch:
     transitions are logged here, and published as events when this peer is the reporter.
     """
 
-    def __init__(self, config: SwarmConfig, registry: SwarmRegistry, me: PeerRecord,
+    def __init__(self, config: SwarmConfig, registry: SwarmRegistry, me: PeerAnnouncer,
                  clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.registry = registry
@@ -367,7 +368,7 @@ def dump_rebuild(directory: Path, result: RebuildResult, loaded: Mapping[str, Te
     plan = result.plan
     record = {
         "lost_stage": plan.lost_stage,
-        "strategy": plan.strategy,
+        "strategy": str(plan.strategy),
         "action": plan.action,
         "sources": list(plan.sources),
         "lr_scale": result.lr_scale,
@@ -386,14 +387,13 @@ def dump_rebuild(directory: Path, result: RebuildResult, loaded: Mapping[str, Te
     return path
 
 
-async def rebuild_into_service(service, heartbeat, registry: SwarmRegistry, *, retry_every: float = 2.0,
+async def rebuild_into_service(service, registry: SwarmRegistry, *, retry_every: float = 2.0,
                                attempts: int = 5) -> RebuildResult:
     """The rebuild step of a stage service whose stage nobody else holds: state `rebuilding` while
     it runs (the pipeline refuses traffic until `online`), a few attempts (a donor may die, a view
     may be stale), then a "rebuild" event for the dashboard. Raises RebuildFailed after the last."""
     me, config = service.me, service.config
-    me.state = "rebuilding"
-    heartbeat.poke()
+    me.set_state(PeerState.REBUILDING)
     rng = random.Random()
     for attempt in range(1, attempts + 1):
         try:

@@ -45,7 +45,8 @@ from typing import Awaitable, Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from dht.records import PeerRecord
+from dht.announcer import PeerAnnouncer
+from dht.records import PeerRecord, PeerState
 from node.p2p.transport import Transport, TransportError
 from protocol import Message, MessageKind, ProtocolError, recv_message, send_message
 from protocol.tensors import DTYPES
@@ -394,7 +395,7 @@ async def download_from_any(
     a donor that fails (dies mid-download, refuses, is busy, sends garbage) is not asked again and
     another is tried, up to `attempts` donors. Raises TransportError when all of them fail."""
     me = transport.p2p.peer_id.to_base58()
-    left = [peer for peer in candidates if peer.state == "online" and peer.peer_id != me]
+    left = [peer for peer in candidates if peer.state == PeerState.ONLINE and peer.peer_id != me]
     failures = []
     for _ in range(attempts):
         if not left:
@@ -430,7 +431,7 @@ async def snapshot_worker(worker, gossip=None, outer_round: int = 0) -> StageSta
     return await asyncio.get_running_loop().run_in_executor(worker.executor, take)
 
 
-def stage_snapshot(worker, me: PeerRecord, edge_copies=None, gossip: Callable[[], object] = lambda: None) -> Snapshot:
+def stage_snapshot(worker, me: PeerAnnouncer, edge_copies=None, gossip: Callable[[], object] = lambda: None) -> Snapshot:
     """The snapshot function a stage service hands serve_state.
 
     "stage" is served only while this peer is `online` (a joiner or a peer being rebuilt holds no
@@ -443,7 +444,7 @@ def stage_snapshot(worker, me: PeerRecord, edge_copies=None, gossip: Callable[[]
             if edge_copies is None:
                 raise StateUnavailable(f"stage {worker.stage} keeps no edge copy")
             return edge_copies.snapshot()
-        if me.state != "online":
+        if me.state != PeerState.ONLINE:
             raise StateUnavailable(f"this peer is {me.state}, not online")
         if part == "stage":
             return await snapshot_worker(worker, gossip(), me.outer_round)
@@ -502,7 +503,7 @@ async def join_live_stage(service, attempts: int = 3, rounds: int = 5, retry_eve
             await service.view.refresh()
             continue
         await adopt_state(worker, state, getattr(service, "gossip", None))
-        me.inner_step, me.outer_round = state.inner_step, state.outer_round
+        me.restore_counters(state.inner_step, state.outer_round)
         logger.info(f"joined live stage {me.stage} at inner step {state.inner_step}, outer round {state.outer_round}")
         return True
     return False

@@ -11,21 +11,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import signal
 import sys
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from hivemind.utils import get_dht_time
 
-from dht.heartbeat import Heartbeat
-from dht.records import ConfigRecord, PeerRecord
+from dht.announcer import PeerAnnouncer
+from dht.records import ConfigRecord, PeerRecord, PeerState
 from dht.registry import SwarmRegistry, list_swarms
-from dht.stage_choice import claim_stage
 from node import __version__
 from node.config import ConfigError, SwarmConfig
 from node.p2p.network import Network, NetworkError, start_network
+from node.server.stage_claim import StageOutOfRange, claim_stage
 from protocol.version import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
@@ -140,7 +138,7 @@ def check_compatible(record: ConfigRecord) -> SwarmConfig:
     return config
 
 
-StageService = Callable[[Network, SwarmConfig, PeerRecord, Heartbeat, asyncio.Event], Awaitable[None]]
+StageService = Callable[[Network, SwarmConfig, PeerAnnouncer, asyncio.Event], Awaitable[None]]
 
 
 async def join(options: NodeOptions, serve: StageService | None = None) -> int:
@@ -149,26 +147,28 @@ async def join(options: NodeOptions, serve: StageService | None = None) -> int:
     stop = install_stop_signals()
     network = await start_peer_network(options)
     tasks: list[asyncio.Task] = []
-    heartbeat: Heartbeat | None = None
-    me: PeerRecord | None = None
+    me: PeerAnnouncer | None = None
     try:
         config_record = await find_swarm(network, options.swarm_id, options.find_timeout)
         config = check_compatible(config_record)
         registry = SwarmRegistry(network.dht, config.swarm_id)
-        me = PeerRecord(
-            peer_id=network.peer_id, stage=0, state="joining", throughput=options.throughput,
+        record = PeerRecord(
+            peer_id=network.peer_id, stage=0, state=PeerState.JOINING, throughput=options.throughput,
             version=__version__, name=options.name,
         )
-        heartbeat = Heartbeat(registry, lambda: me, config.heartbeat.period, config.heartbeat.ttl)
-        await claim(options, config, registry, heartbeat, me)
+        me = PeerAnnouncer(registry, record, config.heartbeat.period, config.heartbeat.ttl)
+        try:
+            await claim_stage(me, registry, config.num_stages, options.stage, jitter=options.join_jitter,
+                              settle=max(1.0, config.heartbeat.period / 4))
+        except StageOutOfRange as e:
+            raise JoinRefused(str(e)) from None
         logger.info(f"peer {me.peer_id} serves stage {me.stage} of swarm {config.swarm_id}")
-        tasks.append(asyncio.create_task(heartbeat.run(), name="heartbeat"))
+        tasks.append(asyncio.create_task(me.run(), name="heartbeat"))
         tasks.append(asyncio.create_task(keep_config_published(registry, config_record), name="config"))
         if serve is not None:
-            tasks.append(asyncio.create_task(serve(network, config, me, heartbeat, stop), name="stage"))
+            tasks.append(asyncio.create_task(serve(network, config, me, stop), name="stage"))
         else:
-            me.state = "online"
-            heartbeat.poke()
+            me.set_state(PeerState.ONLINE)
         waiter = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
         for task in done:
@@ -181,55 +181,9 @@ async def join(options: NodeOptions, serve: StageService | None = None) -> int:
         for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
-        if heartbeat is not None and me is not None:
-            await heartbeat.farewell(me)
+        if me is not None:
+            await me.farewell()
         await network.shutdown()
-
-
-async def claim(
-    options: NodeOptions, config: SwarmConfig, registry: SwarmRegistry, heartbeat: Heartbeat, me: PeerRecord
-) -> None:
-    """Settle `me.stage`: the explicit one, or the auto choice with announce-and-recheck."""
-    if options.stage != "auto":
-        stage = int(options.stage)
-        if not 0 <= stage < config.num_stages:
-            raise JoinRefused(f"--stage {stage} is outside this swarm's stages 0..{config.num_stages - 1}")
-        me.stage = stage
-        await heartbeat.announce_now()
-        return
-
-    async def announce(record: PeerRecord) -> None:
-        await heartbeat.announce_now()
-
-    async def withdraw(record: PeerRecord) -> None:
-        stale = PeerRecord(**{**record.to_wire(), "state": "leaving"})
-        await registry.announce(stale, max(heartbeat.last_expiration + 1e-3, get_dht_time() + 1.0))
-
-    first_read = True
-
-    async def read_peers() -> dict[int, list[PeerRecord]]:
-        # a DHT node that just joined can read nothing for a few seconds: an empty first answer
-        # is confirmed twice before this peer believes the swarm has no peers at all
-        nonlocal first_read
-        peers = await registry.all_peers(config.num_stages)
-        for _ in range(2 if first_read else 0):
-            if any(peers.values()):
-                break
-            await asyncio.sleep(1.0)
-            peers = await registry.all_peers(config.num_stages)
-        first_read = False
-        return peers
-
-    await claim_stage(
-        num_stages=config.num_stages,
-        me=me,
-        read_peers=read_peers,
-        announce=announce,
-        withdraw=withdraw,
-        rng=random.Random(),
-        jitter=options.join_jitter,
-        settle=max(1.0, config.heartbeat.period / 4),
-    )
 
 
 def run(coroutine: Awaitable[int]) -> int:

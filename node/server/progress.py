@@ -5,43 +5,43 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-import time
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass
+from typing import Callable
 
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-if TYPE_CHECKING:
-    from node.server.stage_service import StageService
-
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServiceSummary:
+    """What the stage service shows of itself on its own terminal (read every refresh)."""
+
+    stage: int
+    state: str
+    step: int
+    rate: float  # stage 0: microbatches completed per second; others: measured compute capacity
+    loss: float | None
+    peers: int
+    done: int
+    retried: int
+    dropped: int
 
 
 class ProgressDisplay:
     """A compact rich panel on a terminal; a log line every `log_every` seconds otherwise (or --quiet)."""
 
-    def __init__(self, service: "StageService", quiet: bool = False, log_every: float = 10.0):
-        self.service = service
+    def __init__(self, read: Callable[[], ServiceSummary], quiet: bool = False, log_every: float = 10.0):
+        self.read = read
         self.console = Console(file=sys.stderr)
         self.live_view = not quiet and self.console.is_terminal
         self.log_every = log_every
         self._live: Live | None = None
 
     def summary(self) -> dict:
-        service = self.service
-        stats = service.pipeline.stats
-        return {
-            "stage": service.me.stage,
-            "state": service.me.state,
-            "step": service.worker.inner_step,
-            "rate": stats.rate(time.monotonic()) if service.me.stage == 0 else service.worker.throughput,
-            "loss": stats.recent_loss,
-            "peers": sum(len(peers) for peers in service.view.peers_by_stage.values()),
-            "done": stats.completed,
-            "retried": stats.retried,
-            "dropped": stats.dropped,
-        }
+        return asdict(self.read())
 
     def line(self) -> str:
         s = self.summary()

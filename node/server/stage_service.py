@@ -1,7 +1,7 @@
 """Serving a stage: the pieces a joined peer runs, wired together with explicit state.
 
 worker (compute + inner optimizer) <- pipeline (SWARM traffic) <- transport (libp2p streams)
-router (load-aware choice) <- swarm view (DHT picture) ; heartbeat publishes what they measure.
+router (load-aware choice) <- swarm view (DHT picture) ; the announcer publishes what they measure.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import AsyncIterator
 
 import torch
 
-from dht.heartbeat import Heartbeat
-from dht.records import PeerRecord
+from dht.announcer import PeerAnnouncer, PeerProgress
+from dht.records import PeerState
 from dht.registry import SwarmRegistry
 from node.config import SwarmConfig
 from node.recovery.checkpoints import checkpoint_root, run_checkpoints
@@ -26,8 +26,8 @@ from node.recovery.edge_copies import edge_copies_for, run_edge_copy_refresher
 from node.averaging.gossip import Gossip
 from node.p2p.network import Network
 from node.pipeline.traffic import Pipeline
-from node.server.progress import ProgressDisplay
-from node.recovery.rebalance import Rebalancer, move_record, plan_move
+from node.server.progress import ProgressDisplay, ServiceSummary
+from node.recovery.rebalance import Rebalancer, plan_move
 from node.recovery.rebuild import LossWatch, must_rebuild, rebuild_into_service, refresh_until_seen
 from node.pipeline.routing import Router
 from node.pipeline.stage_worker import StageWorker
@@ -57,7 +57,7 @@ class StageService:
     """The running parts of a peer that serves one stage."""
 
     config: SwarmConfig
-    me: PeerRecord
+    me: PeerAnnouncer
     worker: StageWorker
     transport: Transport
     router: Router
@@ -65,20 +65,38 @@ class StageService:
     pipeline: Pipeline
     gossip: Gossip
 
+    def progress(self) -> PeerProgress:
+        """What the worker, pipeline and gossip measured, as this peer's record announces it."""
+        return PeerProgress(
+            inner_step=self.worker.inner_step,
+            throughput=max(self.worker.throughput, 1e-3),
+            grad_norm=self.worker.last_grad_norm,
+            loss=self.pipeline.stats.recent_loss if self.me.stage == 0 else None,
+            outer_round=self.gossip.outer_state.round,
+            last_partner=self.gossip.last_partner,
+            divergence=self.gossip.divergence,
+            fingerprint=self.gossip.fingerprint,
+        )
+
     def publish_progress(self) -> None:
-        """Copy what the worker and pipeline measured into this peer's DHT record."""
-        self.me.inner_step = self.worker.inner_step
-        self.me.grad_norm = self.worker.last_grad_norm
-        self.me.throughput = max(self.worker.throughput, 1e-3)
-        if self.me.stage == 0:
-            self.me.loss = self.pipeline.stats.recent_loss
-        self.me.outer_round = self.gossip.outer_state.round
-        self.me.last_partner = self.gossip.last_partner
-        self.me.divergence = self.gossip.divergence
-        self.me.fingerprint = self.gossip.fingerprint
+        self.me.report(self.progress())
+
+    def summary(self) -> ServiceSummary:
+        stats = self.pipeline.stats
+        return ServiceSummary(
+            stage=self.me.stage,
+            state=self.me.state,
+            step=self.worker.inner_step,
+            rate=stats.rate(time.monotonic()) if self.me.stage == 0 else self.worker.throughput,
+            loss=stats.recent_loss,
+            peers=sum(len(peers) for peers in self.view.peers_by_stage.values()),
+            done=stats.completed,
+            retried=stats.retried,
+            dropped=stats.dropped,
+        )
 
 
-async def build_service(network: Network, config: SwarmConfig, me: PeerRecord, options: ServiceOptions) -> StageService:
+async def build_service(network: Network, config: SwarmConfig, me: PeerAnnouncer, options: ServiceOptions) -> StageService:
     rng = random.Random()
     registry = SwarmRegistry(network.dht, config.swarm_id)
     view = SwarmView(registry, config.num_stages, period=max(0.5, config.heartbeat.period / 2))
@@ -98,7 +116,7 @@ async def build_service(network: Network, config: SwarmConfig, me: PeerRecord, o
 
 @contextlib.asynccontextmanager
 async def running_service(
-    network: Network, config: SwarmConfig, me: PeerRecord, heartbeat: Heartbeat, options: ServiceOptions
+    network: Network, config: SwarmConfig, me: PeerAnnouncer, options: ServiceOptions
 ) -> AsyncIterator[StageService]:
     """A started stage service: handlers registered, swarm view running, this peer `online`."""
     service = await build_service(network, config, me, options)
@@ -117,20 +135,19 @@ async def running_service(
         await service.gossip.refresh_fingerprint()
         if must_rebuild(service.view.peers_by_stage, me.stage, me.peer_id):
             # nobody holds this stage any more: rebuild it from the neighbours (node/recovery/rebuild.py)
-            await rebuild_into_service(service, heartbeat, SwarmRegistry(network.dht, config.swarm_id))
-        me.state = "online"
+            await rebuild_into_service(service, SwarmRegistry(network.dht, config.swarm_id))
         service.publish_progress()
-        heartbeat.poke()
-        tasks.append(asyncio.create_task(publish_progress_loop(service, heartbeat), name="progress"))
+        me.set_state(PeerState.ONLINE)
+        tasks.append(asyncio.create_task(publish_progress_loop(service), name="progress"))
         tasks.append(asyncio.create_task(service.gossip.run(), name="gossip"))
         if edge_copies is not None:
             tasks.append(asyncio.create_task(run_edge_copy_refresher(
                 edge_copies, service.transport, lambda: service.view.online(0), config.recovery.edge_copy_interval,
-                heartbeat.period, random.Random()), name="edge-copies"))
+                me.period, random.Random()), name="edge-copies"))
         if config.recovery.strategy == "checkpoint":
             tasks.append(asyncio.create_task(run_checkpoints(
                 service.worker, checkpoint_root(config.recovery.checkpoint_dir, config.swarm_id),
-                config.recovery.checkpoint_every, check_period=min(1.0, heartbeat.period)), name="checkpoints"))
+                config.recovery.checkpoint_every, check_period=min(1.0, me.period)), name="checkpoints"))
         yield service
     finally:
         for task in tasks:
@@ -142,29 +159,27 @@ async def running_service(
 
 
 async def serve_stage(
-    network: Network, config: SwarmConfig, me: PeerRecord, heartbeat: Heartbeat, stop: asyncio.Event,
-    options: ServiceOptions,
+    network: Network, config: SwarmConfig, me: PeerAnnouncer, stop: asyncio.Event, options: ServiceOptions,
 ) -> None:
     """Run this peer's stage until `stop` is set. When the rebalancer moves this peer to a lost
     stage, the stage service is left and entered again for the new stage, in this process."""
     if options.threads:
         torch.set_num_threads(options.threads)
     while True:
-        target = await serve_current_stage(network, config, me, heartbeat, stop, options)
+        target = await serve_current_stage(network, config, me, stop, options)
         if target is None:
             return
-        await move_record(heartbeat, me, target)
+        await me.move_to(target)
 
 
 async def serve_current_stage(
-    network: Network, config: SwarmConfig, me: PeerRecord, heartbeat: Heartbeat, stop: asyncio.Event,
-    options: ServiceOptions,
+    network: Network, config: SwarmConfig, me: PeerAnnouncer, stop: asyncio.Event, options: ServiceOptions,
 ) -> int | None:
     """Serve `me.stage` until `stop` (returns None) or until this peer must move (the new stage)."""
-    async with running_service(network, config, me, heartbeat, options) as service:
+    async with running_service(network, config, me, options) as service:
         watch = LossWatch(config, SwarmRegistry(network.dht, config.swarm_id), me)
         service.view.on_refresh(watch.on_refresh)
-        progress = ProgressDisplay(service, quiet=options.quiet)
+        progress = ProgressDisplay(service.summary, quiet=options.quiet)
         mover = asyncio.create_task(watch_for_move(service, watch), name="rebalance")
         tasks = [asyncio.create_task(progress.run(), name="display"), mover]
         if me.stage == 0:
@@ -191,7 +206,7 @@ async def watch_for_move(service: StageService, watch: LossWatch) -> int:
     rebalancer = Rebalancer(confirm_after=period)
     while True:
         await asyncio.sleep(period)
-        if me.state != "online":
+        if me.state != PeerState.ONLINE:
             continue
         lost_for = {stage: watch.lost_for(stage) for stage in watch.lost}
         move = plan_move(service.view.peers_by_stage, config.num_stages, lost_for,
@@ -215,9 +230,9 @@ async def drive_when_ready(service: StageService, source, stop: asyncio.Event, w
     await service.pipeline.drive(source, stop, ready=every_stage_served)
 
 
-async def publish_progress_loop(service: StageService, heartbeat: Heartbeat) -> None:
+async def publish_progress_loop(service: StageService) -> None:
     while True:
-        await asyncio.sleep(heartbeat.period)
+        await asyncio.sleep(service.me.period)
         await service.gossip.refresh_fingerprint()
         service.publish_progress()
         horizon = 4 * service.config.training.hop_timeout * service.config.num_stages

@@ -10,7 +10,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from dht.heartbeat import Heartbeat
+from dht.announcer import PeerAnnouncer
 from dht.records import ConfigRecord, PeerRecord
 from dht.registry import SwarmRegistry
 from node import __version__
@@ -23,8 +23,7 @@ from protocol.version import PROTOCOL_VERSION
 @dataclass
 class Peer:
     network: Network
-    record: PeerRecord
-    heartbeat: Heartbeat
+    me: PeerAnnouncer
     service: StageService
 
 
@@ -43,15 +42,15 @@ async def inprocess_swarm(config: SwarmConfig, stages: list[int]) -> AsyncIterat
             for stage in stages:
                 network = await start_network(host="127.0.0.1", initial_peers=initial)
                 networks.append(network)
-                me = PeerRecord(peer_id=network.peer_id, stage=stage, state="joining", version=__version__)
-                heartbeat = Heartbeat(SwarmRegistry(network.dht, config.swarm_id), lambda me=me: me,
-                                      config.heartbeat.period, config.heartbeat.ttl)
-                await heartbeat.announce_now()
+                record = PeerRecord(peer_id=network.peer_id, stage=stage, version=__version__)
+                me = PeerAnnouncer(SwarmRegistry(network.dht, config.swarm_id), record,
+                                   config.heartbeat.period, config.heartbeat.ttl)
+                await me.announce_now()
                 service = await stack.enter_async_context(
-                    running_service(network, config, me, heartbeat, ServiceOptions(device="cpu"))
+                    running_service(network, config, me, ServiceOptions(device="cpu"))
                 )
-                await heartbeat.announce_now()
-                peers.append(Peer(network, me, heartbeat, service))
+                await me.announce_now()
+                peers.append(Peer(network, me, service))
             for peer in peers:
                 await peer.service.view.refresh()
             yield peers

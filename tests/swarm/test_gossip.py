@@ -113,7 +113,7 @@ def test_exchange_applies_exactly_the_outer_step_on_both_sides():
             assert a.divergence > 0
             # the DHT record carries the round, the partner and the divergence
             peers[0].service.publish_progress()
-            record = peers[0].record
+            record = peers[0].me.record()
             assert (record.outer_round, record.last_partner) == (4, b.me.peer_id)
             assert record.divergence == a.divergence
 

@@ -347,7 +347,7 @@ def test_checkpoints_keep_only_the_last_few(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_stage_service_joiner_downloads_before_going_online_and_keeps_edge_copies(monkeypatch):
-    from dht.heartbeat import Heartbeat
+    from dht.announcer import PeerAnnouncer
     from dht.registry import SwarmRegistry
     import node.server.stage_service as stage_service
     from node.server.stage_service import ServiceOptions, running_service
@@ -372,10 +372,10 @@ def test_stage_service_joiner_downloads_before_going_online_and_keeps_edge_copie
             assert states_during_join == []  # nobody joined a live stage so far
             network = await start_network(host="127.0.0.1", initial_peers=await peers[0].network.visible_maddrs())
             try:
-                me = PeerRecord(peer_id=network.peer_id, stage=1, state="joining")
-                heartbeat = Heartbeat(SwarmRegistry(network.dht, config.swarm_id), lambda: me, 1.0, 10.0)
-                await heartbeat.announce_now()
-                async with running_service(network, config, me, heartbeat, ServiceOptions(device="cpu")) as joined:
+                me = PeerAnnouncer(SwarmRegistry(network.dht, config.swarm_id), PeerRecord(peer_id=network.peer_id, stage=1),
+                                   1.0, 10.0)
+                await me.announce_now()
+                async with running_service(network, config, me, ServiceOptions(device="cpu")) as joined:
                     donor = peers[1].service.worker
                     theirs = await asyncio.get_running_loop().run_in_executor(donor.executor, donor.state_dict)
                     mine = await asyncio.get_running_loop().run_in_executor(joined.worker.executor, joined.worker.state_dict)

@@ -12,21 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import glob
-import math
 import random
 import re
 import signal
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from dht.records import PeerRecord, SwarmEvent
-from node.recovery.checkfree import plan_rebuild
 from node.recovery.checkpoints import checkpoint_root, save_checkpoint
 from node.config import SwarmConfig
-from node.local_swarm import NodeProcess, Swarm, peers_by_stage, wait_for
+from node.local_swarm import NodeProcess, Swarm, wait_for
 from node.recovery.rebalance import Move, Rebalancer, plan_move
 from node.recovery.rebuild import LostStageTracker, lost_stages_from_events, must_rebuild, rebuild_stage
 from node.pipeline.stage_worker import StageWorker
@@ -135,7 +132,7 @@ def test_a_peer_can_leave_its_stage_service_and_serve_another_stage_in_the_same_
     from tests.helpers.inprocess_swarm import inprocess_swarm
     from node.p2p.network import start_network
     from node.server.stage_service import ServiceOptions, running_service
-    from dht.heartbeat import Heartbeat
+    from dht.announcer import PeerAnnouncer
     from dht.registry import SwarmRegistry
 
     config = SwarmConfig(num_stages=3).replace(heartbeat={"period": 1.0, "ttl": 4.0}, gossip={"mode": "none"})
@@ -145,19 +142,18 @@ def test_a_peer_can_leave_its_stage_service_and_serve_another_stage_in_the_same_
             anchor_addrs = await peers[0].network.visible_maddrs()
             network = await start_network(host="127.0.0.1", initial_peers=anchor_addrs)
             try:
-                me = PeerRecord(peer_id=network.peer_id, stage=1, state="joining")
-                heartbeat = Heartbeat(SwarmRegistry(network.dht, config.swarm_id), lambda: me, 1.0, 4.0)
+                me = PeerAnnouncer(SwarmRegistry(network.dht, config.swarm_id), PeerRecord(peer_id=network.peer_id, stage=1),
+                                   1.0, 4.0)
                 for stage in (1, 2, 1):  # leave and enter again, twice
-                    me.stage, me.state = stage, "joining"
-                    await heartbeat.announce_now()
-                    async with running_service(network, config, me, heartbeat, ServiceOptions(device="cpu")) as service:
+                    await me.claim(stage)
+                    async with running_service(network, config, me, ServiceOptions(device="cpu")) as service:
                         assert me.state == "online" and service.worker.stage == stage
                         # another peer reaches this peer's forward handler, answered by the new stage's
                         # service (hop 2 of order [stage, other] expects `other`: a refusal naming `stage`)
                         client = peers[0].service.transport
                         other = 3 - stage
                         message = client.message(MessageKind.FORWARD, {
-                            "order": [stage, other], "path": ["x", peers[0].record.peer_id], "hop": 2,
+                            "order": [stage, other], "path": ["x", peers[0].me.peer_id], "hop": 2,
                             "origin": "x", "microbatch_id": 1}, {"hidden": torch.zeros(1, 4, 64)})
                         with pytest.raises(TransportError, match=f"serves stage {stage} "):
                             await client.request(network.peer_id, "forward", message, timeout=10)

@@ -2,19 +2,19 @@
 
 The rule (SWARM's and Petals' block selection): pick the stage with the lowest total throughput,
 ties broken by fewest peers, then at random. Peers that start at the same moment all see the same
-empty swarm, so the choice is made twice: announce a tentative `joining` record after a random
-delay, wait for others' announcements to land, re-read, and let only as many of the newest joiners
-of a crowded stage move as it takes to even it out.
+empty swarm, so the choice is made twice (node/server/stage_claim.py): announce a tentative
+`joining` record after a random delay, wait for others' announcements to land, re-read, and let
+only as many of the newest joiners of a crowded stage move as it takes to even it out
+(`should_move`). Pure: no networking, no clock.
 """
 
 from __future__ import annotations
 
-import asyncio
 import random
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
-from dht.records import PeerRecord
+from dht.records import PeerRecord, PeerState
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ def stage_loads(peers_by_stage: Mapping[int, Sequence[PeerRecord]], num_stages: 
     """Summed throughput and peer count per stage, counting peers that serve or are about to."""
     loads = []
     for stage in range(num_stages):
-        active = [peer for peer in peers_by_stage.get(stage, ()) if peer.state != "leaving"]
+        active = [peer for peer in peers_by_stage.get(stage, ()) if peer.state != PeerState.LEAVING]
         loads.append(StageLoad(stage, sum(peer.throughput for peer in active), len(active)))
     return loads
 
@@ -58,43 +58,9 @@ def should_move(
     if mine.throughput - me.throughput <= weakest.throughput:
         return None
     movable = sorted(
-        (peer for peer in peers_by_stage.get(me.stage, ()) if peer.state == "joining"),
+        (peer for peer in peers_by_stage.get(me.stage, ()) if peer.state == PeerState.JOINING),
         key=lambda peer: (-peer.updated, peer.peer_id),
     )
     gap_in_peers = max(1, round((mine.throughput - weakest.throughput) / (2 * max(me.throughput, 1e-9))))
     movers = {peer.peer_id for peer in movable[:gap_in_peers]}
     return target if me.peer_id in movers else None
-
-
-async def claim_stage(
-    *,
-    num_stages: int,
-    me: PeerRecord,
-    read_peers: Callable[[], Awaitable[Mapping[int, Sequence[PeerRecord]]]],
-    announce: Callable[[PeerRecord], Awaitable[None]],
-    withdraw: Callable[[PeerRecord], Awaitable[None]],
-    rng: random.Random,
-    jitter: float = 2.0,
-    settle: float = 1.5,
-    max_rounds: int = 4,
-) -> int:
-    """Pick a stage for `me` (state `joining`), announcing it tentatively, and return it.
-
-    `announce` publishes `me` under `me.stage`; `withdraw` overwrites a stale tentative record
-    (state `leaving`) when `me` moves away from a stage.
-    """
-    await asyncio.sleep(rng.uniform(0.0, jitter))
-    me.stage = choose_stage(stage_loads(await read_peers(), num_stages), rng)
-    await announce(me)
-    for _ in range(max_rounds):
-        await asyncio.sleep(settle * rng.uniform(1.0, 2.0))
-        peers = dict(await read_peers())
-        # our own announcement may not have propagated to every replica yet: count it regardless
-        peers[me.stage] = [p for p in peers.get(me.stage, ()) if p.peer_id != me.peer_id] + [me]
-        target = should_move(peers, num_stages, me, rng)
-        if target is None:
-            return me.stage
-        await withdraw(me)
-        me.stage = target
-        await announce(me)
-    return me.stage
