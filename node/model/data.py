@@ -15,7 +15,6 @@ different batches; a given (swarm seed, stream_id) always yields the same sequen
 from __future__ import annotations
 
 import hashlib
-import math
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -206,7 +205,3 @@ def open_source(config: SwarmConfig, data_path: str | None, stream_id: int) -> T
         path, config.model.vocab_size, config.seed, stream_id, min_tokens=config.training.sequence_length + 1
     )
 
-
-def uniform_loss(vocab_size: int) -> float:
-    """ln(V): the loss of a uniform prediction, the top of the dashboard's loss axis."""
-    return math.log(vocab_size)

@@ -17,6 +17,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from hivemind.p2p import P2P, PeerID
 
+from dht.records import short_peer_id
 from protocol import DEFAULT_LIMITS, Limits, Message, MessageKind, ProtocolError, recv_message, send_message
 from node.runtime.timeouts import within
 
@@ -92,13 +93,13 @@ class Transport:
                     reply = self.error(str(e), request.request_id)
                 await send_message(writer, reply, self.compression, self.limits)
             except (ProtocolError, EOFError, asyncio.TimeoutError) as e:
-                logger.info(f"bad {service} request from {sender[-8:]}: {e!r}")
+                logger.info(f"bad {service} request from {short_peer_id(sender)}: {e!r}")
                 with contextlib.suppress(Exception):
                     await send_message(writer, self.error(f"bad request: {e}"), "none", self.limits)
             except (ConnectionError, asyncio.IncompleteReadError) as e:
-                logger.debug(f"{service} stream from {sender[-8:]} broke: {e!r}")
+                logger.debug(f"{service} stream from {short_peer_id(sender)} broke: {e!r}")
             except Exception:
-                logger.exception(f"{service} handler failed on a request from {sender[-8:]}")
+                logger.exception(f"{service} handler failed on a request from {short_peer_id(sender)}")
                 with contextlib.suppress(Exception):
                     await send_message(writer, self.error("internal error"), "none", self.limits)
             finally:
@@ -112,9 +113,9 @@ class Transport:
             try:
                 await handler(sender, reader, writer)
             except (ProtocolError, EOFError, asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:
-                logger.info(f"{service} session with {sender[-8:]} ended: {e!r}")
+                logger.info(f"{service} session with {short_peer_id(sender)} ended: {e!r}")
             except Exception:
-                logger.exception(f"{service} session with {sender[-8:]} failed")
+                logger.exception(f"{service} session with {short_peer_id(sender)} failed")
             finally:
                 writer.close()
 
@@ -130,11 +131,11 @@ class Transport:
         except TransportError:
             raise
         except asyncio.TimeoutError as e:
-            raise TransportError(f"{service} to {peer_id[-8:]} timed out after {timeout:.1f} s") from e
+            raise TransportError(f"{service} to {short_peer_id(peer_id)} timed out after {timeout:.1f} s") from e
         except (ProtocolError, EOFError, ConnectionError, OSError, asyncio.IncompleteReadError) as e:
-            raise TransportError(f"{service} to {peer_id[-8:]} failed: {e!r}") from e
+            raise TransportError(f"{service} to {short_peer_id(peer_id)} failed: {e!r}") from e
         if reply.kind == MessageKind.ERROR:
-            raise TransportError(f"{peer_id[-8:]} refused {service}: {reply.meta.get('reason')}")
+            raise TransportError(f"{short_peer_id(peer_id)} refused {service}: {reply.meta.get('reason')}")
         return reply
 
     @contextlib.asynccontextmanager
@@ -147,9 +148,9 @@ class Transport:
                 self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), self.protocol_name(service)), timeout
             )
         except asyncio.TimeoutError as e:
-            raise TransportError(f"opening {service} stream to {peer_id[-8:]} timed out") from e
+            raise TransportError(f"opening {service} stream to {short_peer_id(peer_id)} timed out") from e
         except Exception as e:  # p2pd reports unreachable peers and unknown protocols as generic errors
-            raise TransportError(f"cannot open {service} stream to {peer_id[-8:]}: {e}") from e
+            raise TransportError(f"cannot open {service} stream to {short_peer_id(peer_id)}: {e}") from e
         try:
             yield reader, writer
         finally:

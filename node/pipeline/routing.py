@@ -12,7 +12,7 @@ errors is banned until its DHT record expires; a timeout retries on the next pee
 Made time-aware here (see docs/algorithms.md, "SWARM routing"). Per peer we keep
 
     virtual_finish  the clock time at which everything we sent it is expected to be done
-    sec_per_unit    EMA of measured seconds per unit of task (1 / throughput)
+    sec_per_unit    1 / the throughput the peer announces in its DHT record
 
 and a task of size w goes to the peer with the earliest expected completion
 
@@ -24,11 +24,14 @@ SWARM's accumulated-time rule, and the shares converge to throughput-proportiona
 whose key is within TIE_RTOL (relative, on the key measured from now) of the smallest are
 considered tied and one of them is drawn with the injected `random.Random`.
 
-The estimate is kept as seconds per unit, like SWARM's PerformanceEMA, because that is the quantity
-the key adds up: sec_per_unit <- (1 - alpha) * sec_per_unit + alpha * seconds / task_size. It is
-seeded from the throughput the peer announces in its DHT record; a peer that announces none starts
-from the median estimate of its stage (1.0 if nothing is known) and its first measurement replaces
-that guess outright (SWARM's bias-corrected EMA does the same on its first update).
+Where the speed comes from: SWARM's client times each call around the whole request. Our hops are
+acknowledged as soon as the receiver has queued the work (so no peer waits for a round trip), which
+means a hop's latency says nothing about the receiver's speed. Instead every peer measures its own
+compute (an EMA of microbatches per second on its stage worker, node/pipeline/stage_worker.py) and
+announces it in its record every heartbeat; the router follows the latest announcement on each
+refresh. A peer that announces none starts from the median of its stage (1.0 if nothing is known).
+Announcements are self-reported: a peer that lies about its speed only attracts or repels work it
+then has to do (a wrong *result* is the spot-check's business, not routing's).
 
 Bans: `BanList` keys on DHT time (the record expirations are DHT times: hivemind's
 `get_dht_time()`, i.e. wall-clock `time.time`), while `StageRouter` keeps virtual finish times on
@@ -46,12 +49,10 @@ from typing import Callable, Collection, Iterable, Mapping, Sequence
 
 from dht.records import PeerRecord
 
-EMA_ALPHA = 0.1  # SWARM's PerformanceEMA default
 DEFAULT_THROUGHPUT = 1.0  # SWARM's initial_throughput, used when nothing is known about a stage
 TIE_RTOL = 1e-9  # keys within this relative distance of the minimum are ties (drawn at random)
 TIE_ATOL = 1e-12  # seconds: absolute floor of the tie window (keys of ~0)
 MIN_BAN_SECONDS = 10.0  # a ban lasts at least this long, even if the peer's record is about to expire
-MIN_SEC_PER_UNIT = 1e-9  # floor of a measured time per unit (a 0-second measurement is not infinite speed)
 
 
 def _usable_throughput(value: float | None) -> float | None:
@@ -89,10 +90,6 @@ class BanList:
                 until = previous[0]
             self._bans[peer_id] = (until, str(reason))
 
-    def unban(self, peer_id: str) -> None:
-        with self._lock:
-            self._bans.pop(peer_id, None)
-
     def is_banned(self, peer_id: str, now: float | None = None) -> bool:
         now = self._clock() if now is None else now
         with self._lock:
@@ -117,12 +114,11 @@ class BanList:
 
 
 class _PeerLoad:
-    __slots__ = ("virtual_finish", "sec_per_unit", "measured", "guessed", "sidelined")
+    __slots__ = ("virtual_finish", "sec_per_unit", "guessed", "sidelined")
 
     def __init__(self, virtual_finish: float, sec_per_unit: float, guessed: bool):
         self.virtual_finish = virtual_finish
         self.sec_per_unit = sec_per_unit
-        self.measured = 0  # number of observe() updates
         self.guessed = guessed  # estimate is the stage median / default, not the peer's announcement
         self.sidelined = False  # was skipped as banned: re-enters at the current minimum
 
@@ -130,16 +126,8 @@ class _PeerLoad:
 class StageRouter:
     """Chooses among the online peers of one target stage (one instance per target stage)."""
 
-    def __init__(
-        self,
-        rng: random.Random,
-        ema_alpha: float = EMA_ALPHA,
-        clock: Callable[[], float] = time.monotonic,
-    ):
-        if not 0.0 < ema_alpha <= 1.0:
-            raise ValueError(f"ema_alpha must be in (0, 1], got {ema_alpha}")
+    def __init__(self, rng: random.Random, clock: Callable[[], float] = time.monotonic):
         self._rng = rng
-        self._alpha = float(ema_alpha)
         self._clock = clock
         self._peers: dict[str, _PeerLoad] = {}
         self._lock = threading.RLock()
@@ -158,10 +146,9 @@ class StageRouter:
     def update_peers(self, records: Iterable[PeerRecord]) -> None:
         """Replace the peer set with `records` (the stage's current online peers from the DHT).
 
-        New peers enter at the current minimum load; peers absent from `records` are dropped
-        (with their estimates); an announced throughput seeds the estimate of a peer we have not
-        measured yet and is ignored once we have (our measurement includes the network path).
-        Records that are not `online` are skipped.
+        New peers enter at the current minimum load; peers absent from `records` are dropped;
+        every peer's speed follows its latest announced throughput (a peer that announces none
+        keeps the stage median it was given). Records that are not `online` are skipped.
         """
         now = self._clock()
         with self._lock:
@@ -178,7 +165,7 @@ class StageRouter:
                 state = self._peers.get(peer_id)
                 if state is None:
                     added.append((peer_id, announced))
-                elif state.measured == 0 and announced is not None:
+                elif announced is not None:
                     state.sec_per_unit, state.guessed = 1.0 / announced, False
             default = None
             for peer_id, announced in added:
@@ -252,28 +239,6 @@ class StageRouter:
             if state is not None and task_size > 0.0:
                 state.virtual_finish -= task_size * state.sec_per_unit
 
-    def observe(self, peer_id: str, task_size: float, seconds: float) -> None:
-        """A measured service time: sec_per_unit <- (1 - alpha) * sec_per_unit + alpha * seconds / task_size.
-
-        A peer whose estimate is only a guess (it announced no throughput and was never measured)
-        takes the first measurement as is. Unknown (vanished) peers are ignored.
-        """
-        if not (task_size > 0.0 and math.isfinite(task_size)):
-            raise ValueError(f"task_size must be a positive finite number, got {task_size}")
-        if not math.isfinite(seconds) or seconds < 0.0:
-            raise ValueError(f"seconds must be a finite number >= 0, got {seconds}")
-        sample = max(seconds / task_size, MIN_SEC_PER_UNIT)
-        with self._lock:
-            state = self._peers.get(peer_id)
-            if state is None:
-                return
-            if state.guessed and state.measured == 0:
-                state.sec_per_unit = sample
-            else:
-                state.sec_per_unit = (1.0 - self._alpha) * state.sec_per_unit + self._alpha * sample
-            state.guessed = False
-            state.measured += 1
-
     # ------------------------------------------------------------------ reporting
 
     def throughput(self, peer_id: str) -> float | None:
@@ -300,7 +265,6 @@ class Router:
         rng: random.Random,
         num_stages: int,
         *,
-        ema_alpha: float = EMA_ALPHA,
         clock: Callable[[], float] = time.monotonic,
         dht_clock: Callable[[], float] = time.time,
         min_ban_seconds: float = MIN_BAN_SECONDS,
@@ -310,7 +274,7 @@ class Router:
         self.num_stages = num_stages
         self.bans = BanList(clock=dht_clock, min_seconds=min_ban_seconds)
         self._dht_clock = dht_clock
-        self._stages = [StageRouter(rng, ema_alpha=ema_alpha, clock=clock) for _ in range(num_stages)]
+        self._stages = [StageRouter(rng, clock=clock) for _ in range(num_stages)]
 
     def for_stage(self, stage: int) -> StageRouter:
         if not 0 <= stage < self.num_stages:

@@ -23,23 +23,35 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Protocol
+from enum import StrEnum
+from typing import Any, Callable, Coroutine, Protocol
 
 import torch
 
 from dht.announcer import PeerAnnouncer
-from dht.records import PeerState
+from dht.records import PeerState, short_peer_id
 from node.recovery.checkfree import pipeline_order
 from node.config import SwarmConfig
 from node.pipeline.routing import Router
 from node.pipeline.stage_worker import StageWorker
 from node.p2p.transport import Transport, TransportError
 from protocol import Message, MessageKind, ProtocolError
+from node.runtime.tasks import BackgroundTasks
 from node.runtime.timeouts import within
 
 logger = logging.getLogger(__name__)
 
-FORWARD, BACKWARD, ABORT = "forward", "backward", "abort"
+
+
+class PipelineService(StrEnum):
+    """The stream handlers of pipeline traffic (one libp2p protocol each, node/p2p/transport.py)."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    ABORT = "abort"
+
+
+FORWARD, BACKWARD, ABORT = PipelineService.FORWARD, PipelineService.BACKWARD, PipelineService.ABORT
 
 
 class TokenBatches(Protocol):
@@ -111,7 +123,7 @@ class Pipeline:
         self._microbatch_ids = itertools.count(self.rng.randrange(1 << 40))
         self._microbatch_index = itertools.count()
         self._queued = 0
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = BackgroundTasks()
 
     # ---- serving -------------------------------------------------------------------------------
 
@@ -120,14 +132,8 @@ class Pipeline:
         await self.transport.serve_requests(BACKWARD, self.on_backward)
         await self.transport.serve_requests(ABORT, self.on_abort)
 
-    def _spawn(self, coroutine: Awaitable) -> None:
-        task = asyncio.create_task(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _compute(self, fn: Callable, *args):
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.worker.executor, fn, *args)
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        self._tasks.spawn(coroutine)
 
     def _ack(self, request: Message) -> Message:
         return self.transport.message(MessageKind.ACK, request_id=request.request_id)
@@ -169,7 +175,7 @@ class Pipeline:
         """A peer on a microbatch's path gave up on it: retry now instead of at the deadline."""
         ticket = self.in_flight.get(msg.meta.get("microbatch_id"))  # type: ignore[arg-type]
         if ticket is not None and not ticket.done.done():
-            ticket.done.set_exception(TransportError(f"{sender[-8:]} gave up: {msg.meta['reason']}"))
+            ticket.done.set_exception(TransportError(f"{short_peer_id(sender)} gave up: {msg.meta['reason']}"))
         return self._ack(msg)
 
     def _abort(self, origin: str, microbatch_id: int, reason: str) -> None:
@@ -180,7 +186,7 @@ class Pipeline:
             try:
                 await self.transport.request(origin, ABORT, notice, self.hop_timeout)
             except TransportError as e:
-                logger.debug(f"could not tell {origin[-8:]} about microbatch {microbatch_id}: {e}")
+                logger.debug(f"could not tell {short_peer_id(origin)} about microbatch {microbatch_id}: {e}")
 
         self._spawn(notify())
 
@@ -190,9 +196,9 @@ class Pipeline:
     async def _run_block_forward(self, msg: Message) -> None:
         try:
             key = (msg.meta["origin"], msg.meta["microbatch_id"])
-            hidden = await self._compute(self.worker.forward, key, msg.tensors["hidden"])
+            hidden = await self.worker.compute(self.worker.forward, key, msg.tensors["hidden"])
         except ValueError as e:  # a malformed tensor from a stranger: its origin will retry elsewhere
-            logger.info(f"rejected forward from {msg.meta['path'][-1][-8:]}: {e}")
+            logger.info(f"rejected forward from {short_peer_id(msg.meta['path'][-1])}: {e}")
             self._abort(msg.meta["origin"], msg.meta["microbatch_id"], f"forward rejected: {e}")
             return
         except Exception:
@@ -224,14 +230,14 @@ class Pipeline:
             if ticket is None or ticket.done.done():
                 return
             try:
-                await self._compute(self.worker.embed_backward, key, msg.tensors["grad"])
+                await self.worker.compute(self.worker.embed_backward, key, msg.tensors["grad"])
             except (ValueError, RuntimeError, KeyError) as e:
                 ticket.done.set_exception(TransportError(f"embedding backward failed: {e}"))
                 return
             ticket.done.set_result(ticket.loss)
             return
         try:
-            grad = await self._compute(self.worker.backward, key, msg.tensors["grad"])
+            grad = await self.worker.compute(self.worker.backward, key, msg.tensors["grad"])
         except (ValueError, KeyError) as e:  # malformed gradient, or activations already expired
             logger.info(f"backward of microbatch {msg.meta['microbatch_id']} failed here: {e}")
             self._abort(path[0], msg.meta["microbatch_id"], f"backward failed at stage {self.me.stage}")
@@ -277,7 +283,7 @@ class Pipeline:
             except TransportError as e:
                 stage_router.release(peer_id, 1.0)
                 self.router.bans.ban(peer_id, self.ban_until(peer_id), str(e))
-                logger.info(f"banned {peer_id[-8:]} (stage {stage}): {e}")
+                logger.info(f"banned {short_peer_id(peer_id)} (stage {stage}): {e}")
                 continue
             if reply.kind == MessageKind.BUSY:
                 stage_router.release(peer_id, 1.0)
@@ -303,10 +309,8 @@ class Pipeline:
             if stop.is_set():
                 break
             tokens, targets = source.next_batch(training.microbatch_size, training.sequence_length)
-            task = asyncio.create_task(self.run_microbatch(tokens, targets))
+            task = self._tasks.spawn(self.run_microbatch(tokens, targets))
             task.add_done_callback(lambda _: slots.release())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
 
     async def run_microbatch(self, tokens: torch.Tensor, targets: torch.Tensor) -> float | None:
         """One microbatch through the swarm with bounded retries; its loss, or None if dropped."""
@@ -320,7 +324,7 @@ class Pipeline:
             ticket = InFlight(microbatch_id, targets, order, time.monotonic(), asyncio.get_running_loop().create_future())
             self.in_flight[microbatch_id] = ticket
             try:
-                hidden = await self._compute(self.worker.embed, key, tokens)
+                hidden = await self.worker.compute(self.worker.embed, key, tokens)
                 meta = {"microbatch_id": microbatch_id, "origin": self.me.peer_id, "path": [self.me.peer_id],
                         "order": order, "hop": 1}
                 if await self._send_routed(order[0], FORWARD, MessageKind.FORWARD, meta,
@@ -354,7 +358,7 @@ class Pipeline:
             return
         key = (self.me.peer_id, ticket.microbatch_id)
         try:
-            loss, grad = await self._compute(self.worker.head_loss_backward, key, msg.tensors["hidden"], ticket.targets)
+            loss, grad = await self.worker.compute(self.worker.head_loss_backward, key, msg.tensors["hidden"], ticket.targets)
         except (ValueError, RuntimeError) as e:
             ticket.done.set_exception(TransportError(f"loss computation failed: {e}"))
             return
@@ -366,6 +370,4 @@ class Pipeline:
                 ticket.done.set_exception(TransportError("backward to the last stage failed"))
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.close()

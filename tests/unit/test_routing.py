@@ -113,12 +113,14 @@ def test_new_peer_enters_at_current_minimum():
     assert later["new"] / 300 == pytest.approx(1 / 3, abs=0.03)  # not starved
 
 
-def test_new_peer_without_announced_throughput_uses_stage_median_then_measurement():
+def test_new_peer_without_announced_throughput_uses_stage_median_then_its_announcement():
     router, clock = make([rec("a", 2.0), rec("b", 4.0), rec("c", 6.0)])
     router.update_peers([rec("a", 2.0), rec("b", 4.0), rec("c", 6.0), rec("d", 0.0)])
     assert router.throughput("d") == pytest.approx(4.0)
-    router.observe("d", task_size=2.0, seconds=1.0)  # a guess: the first measurement replaces it
-    assert router.throughput("d") == pytest.approx(2.0)
+    router.update_peers([rec("a", 2.0), rec("b", 4.0), rec("c", 6.0), rec("d", 0.0)])
+    assert router.throughput("d") == pytest.approx(4.0)  # still no announcement: the guess stays
+    router.update_peers([rec("a", 2.0), rec("b", 4.0), rec("c", 6.0), rec("d", 2.0)])
+    assert router.throughput("d") == pytest.approx(2.0)  # its own measurement, once announced
     empty, _ = make([rec("z", 0.0)])
     assert empty.throughput("z") == pytest.approx(1.0)
 
@@ -129,7 +131,7 @@ def test_vanished_and_non_online_peers_are_removed():
     router.update_peers([rec("a"), rec("b", state="leaving")])
     assert [p for p, _, _ in router.snapshot()] == ["a"]
     assert set(run(router, clock, 20, dt=0.1)) == {"a"}
-    router.observe("b", 1.0, 1.0)  # a late reply from a vanished peer: ignored
+    router.release("b", 1.0)  # a late failure report about a vanished peer: ignored
     assert "b" not in router
     router.update_peers([])
     assert router.choose() is None
@@ -143,25 +145,20 @@ def test_exclude_retries_elsewhere():
     assert router.choose(exclude={"a", "b", "c"}) is None
 
 
-def test_observe_is_an_ema_of_seconds_per_unit():
-    router, _ = make([rec("a", 2.0)])  # announced 2/s -> 0.5 s per unit
-    router.observe("a", task_size=1.0, seconds=1.0)
-    assert router.throughput("a") == pytest.approx(1 / (0.9 * 0.5 + 0.1 * 1.0))
-    router.observe("a", task_size=4.0, seconds=1.0)
-    assert router.throughput("a") == pytest.approx(1 / (0.9 * 0.55 + 0.1 * 0.25))
-    # a measured peer ignores later announcements; an unmeasured one is re-seeded
+def test_every_refresh_follows_the_latest_announcement():
+    router, _ = make([rec("a", 2.0)])
+    assert router.throughput("a") == pytest.approx(2.0)
     router.update_peers([rec("a", 100.0), rec("b", 3.0)])
-    router.update_peers([rec("a", 100.0), rec("b", 6.0)])
-    assert router.throughput("a") == pytest.approx(1 / (0.9 * 0.55 + 0.1 * 0.25))
+    router.update_peers([rec("a", 50.0), rec("b", 6.0)])
+    assert router.throughput("a") == pytest.approx(50.0)
     assert router.throughput("b") == pytest.approx(6.0)
-    with pytest.raises(ValueError):
-        router.observe("a", 0.0, 1.0)
+    router.update_peers([rec("a", float("nan")), rec("b", -1.0)])  # unusable numbers change nothing
+    assert (router.throughput("a"), router.throughput("b")) == (pytest.approx(50.0), pytest.approx(6.0))
 
 
-def test_observed_slowdown_shifts_traffic():
+def test_announced_slowdown_shifts_traffic():
     router, clock = make([rec("a", 1.0), rec("b", 1.0)])
-    for _ in range(30):
-        router.observe("b", 1.0, 4.0)  # b turns out 4x slower than announced
+    router.update_peers([rec("a", 1.0), rec("b", 0.25)])  # b measured itself 4x slower
     counts = run(router, clock, 500, dt=0.05)
     assert counts["a"] / 500 == pytest.approx(0.8, abs=0.03)
 
