@@ -50,6 +50,7 @@ from torch import Tensor, nn
 
 from node.config import SwarmConfig
 from node.model.llama import BlockStage, EdgeStage, build_stage
+from node.pipeline.admission import GradientGate, RejectedInput, check_finite, check_hidden, check_tokens
 
 T = TypeVar("T")
 
@@ -60,7 +61,6 @@ logger = logging.getLogger(__name__)
 ADAM_BETAS = (0.9, 0.95)
 ADAM_EPS = 1e-8
 THROUGHPUT_EMA = 0.1  # weight of the newest sample (SWARM's alpha)
-_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 class UnknownMicrobatch(KeyError):
@@ -146,6 +146,7 @@ class StageWorker:
         self._stored: OrderedDict[Hashable, _Stored] = OrderedDict()
         self._lock = threading.Lock()  # guards _stored only
         self._closed = False
+        self.gradient_gate = GradientGate()  # refuses absurd gradients from other peers
         self.optimizer: torch.optim.AdamW = self._new_optimizer()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}-worker")
 
@@ -296,47 +297,28 @@ class StageWorker:
         if not block and self.stage != 0:
             raise ValueError(f"stage {self.stage} is a block stage: use forward / backward")
 
-    def _check_bt(self, what: str, batch: int, seq: int) -> None:
-        if not 1 <= batch <= self.max_batch:
-            raise ValueError(f"{what}: batch size {batch} outside 1..{self.max_batch}")
-        limit = self.config.model.max_position_embeddings
-        if not 1 <= seq <= limit:
-            raise ValueError(f"{what}: sequence length {seq} outside 1..{limit} (max_position_embeddings)")
-
     def _check_hidden(self, what: str, hidden: object, shape: torch.Size | None = None) -> Tensor:
-        if not isinstance(hidden, Tensor):
-            raise ValueError(f"{what}: expected a tensor, got {type(hidden).__name__}")
-        if not hidden.is_floating_point():
-            raise ValueError(f"{what}: expected a floating-point tensor, got {hidden.dtype}")
-        if shape is not None:
-            if hidden.shape != shape:
-                raise ValueError(f"{what}: shape {tuple(hidden.shape)} does not match the stored {tuple(shape)}")
-        else:
-            if hidden.dim() != 3:
-                raise ValueError(f"{what}: expected [batch, seq, hidden], got shape {tuple(hidden.shape)}")
-            self._check_bt(what, hidden.shape[0], hidden.shape[1])
-            if hidden.shape[2] != self.config.model.hidden_size:
-                raise ValueError(f"{what}: hidden size {hidden.shape[2]} != {self.config.model.hidden_size}")
-        hidden = hidden.detach().to(device=self.device, dtype=self.dtype)
-        if not torch.isfinite(hidden).all():  # checked after the cast: fp32 values may overflow fp16
-            raise ValueError(f"{what}: contains NaN or infinite values")
-        return hidden
+        return check_hidden(
+            what, hidden, hidden_size=self.config.model.hidden_size, max_batch=self.max_batch,
+            max_positions=self.config.model.max_position_embeddings, device=self.device, dtype=self.dtype, shape=shape,
+        )
 
     def _check_tokens(self, what: str, tokens: object, shape: torch.Size | None = None) -> Tensor:
-        if not isinstance(tokens, Tensor):
-            raise ValueError(f"{what}: expected a tensor, got {type(tokens).__name__}")
-        if tokens.dtype not in _INT_DTYPES:
-            raise ValueError(f"{what}: expected an integer tensor, got {tokens.dtype}")
-        if tokens.dim() != 2:
-            raise ValueError(f"{what}: expected [batch, seq], got shape {tuple(tokens.shape)}")
-        if shape is not None and tokens.shape != shape:
-            raise ValueError(f"{what}: shape {tuple(tokens.shape)} does not match {tuple(shape)}")
-        self._check_bt(what, tokens.shape[0], tokens.shape[1])
-        vocab = self.config.model.vocab_size
-        lo, hi = int(tokens.min()), int(tokens.max())
-        if lo < 0 or hi >= vocab:
-            raise ValueError(f"{what}: token ids must be in [0, {vocab}), got range [{lo}, {hi}]")
-        return tokens.detach().to(device=self.device, dtype=torch.long)
+        return check_tokens(
+            what, tokens, vocab_size=self.config.model.vocab_size, max_batch=self.max_batch,
+            max_positions=self.config.model.max_position_embeddings, device=self.device, shape=shape,
+        )
+
+    def _accumulate(self, params: list[nn.Parameter], grads: list[Tensor | None] | tuple[Tensor | None, ...]) -> None:
+        """Add one microbatch's (checked) parameter gradients to the step's accumulation."""
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                if g is None:
+                    continue
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.add_(g)
 
     def _out(self, t: Tensor) -> Tensor:
         return t.detach().to("cpu")
@@ -362,6 +344,7 @@ class StageWorker:
         start = time.perf_counter()
         item = self._lookup(key, "block")
         grad = self._check_hidden("backward gradient", grad_output, item.output.shape)
+        norm = self.gradient_gate.check("backward gradient", grad)
         self._take(key, item)
         leaf, out = item.leaf, item.output
         if item.versions != self._versions():  # weights changed since the forward: recompute
@@ -369,9 +352,12 @@ class StageWorker:
             with torch.enable_grad():
                 out = self.module(leaf)
         assert leaf is not None
-        out.backward(grad)
-        grad_in = leaf.grad
-        assert grad_in is not None
+        # this microbatch's gradients alone first: a hostile gradient must not poison the step's
+        # accumulation (it is dropped here, the honest ones already added survive)
+        grad_in, *param_grads = torch.autograd.grad(out, [leaf, *self._params], grad, allow_unused=True)
+        check_finite("gradients of this microbatch", [grad_in, *param_grads])
+        self._accumulate(self._params, param_grads)
+        self.gradient_gate.accept(norm)
         self._finish(item.seconds + time.perf_counter() - start)
         return self._out(grad_in)
 
@@ -409,6 +395,10 @@ class StageWorker:
             grads = torch.autograd.grad(
                 loss / self.config.training.microbatches_per_step, [h, *head_params], allow_unused=True
             )
+        loss_value = float(loss.detach())
+        if not math.isfinite(loss_value):
+            raise RejectedInput(f"loss is not finite ({loss_value}): the returned hidden states are unusable")
+        check_finite("head gradients of this microbatch", grads)
         item.head_grads = list(grads[1:])
         item.seconds += time.perf_counter() - start
         return float(loss.detach()), self._out(grads[0])
@@ -422,21 +412,19 @@ class StageWorker:
         if item.head_grads is None:
             raise ValueError(f"stage 0: embed_backward for {key!r} before its head_loss_backward")
         g = self._check_hidden("embedding gradient", grad, item.output.shape)
+        norm = self.gradient_gate.check("embedding gradient", g)
         self._take(key, item)
         out = item.output
         if item.versions != self._versions():
             with torch.enable_grad():
                 out = self.module.embed(item.inputs)
-        out.backward(g)
+        embed_params = [p for n, p in self.module.named_parameters() if n.startswith("embed_tokens.")]
+        embed_grads = torch.autograd.grad(out, embed_params, g, allow_unused=True)
+        check_finite("embedding gradients of this microbatch", embed_grads)
         head_params = [p for n, p in self.module.named_parameters() if not n.startswith("embed_tokens.")]
-        with torch.no_grad():
-            for p, hg in zip(head_params, item.head_grads):
-                if hg is None:
-                    continue
-                if p.grad is None:
-                    p.grad = hg.clone()
-                else:
-                    p.grad.add_(hg)
+        self._accumulate(embed_params, embed_grads)
+        self._accumulate(head_params, item.head_grads)
+        self.gradient_gate.accept(norm)
         self._finish(item.seconds + time.perf_counter() - start)
 
     # ------------------------------------------------------------------------------------------

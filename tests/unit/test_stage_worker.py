@@ -361,3 +361,72 @@ def test_state_dict_roundtrip_reset_and_close() -> None:
     with pytest.raises(RuntimeError):
         a.forward("k", torch.randn(1, 4, 64))
     a.close()  # idempotent
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile gradients are dropped at the door; the step's honest accumulation survives
+
+
+def _grads(worker: StageWorker) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in worker.module.parameters()]
+
+
+def test_a_huge_gradient_is_dropped_alone_and_the_step_keeps_the_honest_ones():
+    config = cfg(microbatches_per_step=2)
+    block = StageWorker(config, 1)
+    try:
+        hidden = torch.randn(2, 16, config.model.hidden_size)
+        block.forward(("o", 1), hidden)
+        block.forward(("o", 2), hidden)
+        block.forward(("o", 3), hidden)
+        block.backward(("o", 1), torch.randn(2, 16, config.model.hidden_size) * 1e-3)
+        honest = _grads(block)
+        assert block.accumulated == 1
+        with pytest.raises(ValueError, match="not finite"):  # finite on the wire, overflows in backward
+            block.backward(("o", 2), torch.full((2, 16, config.model.hidden_size), 3e38))
+        after = _grads(block)
+        assert all(torch.equal(a, b) for a, b in zip(honest, after))
+        assert block.accumulated == 1 and block.skipped_steps == 0
+        block.backward(("o", 3), torch.randn(2, 16, config.model.hidden_size) * 1e-3)
+        assert block.inner_step == 1 and block.skipped_steps == 0
+    finally:
+        block.close()
+
+
+def test_an_absurdly_large_but_finite_gradient_is_refused_once_the_gate_has_a_yardstick():
+    from node.pipeline.admission import GATE_WARMUP_SAMPLES
+
+    config = cfg(microbatches_per_step=1)
+    block = StageWorker(config, 1)
+    try:
+        hidden = torch.randn(2, 16, config.model.hidden_size)
+        for i in range(GATE_WARMUP_SAMPLES):
+            block.forward(("o", i), hidden)
+            block.backward(("o", i), torch.randn(2, 16, config.model.hidden_size) * 1e-3)
+        steps = block.inner_step
+        block.forward(("o", 99), hidden)
+        with pytest.raises(ValueError, match="typical"):
+            block.backward(("o", 99), torch.randn(2, 16, config.model.hidden_size) * 1e3)
+        assert block.inner_step == steps
+        block.backward(("o", 99), torch.randn(2, 16, config.model.hidden_size) * 2e-3)  # still stored: retried
+        assert block.inner_step == steps + 1
+    finally:
+        block.close()
+
+
+def test_stage_zero_refuses_a_non_finite_embedding_gradient_without_touching_its_accumulation():
+    config = cfg(microbatches_per_step=2)
+    edge = StageWorker(config, 0)
+    try:
+        tokens, targets = batch(config)
+        for i in (1, 2):
+            hidden = edge.embed(("me", i), tokens)
+            edge.head_loss_backward(("me", i), hidden, targets)
+        edge.embed_backward(("me", 1), torch.randn(*hidden.shape) * 1e-3)
+        honest = _grads(edge)
+        with pytest.raises(ValueError):
+            edge.embed_backward(("me", 2), torch.full(hidden.shape, 3e38))
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(honest, _grads(edge)))
+        assert edge.accumulated == 1 and edge.skipped_steps == 0
+    finally:
+        edge.close()
