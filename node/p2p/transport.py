@@ -18,6 +18,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from hivemind.p2p import P2P, PeerID
 
 from dht.records import short_peer_id
+from node.p2p.peer_conduct import PeerConduct
 from protocol import DEFAULT_LIMITS, Limits, Message, MessageKind, ProtocolError, recv_message, send_message
 from node.runtime.timeouts import within
 
@@ -41,8 +42,17 @@ PEER_FAILURES: tuple[type[BaseException], ...] = (
 class Transport:
     """Sends and serves messages for one swarm. `stage` is this peer's current stage (it moves)."""
 
-    def __init__(self, p2p: P2P, swarm_id: str, stage: int, limits: Limits = DEFAULT_LIMITS, compression: str = "none"):
+    def __init__(
+        self,
+        p2p: P2P,
+        swarm_id: str,
+        stage: int,
+        limits: Limits = DEFAULT_LIMITS,
+        compression: str = "none",
+        conduct: PeerConduct | None = None,
+    ):
         self.p2p = p2p
+        self.conduct = conduct or PeerConduct()
         self.swarm_id = swarm_id
         self.stage = stage
         self.limits = limits
@@ -82,20 +92,37 @@ class Transport:
     def error(self, reason: str, request_id: int = 0) -> Message:
         return self.message(MessageKind.ERROR, {"reason": reason[:500]}, request_id=request_id)
 
-    async def serve_requests(self, service: str, handler: RequestHandler, read_timeout: float = 60.0) -> None:
+    async def _refuse(self, sender: str, service: str, writer: asyncio.StreamWriter, reason: str) -> None:
+        """Answer a refused stream with one short ERROR (bounded: a refused peer gets no time)."""
+        logger.debug(f"refused a {service} stream from {short_peer_id(sender)}: {reason}")
+        with contextlib.suppress(Exception):
+            await within(send_message(writer, self.error(reason), "none", self.limits), 1.0)
+        writer.close()
+
+    async def serve_requests(self, service: str, handler: RequestHandler, read_timeout: float = 30.0) -> None:
+        """One request, one reply per stream. The request must arrive within `read_timeout` (a slow
+        sender cannot hold the stream longer); malformed input is a strike against the sender."""
+
         async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             sender = info.peer_id.to_base58()
+            refusal = self.conduct.admit(sender)
+            if refusal is not None:
+                await self._refuse(sender, service, writer, refusal)
+                return
             try:
                 request = await within(recv_message(reader, self.limits, self.swarm_id), read_timeout)
                 try:
                     reply = await handler(sender, request)
                 except ProtocolError as e:
+                    self.conduct.strike(sender, f"{service}: {e}")
                     reply = self.error(str(e), request.request_id)
                 await send_message(writer, reply, self.compression, self.limits)
             except (ProtocolError, EOFError, asyncio.TimeoutError) as e:
                 logger.info(f"bad {service} request from {short_peer_id(sender)}: {e!r}")
+                if not isinstance(e, EOFError):
+                    self.conduct.strike(sender, f"{service}: {e!r}")
                 with contextlib.suppress(Exception):
-                    await send_message(writer, self.error(f"bad request: {e}"), "none", self.limits)
+                    await within(send_message(writer, self.error(f"bad request: {e}"), "none", self.limits), 1.0)
             except (ConnectionError, asyncio.IncompleteReadError) as e:
                 logger.debug(f"{service} stream from {short_peer_id(sender)} broke: {e!r}")
             except Exception:
@@ -103,20 +130,31 @@ class Transport:
                 with contextlib.suppress(Exception):
                     await send_message(writer, self.error("internal error"), "none", self.limits)
             finally:
+                self.conduct.release(sender)
                 writer.close()
 
         await self._add_handler(service, on_stream)
 
     async def serve_sessions(self, service: str, handler: SessionHandler) -> None:
+        """A handler that owns the whole stream (gossip, state download); it bounds its own reads."""
+
         async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             sender = info.peer_id.to_base58()
+            refusal = self.conduct.admit(sender)
+            if refusal is not None:
+                await self._refuse(sender, service, writer, refusal)
+                return
             try:
                 await handler(sender, reader, writer)
-            except (ProtocolError, EOFError, asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:
+            except ProtocolError as e:
+                logger.info(f"{service} session with {short_peer_id(sender)} ended: {e!r}")
+                self.conduct.strike(sender, f"{service}: {e}")
+            except (EOFError, asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:
                 logger.info(f"{service} session with {short_peer_id(sender)} ended: {e!r}")
             except Exception:
                 logger.exception(f"{service} session with {short_peer_id(sender)} failed")
             finally:
+                self.conduct.release(sender)
                 writer.close()
 
         await self._add_handler(service, on_stream)

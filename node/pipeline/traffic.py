@@ -8,6 +8,11 @@ A microbatch's life (path = the peers it visited, path[0] its stage-0 origin):
   down to the origin, which finishes the embedding's backward. `order` is the stage order of this
   microbatch (CheckFree+ swaps edge block stages on odd microbatches).
 
+Every attempt carries a random `token` chosen by its origin; only peers on the microbatch's path
+see it, so only they can abort the microbatch or hand its results back to the origin (a stranger
+who guesses a microbatch id cannot). A tensor a worker rejects (non-finite, absurd, misshapen) is
+a strike against the peer that sent it (node/p2p/peer_conduct.py); repeated strikes ban it.
+
 Each hop is acknowledged as soon as the receiver has queued the work, so no peer waits for a whole
 round trip. A send that errors or times out bans that peer until its DHT record expires and goes
 to another peer of the stage (bounded retries); a microbatch lost past an acknowledgement (a peer
@@ -20,6 +25,7 @@ import asyncio
 import itertools
 import logging
 import random
+import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -32,6 +38,7 @@ from dht.announcer import PeerAnnouncer
 from dht.records import PeerState, short_peer_id
 from node.recovery.checkfree import pipeline_order
 from node.config import SwarmConfig
+from node.pipeline.admission import RejectedInput
 from node.pipeline.routing import Router
 from node.pipeline.stage_worker import StageWorker
 from node.p2p.transport import Transport, TransportError
@@ -67,7 +74,17 @@ class InFlight:
     order: list[int]
     started: float
     done: asyncio.Future
+    token: str  # shared only with the peers on this attempt's path
     loss: float | None = None
+
+    def finish(self, loss: float | None = None, error: BaseException | None = None) -> None:
+        """Settle the attempt once: an abort can race a backward that just completed."""
+        if self.done.done():
+            return
+        if error is not None:
+            self.done.set_exception(error)
+        else:
+            self.done.set_result(loss)
 
 
 @dataclass
@@ -148,7 +165,7 @@ class Pipeline:
         if expected_stage != self.me.stage or self.me.state != PeerState.ONLINE:
             return self.transport.error(f"this peer serves stage {self.me.stage} ({self.me.state}), not {expected_stage}")
         if hop == len(order) + 1:
-            if msg.meta["origin"] != self.me.peer_id or msg.meta["microbatch_id"] not in self.in_flight:
+            if msg.meta["origin"] != self.me.peer_id or self._ticket(msg) is None:
                 return self.transport.error("unknown microbatch")
             self._spawn(self._finish_forward(msg))
             return self._ack(msg)
@@ -166,23 +183,42 @@ class Pipeline:
         expected_sender = path[hop + 1] if hop + 1 < len(path) else path[0]  # the origin starts backward
         if sender != expected_sender:
             raise ProtocolError("backward arrived from a peer that is not the next hop of its path")
-        if hop == 0 and msg.meta["microbatch_id"] not in self.in_flight:
+        if hop == 0 and self._ticket(msg) is None:
             return self.transport.error("unknown microbatch")
         self._spawn(self._run_backward(msg))
         return self._ack(msg)
 
+    def _ticket(self, msg: Message) -> InFlight | None:
+        """This origin's attempt the message refers to, if its id and token match one in flight."""
+        microbatch_id, token = msg.meta.get("microbatch_id"), msg.meta.get("token")
+        if isinstance(microbatch_id, bool) or not isinstance(microbatch_id, int) or not isinstance(token, str):
+            raise ProtocolError("a microbatch reference needs an integer microbatch_id and a token")
+        ticket = self.in_flight.get(microbatch_id)
+        if ticket is None or not secrets.compare_digest(ticket.token, token):
+            return None
+        return ticket
+
     async def on_abort(self, sender: str, msg: Message) -> Message:
         """A peer on a microbatch's path gave up on it: retry now instead of at the deadline."""
-        ticket = self.in_flight.get(msg.meta.get("microbatch_id"))  # type: ignore[arg-type]
-        if ticket is not None and not ticket.done.done():
-            ticket.done.set_exception(TransportError(f"{short_peer_id(sender)} gave up: {msg.meta['reason']}"))
+        ticket = self._ticket(msg)
+        if ticket is None:  # finished already, or a stranger without the token: nothing to do
+            return self.transport.error("unknown microbatch")
+        ticket.finish(error=TransportError(f"{short_peer_id(sender)} gave up: {msg.meta['reason']}"))
         return self._ack(msg)
 
-    def _abort(self, origin: str, microbatch_id: int, reason: str) -> None:
+    def _reject(self, sender: str, msg: Message, reason: str) -> None:
+        """A tensor from `sender` was unusable: a strike against it, and the origin retries elsewhere."""
+        self.transport.conduct.strike(sender, reason)
+        self._abort(msg.meta["path"][0], msg, reason)
+
+    def _abort(self, origin: str, msg: Message, reason: str) -> None:
         """Tell a microbatch's origin it is lost here (best effort, in the background)."""
+        microbatch_id, token = msg.meta["microbatch_id"], msg.meta.get("token", "")
 
         async def notify() -> None:
-            notice = self.transport.message(MessageKind.ERROR, {"reason": reason[:200], "microbatch_id": microbatch_id})
+            notice = self.transport.message(
+                MessageKind.ERROR, {"reason": reason[:200], "microbatch_id": microbatch_id, "token": token}
+            )
             try:
                 await self.transport.request(origin, ABORT, notice, self.hop_timeout)
             except TransportError as e:
@@ -199,11 +235,11 @@ class Pipeline:
             hidden = await self.worker.compute(self.worker.forward, key, msg.tensors["hidden"])
         except ValueError as e:  # a malformed tensor from a stranger: its origin will retry elsewhere
             logger.info(f"rejected forward from {short_peer_id(msg.meta['path'][-1])}: {e}")
-            self._abort(msg.meta["origin"], msg.meta["microbatch_id"], f"forward rejected: {e}")
+            self._reject(msg.meta["path"][-1], msg, f"forward rejected: {e}")
             return
         except Exception:
             logger.exception(f"forward of microbatch {msg.meta['microbatch_id']} failed")
-            self._abort(msg.meta["origin"], msg.meta["microbatch_id"], "forward failed")
+            self._abort(msg.meta["origin"], msg, "forward failed")
             return
         finally:
             self._queued -= 1
@@ -220,37 +256,46 @@ class Pipeline:
         else:
             self.worker.drop(key)
             if next_stage != 0:
-                self._abort(msg.meta["origin"], msg.meta["microbatch_id"], f"no peer of stage {next_stage} took it")
+                self._abort(msg.meta["origin"], msg, f"no peer of stage {next_stage} took it")
 
     async def _run_backward(self, msg: Message) -> None:
         path, hop = msg.meta["path"], msg.meta["hop"]
         key = (path[0], msg.meta["microbatch_id"])
+        sender = path[hop + 1] if hop + 1 < len(path) else path[0]
         if hop == 0:
             ticket = self.in_flight.get(msg.meta["microbatch_id"])
             if ticket is None or ticket.done.done():
                 return
             try:
                 await self.worker.compute(self.worker.embed_backward, key, msg.tensors["grad"])
-            except (ValueError, RuntimeError, KeyError) as e:
-                ticket.done.set_exception(TransportError(f"embedding backward failed: {e}"))
+            except RejectedInput as e:
+                self.transport.conduct.strike(sender, f"embedding gradient rejected: {e}")
+                ticket.finish(error=TransportError(f"embedding backward failed: {e}"))
                 return
-            ticket.done.set_result(ticket.loss)
+            except (ValueError, RuntimeError, KeyError) as e:
+                ticket.finish(error=TransportError(f"embedding backward failed: {e}"))
+                return
+            ticket.finish(ticket.loss)  # an abort may have settled it while the backward ran
             return
         try:
             grad = await self.worker.compute(self.worker.backward, key, msg.tensors["grad"])
-        except (ValueError, KeyError) as e:  # malformed gradient, or activations already expired
+        except RejectedInput as e:
+            logger.info(f"rejected the gradient of microbatch {msg.meta['microbatch_id']}: {e}")
+            self._reject(sender, msg, f"backward rejected at stage {self.me.stage}: {e}")
+            return
+        except (ValueError, KeyError) as e:  # activations already expired or dropped here
             logger.info(f"backward of microbatch {msg.meta['microbatch_id']} failed here: {e}")
-            self._abort(path[0], msg.meta["microbatch_id"], f"backward failed at stage {self.me.stage}")
+            self._abort(path[0], msg, f"backward failed at stage {self.me.stage}")
             return
         except Exception:
             logger.exception(f"backward of microbatch {msg.meta['microbatch_id']} failed")
-            self._abort(path[0], msg.meta["microbatch_id"], f"backward failed at stage {self.me.stage}")
+            self._abort(path[0], msg, f"backward failed at stage {self.me.stage}")
             return
         meta = {**msg.meta, "hop": hop - 1}
         if await self._send_to(path[hop - 1], BACKWARD, MessageKind.BACKWARD, meta, {"grad": grad}):
             self.stats.backwarded += 1
         elif hop - 1 > 0:
-            self._abort(path[0], msg.meta["microbatch_id"], "backward could not reach the previous hop")
+            self._abort(path[0], msg, "backward could not reach the previous hop")
 
     # ---- sending -------------------------------------------------------------------------------
 
@@ -321,12 +366,13 @@ class Pipeline:
         for attempt in range(retries + 1):
             microbatch_id = next(self._microbatch_ids)
             key = (self.me.peer_id, microbatch_id)
-            ticket = InFlight(microbatch_id, targets, order, time.monotonic(), asyncio.get_running_loop().create_future())
+            ticket = InFlight(microbatch_id, targets, order, time.monotonic(),
+                              asyncio.get_running_loop().create_future(), secrets.token_hex(8))
             self.in_flight[microbatch_id] = ticket
             try:
                 hidden = await self.worker.compute(self.worker.embed, key, tokens)
                 meta = {"microbatch_id": microbatch_id, "origin": self.me.peer_id, "path": [self.me.peer_id],
-                        "order": order, "hop": 1}
+                        "order": order, "hop": 1, "token": ticket.token}
                 if await self._send_routed(order[0], FORWARD, MessageKind.FORWARD, meta,
                                            {"hidden": hidden, "targets": targets}):
                     loss = await within(ticket.done, deadline)
@@ -354,20 +400,24 @@ class Pipeline:
             return
         targets = msg.tensors.get("targets")
         if targets is None or not torch.equal(targets, ticket.targets):
-            ticket.done.set_exception(TransportError("targets came back altered"))
+            self.transport.conduct.strike(msg.meta["path"][-1], "targets came back altered")
+            ticket.finish(error=TransportError("targets came back altered"))
             return
         key = (self.me.peer_id, ticket.microbatch_id)
         try:
             loss, grad = await self.worker.compute(self.worker.head_loss_backward, key, msg.tensors["hidden"], ticket.targets)
+        except RejectedInput as e:
+            self.transport.conduct.strike(msg.meta["path"][-1], f"final hidden states rejected: {e}")
+            ticket.finish(error=TransportError(f"loss computation failed: {e}"))
+            return
         except (ValueError, RuntimeError) as e:
-            ticket.done.set_exception(TransportError(f"loss computation failed: {e}"))
+            ticket.finish(error=TransportError(f"loss computation failed: {e}"))
             return
         ticket.loss = loss
         path = msg.meta["path"]
-        meta = {"microbatch_id": ticket.microbatch_id, "path": path, "hop": len(path) - 1}
+        meta = {"microbatch_id": ticket.microbatch_id, "path": path, "hop": len(path) - 1, "token": ticket.token}
         if not await self._send_to(path[-1], BACKWARD, MessageKind.BACKWARD, meta, {"grad": grad}):
-            if not ticket.done.done():
-                ticket.done.set_exception(TransportError("backward to the last stage failed"))
+            ticket.finish(error=TransportError("backward to the last stage failed"))
 
     async def close(self) -> None:
         await self._tasks.close()

@@ -1,0 +1,177 @@
+"""How much of this node a remote peer may use, and what happens when it sends bad input.
+
+Two separate concerns with one owner per peer:
+- *limits*: concurrent incoming streams per peer, all incoming streams together (well under the
+  process's file-descriptor limit), and a request rate per peer (a token bucket). Over a limit the
+  stream is refused at once; nothing is allocated for it.
+- *conduct*: every malformed message, non-finite or absurd tensor, or forged reference to a
+  microbatch is a strike. `strikes_to_ban` strikes within `strike_window` seconds ban the peer
+  until its DHT record expires (SWARM bans the same way): its streams are refused at the door and
+  routing avoids it (`on_ban`). An honest peer's occasional bad message (a bug, a race) decays away.
+
+A ban for bad *input* is not a routing ban for an unreachable peer: a peer we could not reach may
+still send us honest work, a peer that sent garbage may not.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dht.records import short_peer_id
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ConductLimits:
+    """Per-peer and total limits on incoming streams (see docs/security.md)."""
+
+    streams_per_peer: int = 32
+    """Concurrent incoming streams one peer may hold (a pipeline peer needs ~2 x max_in_flight)."""
+    total_streams: int | None = None
+    """All incoming streams together; None: a quarter of the file-descriptor soft limit, at most 1024."""
+    requests_per_second: float = 200.0
+    """Sustained request rate per peer (token bucket refill)."""
+    request_burst: int = 400
+    """Requests a peer may send at once before the rate applies."""
+    strikes_to_ban: int = 3
+    """Bad messages within `strike_window` that ban the sender."""
+    strike_window: float = 60.0
+    """Seconds a strike counts."""
+    min_ban_seconds: float = 30.0
+    """A ban lasts at least this long, even when the peer's record is about to expire."""
+
+
+def raise_fd_soft_limit(wanted: int = 65536) -> int:
+    """Raise this process's file-descriptor soft limit towards `wanted` (never above the hard
+    limit) and return the limit now in force: many peers and streams need many descriptors."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as e:
+            logger.info(f"could not raise the open-file limit from {soft}: {e}")
+    return soft
+
+
+def default_total_streams() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1024
+    return max(16, min(1024, soft // 4))
+
+
+class _Bucket:
+    __slots__ = ("tokens", "updated")
+
+    def __init__(self, tokens: float, now: float):
+        self.tokens, self.updated = tokens, now
+
+
+class PeerConduct:
+    """Admission of incoming streams and strikes/bans for bad input, per remote peer."""
+
+    def __init__(
+        self,
+        limits: ConductLimits | None = None,
+        *,
+        ban_until: Callable[[str], float] | None = None,
+        on_ban: Callable[[str, float, str], None] | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.limits = limits or ConductLimits()
+        self.total_streams = self.limits.total_streams or default_total_streams()
+        self.ban_until = ban_until or (lambda peer_id: 0.0)
+        self.on_ban = on_ban
+        self._clock = clock
+        self._open: dict[str, int] = {}
+        self._open_total = 0
+        self._buckets: dict[str, _Bucket] = {}
+        self._strikes: dict[str, deque[float]] = {}
+        self._bans: dict[str, tuple[float, str]] = {}
+        self.refused = 0  # streams refused at the door (limits or bans), for status and tests
+
+    # -- bans --------------------------------------------------------------------------------
+    def is_banned(self, peer_id: str) -> bool:
+        entry = self._bans.get(peer_id)
+        if entry is None:
+            return False
+        if entry[0] <= self._clock():
+            del self._bans[peer_id]
+            return False
+        return True
+
+    def bans(self) -> dict[str, tuple[float, str]]:
+        """{peer: (until, reason)} of the bans in force."""
+        now = self._clock()
+        return {peer: entry for peer, entry in self._bans.items() if entry[0] > now}
+
+    def strike(self, peer_id: str, reason: str) -> bool:
+        """Count one piece of bad input from `peer_id`; True when this strike banned it."""
+        now = self._clock()
+        strikes = self._strikes.setdefault(peer_id, deque(maxlen=self.limits.strikes_to_ban))
+        strikes.append(now)
+        while strikes and now - strikes[0] > self.limits.strike_window:
+            strikes.popleft()
+        if len(strikes) < self.limits.strikes_to_ban or self.is_banned(peer_id):
+            logger.info(f"strike {len(strikes)}/{self.limits.strikes_to_ban} for {short_peer_id(peer_id)}: {reason}")
+            return False
+        until = max(self.ban_until(peer_id), now + self.limits.min_ban_seconds)
+        self._bans[peer_id] = (until, reason)
+        strikes.clear()
+        logger.warning(f"banned {short_peer_id(peer_id)} for {until - now:.0f} s after repeated bad input: {reason}")
+        if self.on_ban is not None:
+            self.on_ban(peer_id, until, reason)
+        return True
+
+    # -- admission ---------------------------------------------------------------------------
+    def admit(self, peer_id: str) -> str | None:
+        """Reserve a stream slot for `peer_id`; None if admitted (call `release` when done), else why not."""
+        if self.is_banned(peer_id):
+            reason = "banned for bad input"
+        elif self._open_total >= self.total_streams:
+            reason = "too many open streams"
+        elif self._open.get(peer_id, 0) >= self.limits.streams_per_peer:
+            reason = "too many streams from this peer"
+        elif not self._take_token(peer_id):
+            reason = "request rate exceeded"
+        else:
+            self._open[peer_id] = self._open.get(peer_id, 0) + 1
+            self._open_total += 1
+            return None
+        self.refused += 1
+        return reason
+
+    def release(self, peer_id: str) -> None:
+        count = self._open.get(peer_id, 0) - 1
+        if count > 0:
+            self._open[peer_id] = count
+        else:
+            self._open.pop(peer_id, None)
+        self._open_total = max(0, self._open_total - 1)
+
+    def open_streams(self, peer_id: str | None = None) -> int:
+        return self._open_total if peer_id is None else self._open.get(peer_id, 0)
+
+    def _take_token(self, peer_id: str) -> bool:
+        now = self._clock()
+        bucket = self._buckets.get(peer_id)
+        if bucket is None:
+            if len(self._buckets) > 4 * self.total_streams:  # forget idle peers: the map stays bounded
+                self._buckets = {p: b for p, b in self._buckets.items() if now - b.updated < 60.0}
+            bucket = self._buckets[peer_id] = _Bucket(float(self.limits.request_burst), now)
+        bucket.tokens = min(
+            float(self.limits.request_burst), bucket.tokens + (now - bucket.updated) * self.limits.requests_per_second
+        )
+        bucket.updated = now
+        if bucket.tokens < 1.0:
+            return False
+        bucket.tokens -= 1.0
+        return True
