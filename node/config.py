@@ -4,18 +4,26 @@ The bootstrapper builds it from defaults, a TOML file and flags, publishes it in
 hash, and every joiner refuses to train if its own protocol version or the hash differ. Defaults
 follow docs/algorithms.md (NoLoCo alpha 0.5, beta 0.7, gamma = beta, H = 50; CheckFree lr
 scale 1.1; grad clip 1.0) scaled down to a model that trains on a laptop CPU.
+
+Every field carries a one-line attribute docstring (what it is, its unit, why the default);
+`render_reference()` turns them into docs/config.md: `python -m node.config > docs/config.md`.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import hashlib
+import inspect
+import io
 import json
+import textwrap
+import tokenize
 import tomllib
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from protocol.plain import plain_dict
 from protocol.tensors import Compression
@@ -48,42 +56,75 @@ class ModelConfig:
     """A LLaMA-style decoder cut into stage 0 (embed + norm + head) and equal block stages."""
 
     vocab_size: int = 256
+    """Tokens in the vocabulary (embedding and LM-head rows), >= 2; 256 = one per byte: any text trains without a tokenizer."""
     hidden_size: int = 64
+    """Width of the residual stream; 64 keeps the default model near 133k parameters, small enough for a laptop CPU."""
     intermediate_size: int = 176
+    """Width of the SwiGLU MLP; 176 = 8/3 x hidden_size rounded up to a multiple of 16, LLaMA's sizing."""
     num_attention_heads: int = 4
+    """Query heads; must divide hidden_size into an even head dimension (rotary); 4 gives 16-wide heads."""
     num_key_value_heads: int = 4
+    """Key/value heads (grouped-query attention), must divide num_attention_heads; 4 = plain multi-head attention."""
     layers_per_stage: int = 1
+    """Decoder layers in each block stage (stage 0 holds none), >= 1; 1 keeps a stage's compute and a rebuild's download small."""
     max_position_embeddings: int = 256
+    """Longest sequence a stage accepts, in tokens, >= training.sequence_length; 256 leaves room over the default 64."""
     rms_norm_eps: float = 1e-5
+    """Epsilon added to the mean square in every RMSNorm; 1e-5 is LLaMA's."""
     rope_theta: float = 10000.0
+    """Base of the rotary position frequencies; 10000 is LLaMA's (and RoPE's)."""
 
 
 @dataclass(frozen=True)
 class TrainingConfig:
+    """The inner optimizer (AdamW with warmup and cosine decay) and the pipeline traffic of stage 0."""
+
     microbatch_size: int = 8
+    """Sequences per microbatch, the unit that travels through the pipeline, >= 1; 8 keeps a hop small on CPU."""
     sequence_length: int = 64
+    """Tokens per sequence, <= model.max_position_embeddings; 64 is cheap on a laptop and long enough for the synthetic chain."""
     microbatches_per_step: int = 2
+    """Microbatches whose gradients are accumulated into one optimizer (inner) step, >= 1; 2 averages out some gradient noise."""
     max_in_flight: int = 4
+    """Microbatches a stage-0 peer keeps in the pipeline at once, >= 1 (bounds queues and stored activations); 4 keeps 3 stages busy."""
     learning_rate: float = 3e-3
+    """Peak learning rate of the inner AdamW; 3e-3 suits a 64-wide model (small models take larger rates)."""
     warmup_steps: int = 20
+    """Optimizer steps of linear warmup up to learning_rate; 20 is short, as the default runs are."""
     total_steps: int = 5000
+    """Optimizer step where the cosine decay reaches min_lr_ratio x learning_rate (flat after); 5000 outlasts a demo run."""
     min_lr_ratio: float = 0.1
+    """Floor of the cosine schedule, as a fraction of learning_rate; 0.1 is the usual LLaMA-style floor."""
     weight_decay: float = 0.0
+    """AdamW decoupled weight decay; 0 like the NoLoCo authors' code."""
     grad_clip: float = 1.0
+    """Max global gradient norm of a stage before its optimizer step, > 0; 1.0 like the NoLoCo authors (CheckFree weighs by it)."""
     wire_compression: Compression = Compression.FP16
+    """Encoding of activations and gradients between stages (receivers get the original dtype back); fp16 halves fp32 traffic."""
     hop_timeout: float = 20.0
+    """Seconds to wait for one stage's reply before retrying another peer, > 0; 20 s tolerates a loaded CPU peer."""
     max_retries: int = 3
+    """Extra attempts, on other peers, for a microbatch whose hop failed or timed out, >= 0; 3 rides out a dead peer."""
 
 
 @dataclass(frozen=True)
 class GossipConfig:
+    """How the replicas of a stage average their weights: NoLoCo's outer step (docs/gossip.md)."""
+
     mode: GossipMode = GossipMode.NOLOCO
+    """How replicas of a stage are kept together (members below); noloco, one random partner per round, is what pipeswarm is built on."""
     inner_steps: int = 50
+    """H: optimizer steps between two outer rounds, >= 1; 50 (docs/algorithms.md) lets replicas meet often in a short run."""
     outer_momentum: float = 0.5
+    """alpha: momentum of the outer step (velocity form); 0.5 is NoLoCo's."""
     outer_lr: float = 0.7
-    pull: float | None = None  # None ties gamma to beta, as the NoLoCo authors do
+    """beta: learning rate of the outer step on the mean pseudo-gradient; 0.7 like NoLoCo and DiLoCo."""
+    pull: float | None = None
+    """gamma: pull toward the group's mean outer weights; unset (omit it in TOML) ties it to outer_lr, as NoLoCo's authors do."""
     round_timeout: float = 30.0
+    """Seconds a gossip round may last (and a due replica waits for a partner before a lone step), > 0; 30 s fits slow peers."""
     max_norm_factor: float = 10.0
+    """A partner whose phi or Delta norm exceeds this x our own is rejected and banned, > 1; 10 passes honest drift, not poison."""
 
     @property
     def pull_coefficient(self) -> float:
@@ -92,39 +133,68 @@ class GossipConfig:
 
 @dataclass(frozen=True)
 class RecoveryConfig:
+    """Rebuilding a stage whose peers all vanished, and moving peers to fill it (docs/recovery.md)."""
+
     strategy: RecoveryStrategy = RecoveryStrategy.CHECKFREE
+    """How a lost stage is rebuilt (members below); checkfree, the neighbours averaged by gradient norm, recovers best (docs/recovery.md)."""
     checkfree_plus: bool = True
+    """CheckFree+: swap the outer block stages on odd microbatches and keep edge copies, so the edge stages can be rebuilt too."""
     lr_scale: float = 1.1
+    """Factor on a rebuilt stage's learning rate from then on, > 0; 1.1 as the CheckFree authors use for small models."""
     lost_grace: float = 10.0
+    """Seconds a stage must be without a live peer before it is declared lost, >= 0; 10 s rides out a quick restart."""
     rebalance_wait: float = 30.0
+    """Seconds after a stage is declared lost before a serving peer moves there if nobody joined, >= 0; 30 s leaves joiners first."""
     edge_copy_interval: int = 50
+    """Stage-0 optimizer steps between refreshes of the CheckFree+ edge copies; 50 = one gossip round's worth of steps."""
     checkpoint_every: int = 50
+    """With strategy checkpoint: inner steps between two weight saves of a stage; 50 = one save per gossip round."""
     checkpoint_dir: str = "checkpoints"
+    """With strategy checkpoint: directory of the saves (one subdirectory per swarm id), relative to the peer's working directory."""
 
 
 @dataclass(frozen=True)
 class HeartbeatConfig:
+    """How often peers re-announce their DHT records, and how long a silent peer's record lives."""
+
     period: float = 5.0
+    """Seconds between two announcements of a peer's record, 0 < period < ttl; 5 s keeps DHT traffic low and views fresh."""
     ttl: float = 15.0
+    """Seconds a record lives without a new announcement (a killed peer vanishes within it); 15 s = three missed heartbeats."""
 
 
 @dataclass(frozen=True)
 class DataConfig:
+    """What stage-0 peers train on (docs/model.md)."""
+
     source: str = "synthetic"
+    """synthetic (a seeded Markov chain) or a path: a uint16 .bin token file, else UTF-8 text; a peer's --data overrides it."""
     markov_branching: int = 4
+    """Successors per token of the synthetic chain (clipped to 1..vocab_size); 4 is learnable with a known loss floor (~1.10)."""
 
 
 @dataclass(frozen=True)
 class SwarmConfig:
+    """Everything peers of a swarm must agree on: a few top-level values and one section per component."""
+
     swarm_id: str = "pipeswarm-demo"
+    """Name of the swarm, 1..64 letters, digits, - _ . (its DHT keys derive from it, so swarms can share a DHT)."""
     seed: int = 0
+    """Seed of every stage's initial weights and of the synthetic data: a stage's replicas start identical; 0 is as good as any."""
     num_stages: int = 3
+    """Pipeline stages counting stage 0 (embedding, final norm, LM head), 2..64; 3 = stage 0 plus two block stages, the smallest pipeline with a block-to-block hop."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The [model] section."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    """The [training] section."""
     gossip: GossipConfig = field(default_factory=GossipConfig)
+    """The [gossip] section."""
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    """The [recovery] section."""
     heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)
+    """The [heartbeat] section."""
     data: DataConfig = field(default_factory=DataConfig)
+    """The [data] section."""
 
     def __post_init__(self) -> None:
         validate(self)
@@ -270,3 +340,133 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> SwarmConfig
         else:
             raw[key] = value
     return SwarmConfig.from_dict(raw)
+
+
+# ------------------------------------------------------------------------------------------------
+# docs/config.md, generated from the attribute docstrings above (Python keeps none at runtime)
+
+_INTRO = """\
+# Configuration reference
+
+Generated from the field docstrings in `node/config.py`; do not edit by hand. Regenerate with
+`.venv/bin/python -m node.config > docs/config.md` (`tests/unit/test_config.py` fails while this
+file and the code disagree).
+
+## How a swarm gets its config
+
+- The bootstrapper builds it: the defaults below, then a TOML file (`node bootstrap --config
+  swarm.toml`), then its flags (table below); a later source wins, a flag left out changes nothing.
+- Joiners read no config file: they fetch the swarm's config from the DHT and recompute its hash
+  (the first 16 hex digits of a sha256 over every value below plus the protocol version). A peer
+  refuses to join when its protocol version or that hash differs from what the bootstrapper
+  announced, so every value here is the same on every peer; changing one means a new swarm.
+- Per-peer settings (listen address, `--stage`, `--device`, `--data`, `--threads`, ...) are flags of
+  `node join`, not config; `node join --swarm ID` picks the swarm when several share one DHT.
+- In Python: `load_config("swarm.toml", **{"gossip.inner_steps": 20})` (None values are ignored)
+  and `config.replace(gossip={"inner_steps": 20})`.
+
+| `node bootstrap` flag | key |
+|---|---|
+| `--swarm-id` | `swarm_id` |
+| `--num-stages` | `num_stages` |
+| `--seed` | `seed` |
+| `--heartbeat-period` | `heartbeat.period` |
+| `--heartbeat-ttl` | `heartbeat.ttl` |
+
+TOML: top-level keys first, then one table per section; omitted keys keep their defaults.
+
+```toml
+swarm_id = "my-swarm"
+num_stages = 4
+
+[training]
+learning_rate = 1e-3
+wire_compression = "int8"
+```
+
+Unknown keys, wrong types and out-of-range values are refused with a message naming the key. An
+integer is accepted where a float is expected; `true`/`false` are never accepted as numbers.
+"""
+
+
+def field_docs() -> dict[str, dict[str, str]]:
+    """{class name: {field name: its docstring}} for every class of this module, read with `ast`
+    from the source: the string literal on the line after a field is its docstring."""
+    docs: dict[str, dict[str, str]] = {}
+    for cls in ast.parse(Path(__file__).read_text(encoding="utf-8")).body:
+        if isinstance(cls, ast.ClassDef):
+            found = docs.setdefault(cls.name, {})
+            for stmt, doc in zip(cls.body, cls.body[1:]):
+                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(doc, ast.Expr) \
+                        and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str):
+                    found[stmt.target.id] = doc.value.value.strip()
+    return docs
+
+
+def enum_member_docs(enum_type: type[StrEnum]) -> dict[str, str]:
+    """{member value: the comment at the end of its line} from the enum's source ("" if none)."""
+    source = textwrap.dedent(inspect.getsource(enum_type))
+    comments = {
+        token.start[0]: token.string.lstrip("#").strip()
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type == tokenize.COMMENT
+    }
+    docs = {}
+    for stmt in ast.parse(source).body[0].body:  # type: ignore[attr-defined]
+        if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name):
+            docs[enum_type[stmt.targets[0].id].value] = comments.get(stmt.lineno, "")
+    return docs
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _type_cell(spec: dataclasses.Field) -> str:
+    enum_type = _ENUM_TYPES.get(spec.type)  # type: ignore[arg-type]  # annotations are strings here
+    if enum_type is not None:
+        return "one of " + ", ".join(f"`{member.value}`" for member in enum_type)
+    return "float, or unset" if spec.type == "float | None" else str(spec.type)
+
+
+def _default_cell(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "`true`" if value else "`false`"
+    if isinstance(value, str):  # enums included: StrEnum members are strings
+        return f'`"{value}"`'
+    return f"`{value!r}`"
+
+
+def _table(cls: type, docs: Mapping[str, str], skip: Collection[str] = ()) -> list[str]:
+    lines = ["| key | type | default | description |", "|---|---|---|---|"]
+    lines += [
+        f"| `{spec.name}` | {_cell(_type_cell(spec))} | {_default_cell(spec.default)} | {_cell(docs.get(spec.name, ''))} |"
+        for spec in fields(cls)
+        if spec.name not in skip
+    ]
+    return lines
+
+
+def render_reference() -> str:
+    """docs/config.md: how to set values, then one table per section (key as written in TOML, type or
+    allowed values, default, description) and the members of every enum."""
+    docs = field_docs()
+    lines = [*_INTRO.splitlines(), "", "## Top level", "", inspect.getdoc(SwarmConfig) or "", ""]
+    lines += _table(SwarmConfig, docs["SwarmConfig"], skip=_SECTIONS)
+    for section, cls in _SECTION_TYPES.items():
+        lines += ["", f"## [{section}]", "", inspect.getdoc(cls) or "", "", *_table(cls, docs[cls.__name__])]
+    lines += ["", "## Enum values"]
+    for section, cls in _SECTION_TYPES.items():
+        for spec in fields(cls):
+            enum_type = _ENUM_TYPES.get(spec.type)  # type: ignore[arg-type]
+            if enum_type is not None:
+                lines += ["", f"`{section}.{spec.name}` ({enum_type.__name__}): {inspect.getdoc(enum_type)}", ""]
+                lines += ["| value | meaning |", "|---|---|"]
+                lines += [f"| `{value}` | {_cell(doc)} |" for value, doc in enum_member_docs(enum_type).items()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(render_reference(), end="")

@@ -1,0 +1,268 @@
+"""The layout shows the architecture: rules on the source tree itself, checked with `ast`.
+
+- no import cycle between modules of node/, dht/, protocol/ (every import counts: top-level, inside
+  functions, under TYPE_CHECKING; `from X import Y` counts as an import of X.Y when Y is a module;
+  the parent packages Python initialises on the way are not counted as imports);
+- layering: protocol/ imports nothing from dht/ or node/, dht/ nothing from node/;
+- node/ holds at most 6 loose modules beside its subpackages;
+- no module over 500 lines, no class over 300 lines (node/, dht/, protocol/, tests/);
+- nothing points at the old algorithms notes outside docs/ (see OLD_NOTES).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("node", "dht", "protocol")
+SIZE_CHECKED = PACKAGES  # the product packages; test case tables may be long
+LAYERS = {"protocol": {"dht", "node"}, "dht": {"node"}}  # package -> packages it must not import
+MAX_LOOSE_NODE_MODULES = 6
+MAX_MODULE_LINES = 500
+MAX_CLASS_LINES = 300
+OLD_NOTES = "shared/" + "ALGORITHMS"  # split, so that this file does not mention it itself
+
+Graph = dict[str, dict[str, list[str]]]  # module -> imported module -> ["path:line", ...]
+
+
+# ------------------------------------------------------------------------------------------------
+# The import graph
+
+
+def python_files(root: Path, packages: tuple[str, ...]) -> list[Path]:
+    return sorted(p for package in packages for p in (root / package).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def module_name(root: Path, path: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _resolve(name: str, modules: set[str]) -> str | None:
+    """The project module `name` refers to: itself, or its longest prefix that is a module."""
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in modules:
+            return ".".join(parts[:end])
+    return None
+
+
+def _imported(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, modules: set[str]) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [target for alias in node.names if (target := _resolve(alias.name, modules))]
+    base = node.module or ""
+    if node.level:  # relative: from the current package, one level up per extra dot
+        package = module if is_package else module.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            package = package.rpartition(".")[0]
+        base = f"{package}.{base}" if base else package
+    targets = []
+    for alias in node.names:
+        submodule = f"{base}.{alias.name}"
+        target = submodule if submodule in modules else _resolve(base, modules)
+        if target:
+            targets.append(target)
+    return targets
+
+
+def import_graph(root: Path, packages: tuple[str, ...]) -> Graph:
+    """Every import between the project's modules, wherever it sits in the file."""
+    files = {module_name(root, path): path for path in python_files(root, packages)}
+    modules = set(files)
+    graph: Graph = {module: {} for module in modules}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target in _imported(node, module, path.name == "__init__.py", modules):
+                    if target != module:
+                        graph[module].setdefault(target, []).append(f"{path.relative_to(root)}:{node.lineno}")
+    return graph
+
+
+def find_cycles(graph: Graph) -> list[list[str]]:
+    """One cycle (as a closed path [a, b, ..., a]) per strongly connected group of modules."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def connect(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, {})):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    cycles = []
+    for group in groups:  # shortest way back to the group's first module, inside the group
+        start, members = group[0], set(group)
+        previous: dict[str, str] = {}
+        frontier = [start]
+        while frontier and start not in previous:
+            following = []
+            for v in frontier:
+                for w in sorted(graph[v]):
+                    if w in members and w not in previous:
+                        previous[w] = v
+                        following.append(w)
+            frontier = following
+        path = [start]
+        while len(path) == 1 or path[-1] != start:
+            path.append(previous[path[-1]])
+        cycles.append(path[::-1])
+    return cycles
+
+
+def describe(cycle: list[str], graph: Graph) -> str:
+    hops = [cycle[0]] + [f"-> {b} ({', '.join(graph[a][b])})" for a, b in zip(cycle, cycle[1:])]
+    return "  " + " ".join(hops)
+
+
+@pytest.fixture(scope="module")
+def graph() -> Graph:
+    return import_graph(ROOT, PACKAGES)
+
+
+def test_no_module_imports_a_module_that_imports_it_back(graph):
+    cycles = find_cycles(graph)
+    assert not cycles, "import cycles (module -> imported module (where)):\n" + "\n".join(describe(c, graph) for c in cycles)
+
+
+def layer_violations(graph: Graph) -> list[str]:
+    return [
+        f"  {module} imports {target} ({', '.join(where)})"
+        for module, targets in sorted(graph.items())
+        for target, where in sorted(targets.items())
+        if target.split(".")[0] in LAYERS.get(module.split(".")[0], set())
+    ]
+
+
+def test_lower_layers_import_nothing_from_higher_ones(graph):
+    offenders = layer_violations(graph)
+    assert not offenders, "protocol/ must not import dht/ or node/, dht/ must not import node/:\n" + "\n".join(offenders)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sizes
+
+
+def test_node_has_few_loose_modules_beside_its_subpackages():
+    loose = sorted(p.name for p in (ROOT / "node").glob("*.py"))
+    assert len(loose) <= MAX_LOOSE_NODE_MODULES, (
+        f"node/ holds {len(loose)} loose modules (at most {MAX_LOOSE_NODE_MODULES}, __init__.py counted): {loose}"
+    )
+
+
+def test_no_module_is_over_500_lines():
+    offenders = []
+    for path in python_files(ROOT, SIZE_CHECKED):
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        if lines > MAX_MODULE_LINES:
+            offenders.append(f"  {path.relative_to(ROOT)}: {lines} lines")
+    assert not offenders, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(offenders)
+
+
+def test_no_class_is_over_300_lines():
+    offenders = []
+    for path in python_files(ROOT, SIZE_CHECKED):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, ast.ClassDef):
+                start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                lines = (node.end_lineno or node.lineno) - start + 1
+                if lines > MAX_CLASS_LINES:
+                    offenders.append(f"  {path.relative_to(ROOT)}:{start} class {node.name}: {lines} lines")
+    assert not offenders, f"classes over {MAX_CLASS_LINES} lines:\n" + "\n".join(offenders)
+
+
+# ------------------------------------------------------------------------------------------------
+# Nothing points at the old notes
+
+
+def _scan_for(needle: str) -> list[str]:
+    """`git grep` over tracked and untracked (not ignored) files; a plain scan without git."""
+    try:
+        result = subprocess.run(["git", "grep", "-n", "-F", "--untracked", "-e", needle], cwd=ROOT,
+                                capture_output=True, text=True, timeout=60)
+        if result.returncode in (0, 1):
+            return result.stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    skip = {".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", "runs", "build"}
+    hits = []
+    for path in sorted(ROOT.rglob("*")):
+        relative = path.relative_to(ROOT)
+        if not path.is_file() or skip & set(relative.parts) or relative.parts[0].endswith(".egg-info"):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        hits += [f"{relative}:{n}:{line}" for n, line in enumerate(text.splitlines(), 1) if needle in line]
+    return hits
+
+
+def test_no_file_points_at_the_old_algorithms_notes():
+    hits = _scan_for(OLD_NOTES)
+    assert not hits, f"files still mention {OLD_NOTES} (docs/algorithms.md replaces it):\n" + "\n".join(hits)
+
+
+# ------------------------------------------------------------------------------------------------
+# The checker checks what it claims to
+
+
+def test_the_import_walker_sees_every_kind_of_import_and_finds_cycles(tmp_path):
+    files = {
+        "protocol/__init__.py": "",
+        "protocol/wire.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dht.records import R\n",
+        "dht/__init__.py": "",
+        "dht/records.py": "import protocol.wire as wire\n",
+        "node/__init__.py": "",
+        "node/sub/__init__.py": "from . import a\n",
+        "node/sub/a.py": "def f():\n    from node.sub import b\n    return b\n",
+        "node/sub/b.py": "from ..sub.a import f\nimport numpy\n",
+        "node/c.py": "from node import sub\nfrom dht import records\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = import_graph(tmp_path, PACKAGES)
+    assert graph["protocol.wire"] == {"dht.records": ["protocol/wire.py:3"]}  # under TYPE_CHECKING
+    assert graph["dht.records"] == {"protocol.wire": ["dht/records.py:1"]}
+    assert set(graph["node.sub"]) == {"node.sub.a"}  # relative, a submodule
+    assert set(graph["node.sub.a"]) == {"node.sub.b"}  # inside a function, a submodule
+    assert set(graph["node.sub.b"]) == {"node.sub.a"}  # relative with two dots; numpy is not ours
+    assert set(graph["node.c"]) == {"node.sub", "dht.records"}
+    cycles = find_cycles(graph)
+    assert cycles == [["dht.records", "protocol.wire", "dht.records"], ["node.sub.a", "node.sub.b", "node.sub.a"]]
+    assert describe(cycles[0], graph) == \
+        "  dht.records -> protocol.wire (dht/records.py:1) -> dht.records (protocol/wire.py:3)"
+    assert layer_violations(graph) == ["  protocol.wire imports dht.records (protocol/wire.py:3)"]
+
+
+def test_the_cycle_finder_returns_nothing_for_a_tree_and_a_path_for_a_long_loop():
+    assert find_cycles({"a": {"b": []}, "b": {"c": []}, "c": {}}) == []
+    loop = {"a": {"b": ["x"]}, "b": {"c": ["y"]}, "c": {"a": ["z"], "d": ["w"]}, "d": {}}
+    assert find_cycles(loop) == [["a", "b", "c", "a"]]
