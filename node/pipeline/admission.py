@@ -124,3 +124,16 @@ class GradientGate:
         """Learn from a gradient whose microbatch went through."""
         self.samples += 1
         self.typical = norm if self.typical is None else (1 - GATE_EMA) * self.typical + GATE_EMA * norm
+
+
+def check_state_dict(own: dict[str, Tensor], incoming: dict[str, Tensor]) -> None:
+    """Weights from elsewhere (a donor, a partner, a checkpoint) fit this module exactly and are finite."""
+    missing, extra = sorted(set(own) - set(incoming)), sorted(set(incoming) - set(own))
+    if missing or extra:
+        raise RejectedInput(f"state dict mismatch: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, value in incoming.items():
+        if not isinstance(value, Tensor) or value.shape != own[name].shape:
+            shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise RejectedInput(f"{name}: expected shape {tuple(own[name].shape)}, got {shape}")
+        if not value.is_floating_point() or not torch.isfinite(value).all():
+            raise RejectedInput(f"{name}: weights must be finite floating-point values")

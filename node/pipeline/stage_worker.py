@@ -36,13 +36,12 @@ current weights before backpropagating, as SWARM / hivemind expert backends alwa
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
-import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Callable, Hashable, TypeVar
 
 import torch
@@ -50,7 +49,15 @@ from torch import Tensor, nn
 
 from node.config import SwarmConfig
 from node.model.llama import BlockStage, EdgeStage, build_stage
-from node.pipeline.admission import GradientGate, RejectedInput, check_finite, check_hidden, check_tokens
+from node.pipeline.activation_store import ActivationStore, StoredMicrobatch, UnknownMicrobatch
+from node.pipeline.admission import (
+    GradientGate,
+    RejectedInput,
+    check_finite,
+    check_hidden,
+    check_state_dict,
+    check_tokens,
+)
 
 T = TypeVar("T")
 
@@ -61,13 +68,6 @@ logger = logging.getLogger(__name__)
 ADAM_BETAS = (0.9, 0.95)
 ADAM_EPS = 1e-8
 THROUGHPUT_EMA = 0.1  # weight of the newest sample (SWARM's alpha)
-
-
-class UnknownMicrobatch(KeyError):
-    """The key names no stored microbatch here (never seen, already finished, dropped or expired)."""
-
-    def __str__(self) -> str:  # KeyError would print the repr of the message
-        return str(self.args[0]) if self.args else "unknown microbatch"
 
 
 def lr_at(config: SwarmConfig, step: int, lr_scale: float = 1.0) -> float:
@@ -87,20 +87,6 @@ def lr_at(config: SwarmConfig, step: int, lr_scale: float = 1.0) -> float:
         progress = (step - t.warmup_steps) / (t.total_steps - t.warmup_steps)
         factor = t.min_lr_ratio + (1.0 - t.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
     return t.learning_rate * factor * lr_scale
-
-
-@dataclass
-class _Stored:
-    """One microbatch between its forward and its backward on this stage."""
-
-    kind: str  # "block" (forward/backward) or "edge" (embed/head_loss_backward/embed_backward)
-    inputs: Tensor  # block: detached input hidden; edge: the tokens
-    leaf: Tensor | None  # block: the input leaf the graph starts from (requires_grad)
-    output: Tensor  # output with its autograd graph
-    versions: tuple[int, ...]  # parameter version counters when the graph was built
-    created: float  # time.monotonic() when stored
-    seconds: float  # compute time spent on this microbatch so far
-    head_grads: list[Tensor | None] | None = field(default=None)  # edge: norm/head grads, applied at embed_backward
 
 
 class StageWorker:
@@ -141,10 +127,11 @@ class StageWorker:
         self.last_grad_norm: float | None = None  # norm of the clipped gradient at the last step
         self.microbatches_done = 0  # completed backward passes on this stage
         self.accumulated = 0  # completed backward passes since the last step
-        self.evicted = 0  # stored activations dropped because max_stored was exceeded
         self.throughput = 0.0  # microbatches/s of compute, EMA; 0.0 = not measured yet
-        self._stored: OrderedDict[Hashable, _Stored] = OrderedDict()
-        self._lock = threading.Lock()  # guards _stored only
+        self.store = ActivationStore(stage, self.max_stored)
+        bounds = {"max_batch": self.max_batch, "max_positions": config.model.max_position_embeddings, "device": self.device}
+        self._check_hidden = functools.partial(check_hidden, hidden_size=config.model.hidden_size, dtype=self.dtype, **bounds)
+        self._check_tokens = functools.partial(check_tokens, vocab_size=config.model.vocab_size, **bounds)
         self._closed = False
         self.gradient_gate = GradientGate()  # refuses absurd gradients from other peers
         self.optimizer: torch.optim.AdamW = self._new_optimizer()
@@ -197,15 +184,7 @@ class StageWorker:
         forward with the new weights.
         """
         own = self.module.state_dict()
-        missing, extra = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
-        if missing or extra:
-            raise ValueError(f"state dict mismatch: missing {missing[:5]}, unexpected {extra[:5]}")
-        for name, value in sd.items():
-            if not isinstance(value, Tensor) or value.shape != own[name].shape:
-                shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-                raise ValueError(f"{name}: expected shape {tuple(own[name].shape)}, got {shape}")
-            if not value.is_floating_point() or not torch.isfinite(value).all():
-                raise ValueError(f"{name}: weights must be finite floating-point values")
+        check_state_dict(own, sd)
         with torch.no_grad():
             for name, target in own.items():
                 target.copy_(sd[name].to(device=target.device, dtype=target.dtype))
@@ -220,8 +199,7 @@ class StageWorker:
             return
         self._closed = True
         self.executor.shutdown(wait=True, cancel_futures=True)
-        with self._lock:
-            self._stored.clear()
+        self.store.clear()
 
     def __enter__(self) -> "StageWorker":
         return self
@@ -230,58 +208,23 @@ class StageWorker:
         self.close()
 
     # ------------------------------------------------------------------------------------------
-    # Stored activations
+    # Stored activations (node/pipeline/activation_store.py)
 
     @property
     def num_stored(self) -> int:
-        return len(self._stored)
+        return len(self.store)
+
+    @property
+    def evicted(self) -> int:
+        return self.store.evicted
 
     def drop(self, key: Hashable) -> None:
         """Forget a failed microbatch (no error if it is unknown). Safe from any thread."""
-        with self._lock:
-            self._stored.pop(key, None)
+        self.store.drop(key)
 
     def expire(self, older_than: float) -> int:
-        """Forget activations stored more than `older_than` seconds ago; returns how many.
-        Safe from any thread."""
-        limit = time.monotonic() - older_than
-        with self._lock:
-            old = [k for k, s in self._stored.items() if s.created <= limit]
-            for k in old:
-                del self._stored[k]
-        if old:
-            logger.debug("stage %d: expired %d stored microbatches", self.stage, len(old))
-        return len(old)
-
-    def _store(self, key: Hashable, item: _Stored) -> None:
-        with self._lock:
-            if self._stored.pop(key, None) is not None:
-                logger.debug("stage %d: microbatch %r arrived again, replacing the stored one", self.stage, key)
-            self._stored[key] = item
-            while len(self._stored) > self.max_stored:
-                old_key, _ = self._stored.popitem(last=False)
-                self.evicted += 1
-                logger.debug("stage %d: over %d stored activations, dropped the oldest %r", self.stage, self.max_stored, old_key)
-
-    def _unknown(self, key: Hashable) -> UnknownMicrobatch:
-        return UnknownMicrobatch(f"stage {self.stage}: microbatch {key!r} is unknown, finished, dropped or expired")
-
-    def _lookup(self, key: Hashable, kind: str) -> _Stored:
-        try:
-            with self._lock:
-                item = self._stored[key]
-        except (KeyError, TypeError):  # TypeError: unhashable key from a confused caller
-            raise self._unknown(key) from None
-        if item.kind != kind:  # cannot happen through the public API, kept as a guard
-            raise UnknownMicrobatch(f"stage {self.stage}: microbatch {key!r} is a {item.kind} microbatch, not {kind}")
-        return item
-
-    def _take(self, key: Hashable, item: _Stored) -> None:
-        """Remove `item` (validated, about to be consumed); it may have been dropped meanwhile."""
-        with self._lock:
-            if self._stored.get(key) is not item:
-                raise self._unknown(key)
-            del self._stored[key]
+        """Forget activations stored more than `older_than` seconds ago. Safe from any thread."""
+        return self.store.expire(older_than)
 
     def _versions(self) -> tuple[int, ...]:
         return tuple(p._version for p in self._params)
@@ -296,29 +239,6 @@ class StageWorker:
             raise ValueError("stage 0 is the edge stage: use embed / head_loss_backward / embed_backward")
         if not block and self.stage != 0:
             raise ValueError(f"stage {self.stage} is a block stage: use forward / backward")
-
-    def _check_hidden(self, what: str, hidden: object, shape: torch.Size | None = None) -> Tensor:
-        return check_hidden(
-            what, hidden, hidden_size=self.config.model.hidden_size, max_batch=self.max_batch,
-            max_positions=self.config.model.max_position_embeddings, device=self.device, dtype=self.dtype, shape=shape,
-        )
-
-    def _check_tokens(self, what: str, tokens: object, shape: torch.Size | None = None) -> Tensor:
-        return check_tokens(
-            what, tokens, vocab_size=self.config.model.vocab_size, max_batch=self.max_batch,
-            max_positions=self.config.model.max_position_embeddings, device=self.device, shape=shape,
-        )
-
-    def _accumulate(self, params: list[nn.Parameter], grads: list[Tensor | None] | tuple[Tensor | None, ...]) -> None:
-        """Add one microbatch's (checked) parameter gradients to the step's accumulation."""
-        with torch.no_grad():
-            for p, g in zip(params, grads):
-                if g is None:
-                    continue
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.add_(g)
 
     def _out(self, t: Tensor) -> Tensor:
         return t.detach().to("cpu")
@@ -335,17 +255,17 @@ class StageWorker:
         with torch.enable_grad():
             out = self.module(leaf)
         elapsed = time.perf_counter() - start
-        self._store(key, _Stored("block", x.detach(), leaf, out, self._versions(), time.monotonic(), elapsed))
+        self.store.put(key, StoredMicrobatch("block", x.detach(), leaf, out, self._versions(), time.monotonic(), elapsed))
         return self._out(out)
 
     def backward(self, key: Hashable, grad_output: Tensor) -> Tensor:
         """Gradient wrt the stored input; accumulates parameter grads, counts, steps when due."""
         self._need(block=True)
         start = time.perf_counter()
-        item = self._lookup(key, "block")
-        grad = self._check_hidden("backward gradient", grad_output, item.output.shape)
+        item = self.store.get(key, "block")
+        grad = self._check_hidden("backward gradient", grad_output, shape=item.output.shape)
         norm = self.gradient_gate.check("backward gradient", grad)
-        self._take(key, item)
+        self.store.take(key, item)
         leaf, out = item.leaf, item.output
         if item.versions != self._versions():  # weights changed since the forward: recompute
             leaf = item.inputs.detach().requires_grad_(True)
@@ -356,7 +276,7 @@ class StageWorker:
         # accumulation (it is dropped here, the honest ones already added survive)
         grad_in, *param_grads = torch.autograd.grad(out, [leaf, *self._params], grad, allow_unused=True)
         check_finite("gradients of this microbatch", [grad_in, *param_grads])
-        self._accumulate(self._params, param_grads)
+        accumulate(self._params, param_grads)
         self.gradient_gate.accept(norm)
         self._finish(item.seconds + time.perf_counter() - start)
         return self._out(grad_in)
@@ -372,7 +292,7 @@ class StageWorker:
         with torch.enable_grad():
             out = self.module.embed(ids)
         elapsed = time.perf_counter() - start
-        self._store(key, _Stored("edge", ids, None, out, self._versions(), time.monotonic(), elapsed))
+        self.store.put(key, StoredMicrobatch("edge", ids, None, out, self._versions(), time.monotonic(), elapsed))
         return self._out(out)
 
     def head_loss_backward(self, key: Hashable, hidden: Tensor, targets: Tensor) -> tuple[float, Tensor]:
@@ -385,9 +305,9 @@ class StageWorker:
         """
         self._need(block=False)
         start = time.perf_counter()
-        item = self._lookup(key, "edge")
-        h = self._check_hidden("head input", hidden, item.output.shape)
-        tgt = self._check_tokens("targets", targets, item.inputs.shape)
+        item = self.store.get(key, "edge")
+        h = self._check_hidden("head input", hidden, shape=item.output.shape)
+        tgt = self._check_tokens("targets", targets, shape=item.inputs.shape)
         h.requires_grad_(True)
         head_params = [p for n, p in self.module.named_parameters() if not n.startswith("embed_tokens.")]
         with torch.enable_grad():
@@ -408,12 +328,12 @@ class StageWorker:
         count it and step when microbatches_per_step are done."""
         self._need(block=False)
         start = time.perf_counter()
-        item = self._lookup(key, "edge")
+        item = self.store.get(key, "edge")
         if item.head_grads is None:
             raise ValueError(f"stage 0: embed_backward for {key!r} before its head_loss_backward")
-        g = self._check_hidden("embedding gradient", grad, item.output.shape)
+        g = self._check_hidden("embedding gradient", grad, shape=item.output.shape)
         norm = self.gradient_gate.check("embedding gradient", g)
-        self._take(key, item)
+        self.store.take(key, item)
         out = item.output
         if item.versions != self._versions():
             with torch.enable_grad():
@@ -422,8 +342,8 @@ class StageWorker:
         embed_grads = torch.autograd.grad(out, embed_params, g, allow_unused=True)
         check_finite("embedding gradients of this microbatch", embed_grads)
         head_params = [p for n, p in self.module.named_parameters() if not n.startswith("embed_tokens.")]
-        self._accumulate(embed_params, embed_grads)
-        self._accumulate(head_params, item.head_grads)
+        accumulate(embed_params, embed_grads)
+        accumulate(head_params, item.head_grads)
         self.gradient_gate.accept(norm)
         self._finish(item.seconds + time.perf_counter() - start)
 
@@ -463,26 +383,48 @@ class StageWorker:
     def measure_throughput(self, batch: int | None = None, seq: int | None = None, repeats: int = 3) -> float:
         """Time forward+backward on random inputs (no .grad touched, no stored state) and set
         `throughput` (microbatches/s). Run it through the executor before the first announcement."""
-        batch = batch or self.config.training.microbatch_size
-        seq = seq or self.config.training.sequence_length
-        m = self.config.model
-        gen = torch.Generator().manual_seed(0)
-        params = self._params
-        best = math.inf
-        for i in range(repeats + 1):  # the first run warms up allocators and kernels
-            start = time.perf_counter()
-            with torch.enable_grad():
-                if self.stage == 0:
-                    tokens = torch.randint(0, m.vocab_size, (batch, seq), generator=gen).to(self.device)
-                    h = self.module.embed(tokens)
-                    loss = self.module.loss(h, tokens)
-                    torch.autograd.grad(loss, params, allow_unused=True)
-                else:
-                    x = torch.randn(batch, seq, m.hidden_size, generator=gen).to(self.device, self.dtype)
-                    x.requires_grad_(True)
-                    out = self.module(x)
-                    torch.autograd.grad(out, [x, *params], torch.ones_like(out))
-            if i > 0:
-                best = min(best, time.perf_counter() - start)
-        self.throughput = 1.0 / max(best, 1e-9)
+        seconds = time_forward_backward(
+            self.module, self.config, self.stage, self.device, self.dtype,
+            batch or self.config.training.microbatch_size, seq or self.config.training.sequence_length, repeats,
+        )
+        self.throughput = 1.0 / max(seconds, 1e-9)
         return self.throughput
+
+
+def time_forward_backward(
+    module: nn.Module, config: SwarmConfig, stage: int, device: torch.device, dtype: torch.dtype,
+    batch: int, seq: int, repeats: int,
+) -> float:
+    """Best-of-`repeats` seconds of one forward+backward of a stage's module on random inputs."""
+    m = config.model
+    gen = torch.Generator().manual_seed(0)
+    params = list(module.parameters())
+    best = math.inf
+    for i in range(repeats + 1):  # the first run warms up allocators and kernels
+        start = time.perf_counter()
+        with torch.enable_grad():
+            if stage == 0:
+                tokens = torch.randint(0, m.vocab_size, (batch, seq), generator=gen).to(device)
+                h = module.embed(tokens)
+                loss = module.loss(h, tokens)
+                torch.autograd.grad(loss, params, allow_unused=True)
+            else:
+                x = torch.randn(batch, seq, m.hidden_size, generator=gen).to(device, dtype)
+                x.requires_grad_(True)
+                out = module(x)
+                torch.autograd.grad(out, [x, *params], torch.ones_like(out))
+        if i > 0:
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def accumulate(params: Sequence[nn.Parameter], grads: Sequence[Tensor | None]) -> None:
+    """Add one microbatch's (checked) parameter gradients to the step's accumulation."""
+    with torch.no_grad():
+        for p, g in zip(params, grads):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.add_(g)
