@@ -1,9 +1,8 @@
 """NoLoCo's outer step (and DiLoCo's, its all-replica special case), as pure functions.
 
-Reads beside Kolehmainen et al., "NoLoCo: No-all-reduce Low Communication Training Method for Large
-Models" (2025, github.com/gensyn-ai/noloco) and Douillard et al., "DiLoCo: Distributed
-Low-Communication Training of Language Models" (2023). No networking here: the gossip code finds a
-partner, exchanges (phi, Delta) with it, checks what it received with `validate_partner_update` and
+Reads beside docs/algorithms.md ("NoLoCo: the outer step", "DiLoCo: all replicas average"). No
+networking here: the gossip code (round_protocol.py, diloco.py) finds a partner, exchanges (phi,
+Delta) with it, checks what it received with `validate_partner_update` (through OuterReplica) and
 then calls `outer_step`.
 
 Symbols for one replica i of a stage (as in docs/algorithms.md):
@@ -24,9 +23,9 @@ the way training moves: -beta * mean(Delta) = beta * mean(theta - phi). The pull
 toward the group mean (phi_i above the mean gives a negative contribution).
 
 The formula is the NoLoCo paper's form and it is implemented literally. It is the "momentum as a
-velocity" form (Sutskever et al. 2013): with velocity v = -delta / beta it is exactly
+velocity" form: with velocity v = -delta / beta it is exactly
 `torch.optim.SGD(lr=beta, momentum=alpha, nesterov=False)` fed the averaged pseudo-gradient, and it
-is also exactly the authors' DiLoCo baseline code (gensyn-ai/noloco, PipelineDiLoCoOptimizer:
+is also exactly the authors' DiLoCo baseline code (docs/algorithms.md:
 `gm += (alpha - 1) * gm - beta * mean(Delta); phi += gm`). DiLoCo's paper uses
 `torch.optim.SGD(..., nesterov=True)`; fed the same sequence of averaged pseudo-gradients, that
 optimizer's weights equal this form's phi + alpha * delta, i.e. the Nesterov "look-ahead" point of
@@ -40,18 +39,18 @@ pseudo-gradient: `diloco_outer_step` is literally `outer_step` with the group = 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 import torch
 from torch import Tensor
 
 __all__ = [
     "OuterState",
-    "pseudo_gradient",
-    "outer_step",
-    "diloco_outer_step",
     "apply_to_parameters",
+    "diloco_outer_step",
+    "outer_step",
+    "pseudo_gradient",
     "relative_distance",
     "validate_partner_update",
 ]
@@ -78,7 +77,7 @@ class OuterState:
         _check_same_shapes(self.phi, self.momentum, "momentum")
 
     @classmethod
-    def from_parameters(cls, params: Iterable[Tensor]) -> "OuterState":
+    def from_parameters(cls, params: Iterable[Tensor]) -> OuterState:
         """fp32 detached copies of `params` as phi, zero momentum, round 0."""
         with torch.no_grad():
             phi = [p.detach().to(dtype=torch.float32, copy=True) for p in params]

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import functools
 import time
+from enum import StrEnum
 from typing import Any
 
 from dht.records import ConfigRecord, PeerRecord, PeerState
 from dht.registry import SwarmRegistry
 from node import __version__
-from node.recovery.checkfree import unrecoverable
 from node.config import SwarmConfig
 from node.model.data import open_source
 from node.model.llama import count_parameters
-from node.recovery.rebuild import lost_stages_from_events
+from node.recovery.checkfree import unrecoverable
+from node.recovery.lost_stages import lost_stages_from_events
 
 
 @functools.lru_cache(maxsize=8)
@@ -29,21 +30,32 @@ def loss_floor(config: SwarmConfig) -> float | None:
     return open_source(config, None, 0).loss_floor
 
 
-def stage_status(peers: list[PeerRecord], lost: bool = False, unrecoverable: bool = False) -> str:
-    """ok / single / empty / rebuilding; "lost" for a stage the peers declared lost (no live peer
-    for over recovery.lost_grace in a trained swarm), "unrecoverable" when the stages lost together
-    cannot be rebuilt (node/recovery/rebuild.py)."""
+class StageStatus(StrEnum):
+    """How well a stage is served. A StrEnum so that snapshots stay plain JSON strings."""
+
+    OK = "ok"  # two or more peers serve it
+    SINGLE = "single"  # one peer: losing it loses the stage
+    EMPTY = "empty"  # no peer serves it: the pipeline is cut here
+    REBUILDING = "rebuilding"  # a peer is rebuilding it from its neighbours
+    LOST = "lost"  # the peers declared it lost (no live peer for over recovery.lost_grace)
+    UNRECOVERABLE = "unrecoverable"  # lost together with stages it cannot be rebuilt without
+
+
+def stage_status(peers: list[PeerRecord], lost: bool = False, unrecoverable: bool = False) -> StageStatus:
+    """The status of one stage from its peers; `lost` and `unrecoverable` come from the swarm's
+    events (node/recovery/lost_stages.py) because a lost stage has no peer left to say so."""
     if lost:
-        return "unrecoverable" if unrecoverable else "lost"
+        return StageStatus.UNRECOVERABLE if unrecoverable else StageStatus.LOST
     serving = [peer for peer in peers if peer.state in (PeerState.ONLINE, PeerState.JOINING, PeerState.REBUILDING)]
     if any(peer.state == PeerState.REBUILDING for peer in serving):
-        return "rebuilding"
+        return StageStatus.REBUILDING
     if not serving:
-        return "empty"
-    return "single" if len(serving) == 1 else "ok"
+        return StageStatus.EMPTY
+    return StageStatus.SINGLE if len(serving) == 1 else StageStatus.OK
 
 
 def peer_view(peer: PeerRecord) -> dict[str, Any]:
+    """One peer as it appears in a snapshot: its wire record plus when that record expires."""
     return {**peer.to_wire(), "expires": peer.expires}
 
 
@@ -62,7 +74,7 @@ async def collect_snapshot(registry: SwarmRegistry, record: ConfigRecord, config
         stages.append(
             {
                 "stage": stage,
-                "status": stage_status(peers, stage in lost, unrecoverable_reason is not None),
+                "status": stage_status(peers, stage in lost, unrecoverable_reason is not None).value,
                 "throughput": sum(peer.throughput for peer in peers if peer.state != PeerState.LEAVING),
                 "peers": [peer_view(peer) for peer in peers],
             }

@@ -36,7 +36,7 @@ import torch
 
 from dht.announcer import PeerAnnouncer
 from dht.records import PeerState, short_peer_id
-from node.recovery.checkfree import pipeline_order
+from node.pipeline.order import pipeline_order
 from node.config import SwarmConfig
 from node.pipeline.admission import RejectedInput
 from node.pipeline.routing import Router
@@ -110,6 +110,59 @@ class PipelineStats:
         return (len(recent) - 1) / max(recent[-1] - recent[0], 1e-6)
 
 
+class HopSender:
+    """Sends one hop of pipeline traffic: to a given peer, or to a load-aware choice among a stage's
+    peers with bans and bounded retries (SWARM: a failed peer is banned until its record expires)."""
+
+    def __init__(
+        self, transport: Transport, router: Router, stats: PipelineStats, hop_timeout: float, max_retries: int,
+        ban_until: Callable[[str], float],
+    ):
+        self.transport, self.router, self.stats = transport, router, stats
+        self.hop_timeout, self.max_retries, self.ban_until = hop_timeout, max_retries, ban_until
+
+    async def send_to(self, peer_id: str, service: str, kind: MessageKind, meta: dict, tensors: dict) -> bool:
+        """Send to one specific peer (the origin or the previous hop): no alternative exists."""
+        message = self.transport.message(kind, meta, tensors)
+        try:
+            reply = await self.transport.request(peer_id, service, message, self.hop_timeout)
+        except TransportError as e:
+            logger.info(f"{service} of microbatch {meta['microbatch_id']} lost: {e}")
+            return False
+        return reply.kind == MessageKind.ACK
+
+    async def send_routed(self, stage: int, service: str, kind: MessageKind, meta: dict, tensors: dict) -> bool:
+        """Send to a load-aware choice among `stage`'s peers; on failure ban and try another."""
+        message = self.transport.message(kind, meta, tensors)
+        tried: set[str] = set()
+        stage_router = self.router.for_stage(stage)
+        for _ in range(self.max_retries + 1):
+            peer_id = stage_router.choose(exclude=tried, bans=self.router.bans)
+            if peer_id is None and not tried:
+                # every peer of the stage is banned: after a transient error on a stage's only
+                # peer, trying it again beats stalling the whole pipeline for the ban's length
+                peer_id = stage_router.choose(exclude=tried, bans=None)
+            if peer_id is None:
+                break
+            tried.add(peer_id)
+            try:
+                reply = await self.transport.request(peer_id, service, message, self.hop_timeout)
+            except TransportError as e:
+                stage_router.release(peer_id, 1.0)
+                self.router.bans.ban(peer_id, self.ban_until(peer_id), str(e))
+                logger.info(f"banned {short_peer_id(peer_id)} (stage {stage}): {e}")
+                continue
+            if reply.kind == MessageKind.BUSY:
+                stage_router.release(peer_id, 1.0)
+                self.stats.busy_replies += 1
+                continue
+            # no observe(): the ACK comes before the compute, so its latency says nothing about the
+            # peer's speed; the router follows the throughput the peer measures and announces
+            return True
+        logger.info(f"no peer of stage {stage} took microbatch {meta['microbatch_id']} (tried {len(tried)})")
+        return False
+
+
 class Pipeline:
     def __init__(
         self,
@@ -137,6 +190,7 @@ class Pipeline:
         self.num_block_stages = config.num_stages - 1
         self.in_flight: dict[int, InFlight] = {}
         self.stats = PipelineStats()
+        self.hops = HopSender(transport, router, self.stats, self.hop_timeout, training.max_retries, self.ban_until)
         self._microbatch_ids = itertools.count(self.rng.randrange(1 << 40))
         self._microbatch_index = itertools.count()
         self._queued = 0
@@ -248,9 +302,9 @@ class Pipeline:
         meta = {**msg.meta, "hop": hop + 1, "path": [*msg.meta["path"], self.me.peer_id]}
         tensors = {"hidden": hidden, **({"targets": msg.tensors["targets"]} if "targets" in msg.tensors else {})}
         if next_stage == 0:
-            sent = await self._send_to(msg.meta["origin"], FORWARD, MessageKind.FORWARD, meta, tensors)
+            sent = await self.hops.send_to(msg.meta["origin"], FORWARD, MessageKind.FORWARD, meta, tensors)
         else:
-            sent = await self._send_routed(next_stage, FORWARD, MessageKind.FORWARD, meta, tensors)
+            sent = await self.hops.send_routed(next_stage, FORWARD, MessageKind.FORWARD, meta, tensors)
         if sent:
             self.stats.forwarded += 1
         else:
@@ -292,53 +346,10 @@ class Pipeline:
             self._abort(path[0], msg, f"backward failed at stage {self.me.stage}")
             return
         meta = {**msg.meta, "hop": hop - 1}
-        if await self._send_to(path[hop - 1], BACKWARD, MessageKind.BACKWARD, meta, {"grad": grad}):
+        if await self.hops.send_to(path[hop - 1], BACKWARD, MessageKind.BACKWARD, meta, {"grad": grad}):
             self.stats.backwarded += 1
         elif hop - 1 > 0:
             self._abort(path[0], msg, "backward could not reach the previous hop")
-
-    # ---- sending -------------------------------------------------------------------------------
-
-    async def _send_to(self, peer_id: str, service: str, kind: MessageKind, meta: dict, tensors: dict) -> bool:
-        """Send to one specific peer (the origin or the previous hop): no alternative exists."""
-        message = self.transport.message(kind, meta, tensors)
-        try:
-            reply = await self.transport.request(peer_id, service, message, self.hop_timeout)
-        except TransportError as e:
-            logger.info(f"{service} of microbatch {meta['microbatch_id']} lost: {e}")
-            return False
-        return reply.kind == MessageKind.ACK
-
-    async def _send_routed(self, stage: int, service: str, kind: MessageKind, meta: dict, tensors: dict) -> bool:
-        """Send to a load-aware choice among `stage`'s peers; on failure ban and try another."""
-        message = self.transport.message(kind, meta, tensors)
-        tried: set[str] = set()
-        stage_router = self.router.for_stage(stage)
-        for _ in range(self.config.training.max_retries + 1):
-            peer_id = stage_router.choose(exclude=tried, bans=self.router.bans)
-            if peer_id is None and not tried:
-                # every peer of the stage is banned: after a transient error on a stage's only
-                # peer, trying it again beats stalling the whole pipeline for the ban's length
-                peer_id = stage_router.choose(exclude=tried, bans=None)
-            if peer_id is None:
-                break
-            tried.add(peer_id)
-            try:
-                reply = await self.transport.request(peer_id, service, message, self.hop_timeout)
-            except TransportError as e:
-                stage_router.release(peer_id, 1.0)
-                self.router.bans.ban(peer_id, self.ban_until(peer_id), str(e))
-                logger.info(f"banned {short_peer_id(peer_id)} (stage {stage}): {e}")
-                continue
-            if reply.kind == MessageKind.BUSY:
-                stage_router.release(peer_id, 1.0)
-                self.stats.busy_replies += 1
-                continue
-            # no observe(): the ACK comes before the compute, so its latency says nothing about the
-            # peer's speed; the router follows the throughput the peer measures and announces
-            return True
-        logger.info(f"no peer of stage {stage} took microbatch {meta['microbatch_id']} (tried {len(tried)})")
-        return False
 
     # ---- stage 0: the microbatch driver ------------------------------------------------------------
 
@@ -373,7 +384,7 @@ class Pipeline:
                 hidden = await self.worker.compute(self.worker.embed, key, tokens)
                 meta = {"microbatch_id": microbatch_id, "origin": self.me.peer_id, "path": [self.me.peer_id],
                         "order": order, "hop": 1, "token": ticket.token}
-                if await self._send_routed(order[0], FORWARD, MessageKind.FORWARD, meta,
+                if await self.hops.send_routed(order[0], FORWARD, MessageKind.FORWARD, meta,
                                            {"hidden": hidden, "targets": targets}):
                     loss = await within(ticket.done, deadline)
                     self.stats.losses.append(loss)
@@ -416,7 +427,7 @@ class Pipeline:
         ticket.loss = loss
         path = msg.meta["path"]
         meta = {"microbatch_id": ticket.microbatch_id, "path": path, "hop": len(path) - 1, "token": ticket.token}
-        if not await self._send_to(path[-1], BACKWARD, MessageKind.BACKWARD, meta, {"grad": grad}):
+        if not await self.hops.send_to(path[-1], BACKWARD, MessageKind.BACKWARD, meta, {"grad": grad}):
             ticket.finish(error=TransportError("backward to the last stage failed"))
 
     async def close(self) -> None:

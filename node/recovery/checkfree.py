@@ -1,10 +1,10 @@
 """CheckFree / CheckFree+ recovery rules, as pure functions over state dicts.
 
-Reads beside Blagoev et al., "All is Not Lost: LLM Recovery without Checkpoints" (2025,
-github.com/gensyn-ai/CheckFree) and docs/algorithms.md. No networking here: when every
-peer of a stage is gone, the recovery code calls `plan_rebuild`, fetches what the plan names from
-the neighbouring stages' peers, and calls `execute_rebuild`; the new stage then trains with a fresh
-inner optimizer and lr x `recovered_lr_scale(...)` from then on.
+Reads beside docs/algorithms.md ("CheckFree", "CheckFree+", "Rebuild plans"; the authors' facts
+are at its end). No networking and no asyncio here: when every peer of a stage is gone,
+node/recovery/rebuild.py calls `plan_rebuild`, fetches what the plan names from the neighbouring
+stages' peers, and calls `execute_rebuild`; the new stage then trains with a fresh inner optimizer
+and lr x `recovered_lr_scale(...)` from then on.
 
 Stage numbering follows SwarmConfig: `num_stages` counts stage 0 (the edge stage: embedding, final
 norm, LM head; it owns data and loss); block stages are 1..S with S = num_stages - 1, all with
@@ -16,18 +16,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Callable, Mapping
 
 import torch
 from torch import Tensor
 
+from node.pipeline.order import pipeline_order
+from node.config import RecoveryStrategy
+
 __all__ = [
-    "STRATEGIES",
     "CHECKFREE_EPS",
     "UnrecoverableError",
     "checkfree_weights",
     "checkfree_average",
     "pipeline_order",
+    "RebuildAction",
+    "SourceFetch",
     "RebuildPlan",
     "plan_rebuild",
     "unrecoverable",
@@ -35,7 +40,6 @@ __all__ = [
     "recovered_lr_scale",
 ]
 
-STRATEGIES = ("checkfree", "copy", "random", "checkpoint")
 CHECKFREE_EPS = 1e-4
 
 StateDict = dict[str, Tensor]
@@ -107,57 +111,37 @@ def checkfree_average(
 # CheckFree+: out-of-order pipeline
 
 
-def pipeline_order(num_stages: int, microbatch_index: int, checkfree_plus: bool, training: bool = True) -> list[int]:
-    """The block stages a microbatch visits, in forward order (stage 0 is implicit at both ends:
-    every path is 0 -> order[0] -> ... -> order[-1] -> the same stage-0 peer; backward reverses it).
-
-    num_stages counts stage 0 (SwarmConfig.num_stages), so S = num_stages - 1 block stages.
-    Normal order: [1, 2, ..., S]. With CheckFree+, in training, on odd microbatch indices:
-      S >= 4: swap the first two and the last two: [2, 1, 3, ..., S-2, S, S-1] (S = 4: [2, 1, 4, 3]);
-      S == 3: the two swaps overlap on stage 2, so odd microbatches alternate between them:
-              index % 4 == 1 -> [2, 1, 3] (front swap), index % 4 == 3 -> [1, 3, 2] (back swap);
-              stage 2 thus plays stage 1's role and stage 3's role, each on 1/4 of microbatches;
-      S == 2: the two swaps are the same pair, applied once: [2, 1];
-      S == 1: nothing to swap: [1].
-    Even microbatches and evaluation (training=False) always use the normal order.
-    """
-    if num_stages < 2:
-        raise ValueError(f"num_stages counts stage 0 and must be >= 2, got {num_stages}")
-    if microbatch_index < 0:
-        raise ValueError(f"microbatch_index must be >= 0, got {microbatch_index}")
-    S = num_stages - 1
-    order = list(range(1, S + 1))
-    if not (checkfree_plus and training and microbatch_index % 2 == 1) or S == 1:
-        return order
-    if S == 2:
-        return [2, 1]
-    if S == 3:
-        return [2, 1, 3] if microbatch_index % 4 == 1 else [1, 3, 2]
-    order[0], order[1] = order[1], order[0]
-    order[-2], order[-1] = order[-1], order[-2]
-    return order
-
-
 # --------------------------------------------------------------------------------------------
 # Planning and executing a rebuild
 
-ACTIONS = ("average", "copy", "edge_copies", "fresh", "checkpoint", "unrecoverable")
+class RebuildAction(StrEnum):
+    """How a lost stage gets its weights back (the value is what debug dumps and events carry)."""
+
+    AVERAGE = "average"  # CheckFree: checkfree_average of sources = (i-1, i+1), with their grad norms
+    COPY = "copy"  # copy the single source stage's current weights
+    # stage 0 from the copies its neighbours keep: sources = (1, S) (just (1,) when S = 1); stage-1
+    # peers keep embed_tokens, stage-S peers keep norm + lm_head; merged key by key, the first
+    # source wins on overlap
+    EDGE_COPIES = "edge_copies"
+    FRESH = "fresh"  # a fresh initialisation from a new seed (strategy random)
+    CHECKPOINT = "checkpoint"  # reload this stage's last local save
+    UNRECOVERABLE = "unrecoverable"  # plan.reason says why; execute_rebuild raises
+
+
+class SourceFetch(StrEnum):
+    """What a plan asks the source stages' peers for."""
+
+    WEIGHTS = "weights"  # their current module state dict and their last gradient norm
+    EDGE_COPY = "edge_copy"  # the stage-0 entries they keep (CheckFree+)
+    NONE = "none"  # nothing: fresh init or local checkpoint
 
 
 @dataclass(frozen=True)
 class RebuildPlan:
     """How to rebuild one lost stage.
 
-    action:  "average"      CheckFree: checkfree_average of sources = (i-1, i+1), with their grad norms
-             "copy"         copy the single source stage's current weights
-             "edge_copies"  stage 0 from the copies its neighbours keep: sources = (1, S) (just (1,)
-                            when S = 1); stage-1 peers keep embed_tokens, stage-S peers keep
-                            norm + lm_head; merged key by key, the first source wins on overlap
-             "fresh"        a fresh initialisation from a new seed (strategy random)
-             "checkpoint"   reload this stage's last local save
-             "unrecoverable" reason says why; execute_rebuild raises
-    fetch:   what to ask the source stages' peers for: "weights" (their current module state dict
-             and their last gradient norm), "edge_copy" (their stage-0 copy), or "none".
+    action:  a RebuildAction (see there).
+    fetch:   a SourceFetch: what to ask the `sources` stages' peers for.
     scale_lr: whether the rebuilt stage trains with lr x RecoveryConfig.lr_scale from then on (true
              for neighbour-derived weights, the authors' catch-up rule; false for fresh/checkpoint).
     The rebuilt stage always starts a fresh inner optimizer (moments are never averaged or copied).
@@ -165,27 +149,33 @@ class RebuildPlan:
 
     lost_stage: int
     num_stages: int
-    strategy: str
-    action: str
+    strategy: RecoveryStrategy
+    action: RebuildAction
     sources: tuple[int, ...] = ()
-    fetch: str = "none"
+    fetch: SourceFetch = SourceFetch.NONE
     scale_lr: bool = False
     reason: str | None = None
     fresh_optimizer: bool = True
 
     @property
     def recoverable(self) -> bool:
-        return self.action != "unrecoverable"
+        return self.action != RebuildAction.UNRECOVERABLE
 
 
-def _check_stage_args(num_stages: int, strategy: str) -> None:
+def _check_stage_args(num_stages: int, strategy: str) -> RecoveryStrategy:
+    """The strategy as the enum (callers may pass its plain string); ValueError on bad arguments."""
     if num_stages < 2:
         raise ValueError(f"num_stages counts stage 0 and must be >= 2, got {num_stages}")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown recovery strategy {strategy!r}; expected one of {STRATEGIES}")
+    try:
+        return RecoveryStrategy(strategy)
+    except ValueError:
+        choices = ", ".join(member.value for member in RecoveryStrategy)
+        raise ValueError(f"unknown recovery strategy {strategy!r}; expected one of {choices}") from None
 
 
-def plan_rebuild(lost_stage: int, num_stages: int, strategy: str, checkfree_plus: bool) -> RebuildPlan:
+def plan_rebuild(
+    lost_stage: int, num_stages: int, strategy: RecoveryStrategy | str, checkfree_plus: bool
+) -> RebuildPlan:
     """The plan for rebuilding `lost_stage` (no surviving peer) under `strategy`.
 
     checkfree:  middle stage 1 < i < S: average of i-1 and i+1.
@@ -198,40 +188,45 @@ def plan_rebuild(lost_stage: int, num_stages: int, strategy: str, checkfree_plus
     Stage 0 under checkfree and copy: with CheckFree+ rebuilt from the edge copies kept by the
     stage-1 and stage-S peers; without CheckFree+ no copies exist: unrecoverable.
     """
-    _check_stage_args(num_stages, strategy)
+    strategy = _check_stage_args(num_stages, strategy)
     if not 0 <= lost_stage < num_stages:
         raise ValueError(f"lost_stage {lost_stage} out of range 0..{num_stages - 1}")
     S = num_stages - 1
     plan = dict(lost_stage=lost_stage, num_stages=num_stages, strategy=strategy)
 
     def nope(reason: str) -> RebuildPlan:
-        return RebuildPlan(**plan, action="unrecoverable", reason=reason)
+        return RebuildPlan(**plan, action=RebuildAction.UNRECOVERABLE, reason=reason)
 
-    if strategy == "random":
-        return RebuildPlan(**plan, action="fresh")
-    if strategy == "checkpoint":
-        return RebuildPlan(**plan, action="checkpoint")
+    if strategy == RecoveryStrategy.RANDOM:
+        return RebuildPlan(**plan, action=RebuildAction.FRESH)
+    if strategy == RecoveryStrategy.CHECKPOINT:
+        return RebuildPlan(**plan, action=RebuildAction.CHECKPOINT)
     if lost_stage == 0:
         if not checkfree_plus:
             return nope("stage 0 (embedding, norm, head) has no neighbour copies without CheckFree+")
         sources = (1,) if S == 1 else (1, S)
-        return RebuildPlan(**plan, action="edge_copies", sources=sources, fetch="edge_copy", scale_lr=True)
+        return RebuildPlan(**plan, action=RebuildAction.EDGE_COPIES, sources=sources, fetch=SourceFetch.EDGE_COPY,
+                           scale_lr=True)
     if S == 1:
         return nope("stage 1 is the only block stage: there is no neighbouring block stage to rebuild it from")
     i = lost_stage
-    if strategy == "copy":
+    if strategy == RecoveryStrategy.COPY:
         source = i + 1 if i < S else S - 1
-        return RebuildPlan(**plan, action="copy", sources=(source,), fetch="weights", scale_lr=True)
+        return RebuildPlan(**plan, action=RebuildAction.COPY, sources=(source,), fetch=SourceFetch.WEIGHTS,
+                           scale_lr=True)
     # checkfree
     if 1 < i < S:
-        return RebuildPlan(**plan, action="average", sources=(i - 1, i + 1), fetch="weights", scale_lr=True)
+        return RebuildPlan(**plan, action=RebuildAction.AVERAGE, sources=(i - 1, i + 1), fetch=SourceFetch.WEIGHTS,
+                           scale_lr=True)
     if not checkfree_plus:
         return nope(f"stage {i} is an edge block stage (one block neighbour): CheckFree needs CheckFree+ for it")
     source = 2 if i == 1 else S - 1
-    return RebuildPlan(**plan, action="copy", sources=(source,), fetch="weights", scale_lr=True)
+    return RebuildPlan(**plan, action=RebuildAction.COPY, sources=(source,), fetch=SourceFetch.WEIGHTS, scale_lr=True)
 
 
-def unrecoverable(lost_stages: set[int], num_stages: int, strategy: str, checkfree_plus: bool) -> str | None:
+def unrecoverable(
+    lost_stages: set[int], num_stages: int, strategy: RecoveryStrategy | str, checkfree_plus: bool
+) -> str | None:
     """None if every stage in `lost_stages` (lost at the same time) can be rebuilt, else a reason.
 
     Sources must be survivors: a stage rebuilt in the same event is never used to rebuild another
@@ -245,14 +240,14 @@ def unrecoverable(lost_stages: set[int], num_stages: int, strategy: str, checkfr
         * checkfree without CheckFree+: stage 1 or stage S (one block neighbour only);
         * S = 1: stage 1 (no other block stage).
     """
-    _check_stage_args(num_stages, strategy)
+    strategy = _check_stage_args(num_stages, strategy)
     lost = set(lost_stages)
     bad = sorted(s for s in lost if not 0 <= s < num_stages)
     if bad:
         raise ValueError(f"lost stages {bad} out of range 0..{num_stages - 1}")
-    if not lost or strategy == "checkpoint":
+    if not lost or strategy == RecoveryStrategy.CHECKPOINT:
         return None
-    if strategy == "random":
+    if strategy == RecoveryStrategy.RANDOM:
         if len(lost) == num_stages:
             return "every stage was lost: no weights survive (a random re-init would restart training)"
         return None
@@ -262,7 +257,7 @@ def unrecoverable(lost_stages: set[int], num_stages: int, strategy: str, checkfr
             return f"stage {stage}: {plan.reason}"
         gone = sorted(set(plan.sources) & lost)
         if gone:
-            what = "its stage-0 copies are held by" if plan.action == "edge_copies" else "it is rebuilt from"
+            what = "its stage-0 copies are held by" if plan.action == RebuildAction.EDGE_COPIES else "it is rebuilt from"
             return f"stage {stage}: {what} stage(s) {gone}, lost at the same time"
     return None
 
@@ -276,7 +271,9 @@ def _clone_state(state: Mapping[str, Tensor], what: str) -> StateDict:
     return out
 
 
-def _source(fetched: Mapping[int, tuple[Mapping[str, Tensor], float]], stage: int, plan: RebuildPlan):
+def _source(
+    fetched: Mapping[int, tuple[Mapping[str, Tensor], float]], stage: int, plan: RebuildPlan
+) -> tuple[Mapping[str, Tensor], float]:
     if stage not in fetched:
         raise ValueError(f"rebuilding stage {plan.lost_stage} ({plan.action}) needs stage {stage}'s {plan.fetch}, not fetched")
     state, grad_norm = fetched[stage]
@@ -292,7 +289,7 @@ def execute_rebuild(
     """Carry out `plan`: the new state dict of the lost stage (new tensors, inputs untouched).
 
     fetched maps a source stage to (state dict, last gradient norm) as asked by plan.fetch (for
-    "edge_copy" the state dict is that stage's copy of stage-0 entries; its norm is ignored).
+    SourceFetch.EDGE_COPY the state dict is that stage's copy of stage-0 entries; its norm is ignored).
     fresh_state builds the stage's state dict from a new seed: required for action "fresh", and
     when given for neighbour-derived actions it also serves as the template the result must match
     (keys and shapes), which catches a neighbour serving the wrong thing. checkpoint_state is the
@@ -301,23 +298,23 @@ def execute_rebuild(
     """
     if not plan.recoverable:
         raise UnrecoverableError(f"stage {plan.lost_stage} cannot be rebuilt: {plan.reason}")
-    if plan.action == "fresh":
+    if plan.action == RebuildAction.FRESH:
         if fresh_state is None:
             raise ValueError("strategy random needs fresh_state")
         return _clone_state(fresh_state(), "fresh_state")
-    if plan.action == "checkpoint":
+    if plan.action == RebuildAction.CHECKPOINT:
         if checkpoint_state is None:
             raise ValueError(f"no local checkpoint of stage {plan.lost_stage} to reload")
         return _clone_state(checkpoint_state, "checkpoint_state")
 
     with torch.no_grad():
-        if plan.action == "average":
+        if plan.action == RebuildAction.AVERAGE:
             (prev_state, prev_norm), (next_state, next_norm) = (_source(fetched, s, plan) for s in plan.sources)
             result = checkfree_average(prev_state, next_state, prev_norm, next_norm)
-        elif plan.action == "copy":
+        elif plan.action == RebuildAction.COPY:
             state, _ = _source(fetched, plan.sources[0], plan)
             result = _clone_state(state, f"stage {plan.sources[0]}")
-        elif plan.action == "edge_copies":
+        elif plan.action == RebuildAction.EDGE_COPIES:
             result = {}
             for stage in plan.sources:
                 state, _ = _source(fetched, stage, plan)
@@ -325,7 +322,7 @@ def execute_rebuild(
                     result.setdefault(key, value)
             if not result:
                 raise ValueError("the fetched edge copies are empty")
-        else:  # pragma: no cover - RebuildPlan.action is one of ACTIONS
+        else:  # pragma: no cover - every other RebuildAction returned or raised above
             raise ValueError(f"unknown plan action {plan.action!r}")
 
         if fresh_state is not None:

@@ -1,6 +1,6 @@
 """The checkpointing baseline (recovery.strategy = "checkpoint"): every stage saves its weights
 every `checkpoint_every` inner steps; a lost stage is rebuilt from its last save, rolling that stage
-back to the step of the save (what CheckFree is compared against in Blagoev et al. 2025).
+back to the step of the save (the baseline CheckFree is compared against: docs/algorithms.md).
 
 Layout: <checkpoint_dir>/<swarm_id>/stage<k>/step<inner_step, 10 digits>.pt, each file a plain
 dict {"format", "stage", "inner_step", "weights": {name: tensor}} written with torch.save and read
@@ -25,6 +25,8 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+
+from node.pipeline.stage_worker import StageWorker
 
 logger = logging.getLogger(__name__)
 
@@ -112,21 +114,21 @@ def _is_checkpoint(raw: object, stage: int, step: int) -> bool:
 
 
 async def run_checkpoints(
-    worker, root: str | os.PathLike, every: int, check_period: float, on_saved: Callable[[int], None] | None = None
+    worker: StageWorker, root: str | os.PathLike, every: int, check_period: float,
+    on_saved: Callable[[int], None] | None = None,
 ) -> None:
     """Save `worker`'s weights each time its inner_step passes a multiple of `every`, until cancelled.
 
     The copy is taken on the worker's compute thread (consistent weights between two steps), the
     file written on another thread: training goes on while it is written.
     """
-    loop = asyncio.get_running_loop()
     last_saved = (worker.inner_step // every) * every
     while True:
         await asyncio.sleep(check_period)
         step = worker.inner_step
         if step // every * every <= last_saved:
             continue
-        weights, step = await loop.run_in_executor(worker.executor, lambda: (worker.state_dict(), worker.inner_step))
+        weights, step = await worker.compute(lambda: (worker.state_dict(), worker.inner_step))
         try:
             await asyncio.to_thread(save_checkpoint, root, worker.stage, weights, step)
         except OSError as e:

@@ -1,6 +1,6 @@
 """CheckFree+ edge copies: stage 1 keeps a copy of stage 0's embedding, stage S of its final norm
-and LM head, so a lost stage 0 can be rebuilt (Blagoev et al. 2025, section "CheckFree+"; see
-docs/algorithms.md). Small extra storage, no extra compute: the copies only travel.
+and LM head, so a lost stage 0 can be rebuilt (docs/algorithms.md, "CheckFree+: out-of-order
+pipeline, edge stages"). Small extra storage, no extra compute: the copies only travel.
 
 Refresh rule (RecoveryConfig.edge_copy_interval, counted in stage-0 optimizer steps): a holder
 refreshes when the most advanced online stage-0 peer announces an inner_step at least
@@ -26,31 +26,37 @@ from typing import Callable, Sequence
 from torch import Tensor
 
 from dht.records import PeerRecord, PeerState
-from node.recovery.state_transfer import StageState, StateUnavailable, download_from_any
+from node.config import RecoveryStrategy, SwarmConfig
 from node.p2p.transport import Transport, TransportError
+from node.recovery.state_transfer import download_from_any
+from protocol.stage_state import StageState, StatePart, StateUnavailable
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["EdgeCopies", "edge_copies_for", "edge_parts_for", "refresh_due", "refresh_edge_copies", "run_edge_copy_refresher"]
 
 
-def edge_parts_for(stage: int, num_stages: int) -> tuple[str, ...]:
+# the strategies whose plan_rebuild rebuilds stage 0 from these copies (docs/algorithms.md, "Rebuild plans")
+EDGE_COPY_STRATEGIES = (RecoveryStrategy.CHECKFREE, RecoveryStrategy.COPY)
+
+
+def edge_parts_for(stage: int, num_stages: int) -> tuple[StatePart, ...]:
     """Which stage-0 parts a peer of `stage` keeps: stage 1 "embed", stage S "head" (both if S = 1)."""
     last = num_stages - 1
     parts = []
     if stage == 1:
-        parts.append("embed")
+        parts.append(StatePart.EMBED)
     if stage == last and last >= 1:
-        parts.append("head")
+        parts.append(StatePart.HEAD)
     return tuple(parts)
 
 
-def edge_copies_for(config, stage: int) -> "EdgeCopies | None":
+def edge_copies_for(config: SwarmConfig, stage: int) -> "EdgeCopies | None":
     """The copies a peer of `stage` keeps, or None: only stage 1 / stage S peers, only with
     CheckFree+ and a strategy that rebuilds stage 0 from them (checkfree, copy; see plan_rebuild)."""
     recovery = config.recovery
     parts = edge_parts_for(stage, config.num_stages)
-    if not (parts and recovery.checkfree_plus and recovery.strategy in ("checkfree", "copy")):
+    if not (parts and recovery.checkfree_plus and recovery.strategy in EDGE_COPY_STRATEGIES):
         return None
     return EdgeCopies(stage=stage, parts=parts)
 
@@ -66,15 +72,15 @@ class EdgeCopies:
     """The latest copies of stage-0 parts this peer holds, by part ("embed", "head")."""
 
     stage: int
-    parts: tuple[str, ...]
-    copies: dict[str, EdgeCopy] = field(default_factory=dict)
+    parts: tuple[StatePart, ...]
+    copies: dict[StatePart, EdgeCopy] = field(default_factory=dict)
 
-    def update(self, part: str, state: StageState) -> None:
+    def update(self, part: StatePart, state: StageState) -> None:
         if part not in self.parts:
-            raise ValueError(f"stage {self.stage} keeps {self.parts}, not {part!r}")
+            raise ValueError(f"stage {self.stage} keeps {[str(p) for p in self.parts]}, not '{part}'")
         self.copies[part] = EdgeCopy(state.weights, state.inner_step)
 
-    def step_of(self, part: str) -> int | None:
+    def step_of(self, part: StatePart) -> int | None:
         copy = self.copies.get(part)
         return None if copy is None else copy.inner_step
 
@@ -100,7 +106,7 @@ def refresh_due(copy_step: int | None, stage0_peers: Sequence[PeerRecord], inter
 async def refresh_edge_copies(
     copies: EdgeCopies, transport: Transport, stage0_peers: Sequence[PeerRecord], interval: int, rng: random.Random,
     *, force: bool = False,
-) -> list[str]:
+) -> list[StatePart]:
     """Refresh every due part from a stage-0 peer; returns the parts refreshed. A failed download
     keeps the previous copy (stale beats none) and is retried at the next check."""
     refreshed = []

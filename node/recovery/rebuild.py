@@ -1,22 +1,14 @@
-"""Lost stages: noticing them from the DHT, rebuilding one, and knowing when the swarm cannot be saved.
+"""Rebuilding a lost stage into this peer's worker: fetch, compute, load, announce.
 
-Reads beside Blagoev et al., "All is Not Lost: LLM Recovery without Checkpoints" (2025) and
-docs/recovery.md ("Rebuilding lost stages"). The rules themselves (which neighbours, which
-formula) are the pure functions of node/recovery/checkfree.py; this module is the networked half:
-
-- Detection. A stage is *lost* when no peer of it is live (`online` or `rebuilding`) for longer
-  than `recovery.lost_grace`, after the swarm has trained (some live peer has taken an optimizer
-  step). Before any step a missing stage is merely *empty*: a fresh init from the swarm seed is as
-  good as the weights that died. Every peer runs a `LostStageTracker` over its SwarmView, so all
-  of them reach the same verdict from the same DHT records; the lowest live peer id (`reporter`)
-  publishes it as a SwarmEvent so one-shot observers (`node status`, the dashboard) see it too.
-- Rebuilding. A peer that serves a stage nobody else holds, in a swarm that has trained, cannot
-  download the stage (there is no donor): `rebuild_stage` fetches what `plan_rebuild` names from
-  live peers of the source stages (part "stage" for weights + last gradient norm, "edge_copy" for
-  stage 0), applies `execute_rebuild` on the worker's compute thread, loads the result with a fresh
-  inner optimizer and lr x lr_scale, and says so in a "rebuild" event.
-- Unrecoverable. `checkfree.unrecoverable` over the currently lost stages; stage-0 peers stop
-  driving microbatches while it holds (training garbage would be worse than waiting).
+Reads beside docs/recovery.md ("Rebuilding lost stages", "How") and docs/algorithms.md ("Rebuild
+plans"). The rules themselves (which neighbours, which formula) are the pure functions of
+node/recovery/checkfree.py, and deciding that a stage is lost is node/recovery/lost_stages.py; this
+module is the networked half. A peer that serves a stage nobody else holds, in a swarm that has
+trained, cannot download the stage (there is no donor): `rebuild_stage` fetches what `plan_rebuild`
+names from live peers of the source stages (part "stage" for weights + last gradient norm,
+"edge_copy" for stage 0), applies `execute_rebuild` on the worker's compute thread, loads the result
+with a fresh inner optimizer and lr x lr_scale, and `rebuild_into_service` says so in a "rebuild"
+event.
 
 Debugging aid: with the environment variable PIPESWARM_DEBUG_DIR set, a rebuild also writes what it
 fetched and what it loaded as plain tensors (`torch.save`, loadable with weights_only=True), so a
@@ -30,208 +22,62 @@ import logging
 import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
 from torch import Tensor
 
 from dht.announcer import PeerAnnouncer
-from dht.records import PeerRecord, PeerState, SwarmEvent
+from dht.records import EventKind, PeerRecord, PeerState, SwarmEvent
 from dht.registry import SwarmRegistry
-from node.recovery.checkpoints import checkpoint_root, load_latest
-from node.recovery.checkfree import RebuildPlan, execute_rebuild, plan_rebuild, recovered_lr_scale, unrecoverable
+from dht.swarm_view import SwarmView
+from node.averaging.gossip import Gossip
 from node.config import SwarmConfig
 from node.model.llama import build_stage
-from node.recovery.state_transfer import StageState, download_from_any
-from node.pipeline.stage_worker import StageWorker
 from node.p2p.transport import Transport, TransportError
+from node.pipeline.stage_worker import StageWorker
+from node.recovery.checkfree import (
+    RebuildAction,
+    RebuildPlan,
+    SourceFetch,
+    execute_rebuild,
+    plan_rebuild,
+    recovered_lr_scale,
+)
+from node.recovery.checkpoints import checkpoint_root, load_latest
+from node.recovery.lost_stages import live_peers
+from node.recovery.state_transfer import download_from_any
+from node.runtime.events import EventPublisher
+from node.runtime.tasks import BackgroundTasks
+from protocol.stage_state import StageState, StatePart
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "LIVE_STATES",
     "DEBUG_DIR_ENV",
     "RebuildFailed",
-    "live_peers",
-    "swarm_has_trained",
-    "must_rebuild",
-    "LostStageTracker",
-    "LossWatch",
     "RebuildResult",
+    "RebuildingService",
     "rebuild_stage",
     "rebuild_detail",
-    "lost_stages_from_events",
+    "rebuild_into_service",
+    "refresh_until_seen",
 ]
 
-LIVE_STATES = (PeerState.ONLINE, PeerState.REBUILDING)
 DEBUG_DIR_ENV = "PIPESWARM_DEBUG_DIR"
-LOST_EVENT_REFRESH = 100.0  # re-announce a stage still lost before its event (TTL 300 s) expires
 FETCH_ATTEMPTS = 3  # donors tried per source stage, each time the rebuild is attempted
+# the state-transfer part that serves what a plan fetches (docs/recovery.md, "State transfer")
+FETCH_PART = {SourceFetch.WEIGHTS: StatePart.STAGE, SourceFetch.EDGE_COPY: StatePart.EDGE_COPY}
 
 
 class RebuildFailed(RuntimeError):
     """The lost stage could not be rebuilt now (unrecoverable plan, no live source, downloads failed)."""
 
 
-def live_peers(peers: Sequence[PeerRecord], exclude: str | None = None) -> list[PeerRecord]:
-    """Peers that hold the stage's weights now: `online`, or `rebuilding` them."""
-    return [peer for peer in peers if peer.state in LIVE_STATES and peer.peer_id != exclude]
-
-
-def swarm_has_trained(peers_by_stage: Mapping[int, Sequence[PeerRecord]], exclude: str | None = None) -> bool:
-    """Whether some live peer has taken an optimizer step: from then on weights are worth keeping."""
-    return any(peer.inner_step > 0 for peers in peers_by_stage.values() for peer in live_peers(peers, exclude))
-
-
-def must_rebuild(peers_by_stage: Mapping[int, Sequence[PeerRecord]], stage: int, me: str) -> bool:
-    """Whether a peer taking `stage` has to rebuild it: nobody else is online there to download the
-    stage from, and the swarm has trained (an untrained swarm's empty stage starts from the seed)."""
-    donors = [peer for peer in peers_by_stage.get(stage, ()) if peer.state == PeerState.ONLINE and peer.peer_id != me]
-    if donors:
-        return False
-    trained = swarm_has_trained(peers_by_stage, exclude=me)
-    seen = {s: [(p.state, p.inner_step) for p in peers] for s, peers in peers_by_stage.items()}
-    logger.info(f"stage {stage} has no online peer to download from; the swarm has "
-                f"{'trained: rebuilding it' if trained else 'not trained: starting from the seed'} (seen: {seen})")
-    return trained
-
-
-# ------------------------------------------------------------------------------------------------
-# Detection
-
-
 @dataclass
-class LostStageTracker:
-    """Since when each stage has had no live peer (in a trained swarm); pure bookkeeping.
-
-    Feed it every fresh DHT picture with `observe`; `lost_stages(now)` are those empty for longer
-    than `lost_grace`. Peers' records vanish TTL after their last heartbeat, so a stage is declared
-    lost about TTL + lost_grace after its last peer died.
-    """
-
-    num_stages: int
-    lost_grace: float
-    empty_since: dict[int, float] = field(default_factory=dict)
-
-    def observe(self, peers_by_stage: Mapping[int, Sequence[PeerRecord]], now: float) -> None:
-        trained = swarm_has_trained(peers_by_stage)
-        for stage in range(self.num_stages):
-            if live_peers(peers_by_stage.get(stage, ())):
-                self.empty_since.pop(stage, None)
-            elif trained:
-                self.empty_since.setdefault(stage, now)
-
-    def lost_for(self, stage: int, now: float) -> float:
-        """Seconds stage has been lost (0.0 if it is not lost)."""
-        since = self.empty_since.get(stage)
-        if since is None or now - since < self.lost_grace:
-            return 0.0
-        return now - since - self.lost_grace
-
-    def lost_stages(self, now: float) -> set[int]:
-        return {stage for stage, since in self.empty_since.items() if now - since >= self.lost_grace}
-
-
-def reporter(peers_by_stage: Mapping[int, Sequence[PeerRecord]]) -> str | None:
-    """The one live peer that publishes swarm-wide verdicts (lowest peer id): one event, not N."""
-    ids = [peer.peer_id for peers in peers_by_stage.values() for peer in live_peers(peers)]
-    return min(ids) if ids else None
-
-
-class LossWatch:
-    """One peer's running verdict on lost stages, updated on every SwarmView refresh.
-
-    `lost` and `unrecoverable_reason` are read by the stage-0 driver (pause) and the rebalancer;
-    transitions are logged here, and published as events when this peer is the reporter.
-    """
-
-    def __init__(self, config: SwarmConfig, registry: SwarmRegistry, me: PeerAnnouncer,
-                 clock: Callable[[], float] = time.monotonic):
-        self.config = config
-        self.registry = registry
-        self.me = me
-        self.clock = clock
-        self.tracker = LostStageTracker(config.num_stages, config.recovery.lost_grace)
-        self.lost: set[int] = set()
-        self.unrecoverable_reason: str | None = None
-        self._reported: dict[tuple[str, int | None], float] = {}  # (kind, stage) -> when last published
-        self._publishing: set[asyncio.Task] = set()
-
-    def lost_for(self, stage: int) -> float:
-        return self.tracker.lost_for(stage, self.clock())
-
-    def on_refresh(self, peers_by_stage: Mapping[int, Sequence[PeerRecord]]) -> None:
-        """SwarmView listener (synchronous: it runs inside the view's refresh)."""
-        now = self.clock()
-        self.tracker.observe(peers_by_stage, now)
-        lost = self.tracker.lost_stages(now)
-        recovery = self.config.recovery
-        reason = unrecoverable(lost, self.config.num_stages, recovery.strategy, recovery.checkfree_plus) if lost else None
-        for stage in sorted(lost - self.lost):
-            logger.warning(f"stage {stage} is lost: no live peer for over {recovery.lost_grace:.0f} s")
-        for stage in sorted(self.lost - lost):
-            logger.info(f"stage {stage} is served again")
-            self._reported.pop(("lost", stage), None)
-        if reason is not None and reason != self.unrecoverable_reason:
-            logger.error(f"the swarm cannot recover from losing stages {sorted(lost)}: {reason}; "
-                         f"stage 0 stops training until those stages are served again (e.g. from checkpoints)")
-        if reason is None and self.unrecoverable_reason is not None:
-            logger.info("the swarm is recoverable again")
-            self._reported.pop(("unrecoverable", None), None)
-        self.lost, self.unrecoverable_reason = lost, reason
-        if reporter(peers_by_stage) == self.me.peer_id:
-            for stage in sorted(lost):
-                self._publish_due("lost", stage, f"stage {stage} has had no live peer for over "
-                                                 f"{recovery.lost_grace:.0f} s", now)
-            if reason is not None:
-                self._publish_due("unrecoverable", None, reason, now)
-
-    def _publish_due(self, kind: str, stage: int | None, detail: str, now: float) -> None:
-        last = self._reported.get((kind, stage))
-        if last is not None and now - last < LOST_EVENT_REFRESH:
-            return
-        self._reported[(kind, stage)] = now
-        event = SwarmEvent(time=time.time(), kind=kind, peer_id=self.me.peer_id, stage=stage, detail=detail)
-        task = asyncio.get_running_loop().create_task(self._publish(event))
-        self._publishing.add(task)
-        task.add_done_callback(self._publishing.discard)
-
-    async def _publish(self, event: SwarmEvent) -> None:
-        try:
-            await self.registry.publish_event(event)
-        except Exception as e:  # best effort: the next refresh period retries
-            logger.warning(f"could not publish the {event.kind} event: {e!r}")
-            self._reported.pop((event.kind, event.stage), None)
-
-    def close(self) -> None:
-        for task in self._publishing:
-            task.cancel()
-
-
-def lost_stages_from_events(
-    peers_by_stage: Mapping[int, Sequence[PeerRecord]], events: Sequence[SwarmEvent], num_stages: int
-) -> set[int]:
-    """What a one-shot observer can tell: stages with no live peer whose latest lost/rebuild event
-    says "lost" (the peers only publish it after lost_grace, so the grace is honoured)."""
-    latest: dict[int, SwarmEvent] = {}
-    for event in events:
-        if event.kind in ("lost", "rebuild") and event.stage is not None:
-            if event.stage not in latest or event.time >= latest[event.stage].time:
-                latest[event.stage] = event
-    return {
-        stage for stage in range(num_stages)
-        if not live_peers(peers_by_stage.get(stage, ())) and stage in latest and latest[stage].kind == "lost"
-    }
-
-
-# ------------------------------------------------------------------------------------------------
-# Rebuilding
-
-
-@dataclass
-class SourceState:
+class FetchedSource:
     """What one peer of a source stage served for the rebuild."""
 
     stage: int
@@ -242,7 +88,7 @@ class SourceState:
 @dataclass
 class RebuildResult:
     plan: RebuildPlan
-    sources: dict[int, SourceState]
+    sources: dict[int, FetchedSource]
     inner_step: int
     lr_scale: float
     detail: str
@@ -252,21 +98,21 @@ class RebuildResult:
 LoadCheckpoint = Callable[[Path, int], "tuple[dict[str, Tensor], int] | None"]
 
 
-def rebuild_detail(plan: RebuildPlan, sources: Mapping[int, SourceState]) -> str:
+def rebuild_detail(plan: RebuildPlan, sources: Mapping[int, FetchedSource]) -> str:
     """The event text, e.g. "stage 2 by checkfree from stages 1 (|g|=0.41) and 3 (|g|=0.37)"."""
     def norm(stage: int) -> str:
         g = sources[stage].state.grad_norm
         return f"{stage} (|g|={'?' if g is None else f'{g:.3g}'})"
 
     head = f"stage {plan.lost_stage} by {plan.strategy}"
-    if plan.action == "average":
+    if plan.action == RebuildAction.AVERAGE:
         return f"{head} from stages {norm(plan.sources[0])} and {norm(plan.sources[1])}"
-    if plan.action == "copy":
+    if plan.action == RebuildAction.COPY:
         return f"{head} (copy) from stage {norm(plan.sources[0])}"
-    if plan.action == "edge_copies":
+    if plan.action == RebuildAction.EDGE_COPIES:
         parts = " and ".join(f"{s} (stage-0 step {sources[s].state.inner_step})" for s in plan.sources)
         return f"{head} from the edge copies of stages {parts}"
-    if plan.action == "checkpoint":
+    if plan.action == RebuildAction.CHECKPOINT:
         return f"{head}: rolled back to the last save"
     return f"{head}: fresh weights from a new seed"
 
@@ -274,21 +120,21 @@ def rebuild_detail(plan: RebuildPlan, sources: Mapping[int, SourceState]) -> str
 async def fetch_sources(
     plan: RebuildPlan, transport: Transport, peers_by_stage: Mapping[int, Sequence[PeerRecord]],
     expect: Mapping[str, Sequence[int]], rng: random.Random,
-) -> dict[int, SourceState]:
+) -> dict[int, FetchedSource]:
     """Download what the plan names from one live peer of each source stage (up to FETCH_ATTEMPTS
     donors per stage; the donor that answered is remembered for the event and the debug dump)."""
-    part = {"weights": "stage", "edge_copy": "edge_copy"}[plan.fetch]
+    part = FETCH_PART[plan.fetch]
     # block stages share one layout, so the neighbours' weights must match ours exactly; edge
     # copies hold a subset of stage 0's entries (execute_rebuild checks the merged result)
-    shape_check = expect if part == "stage" else None
-    sources: dict[int, SourceState] = {}
+    shape_check = expect if part == StatePart.STAGE else None
+    sources: dict[int, FetchedSource] = {}
     for stage in plan.sources:
         try:
             state = await download_from_any(transport, peers_by_stage.get(stage, ()), stage, part, rng,
                                             attempts=FETCH_ATTEMPTS, expect=shape_check)
         except TransportError as e:
             raise RebuildFailed(f"stage {plan.lost_stage} is rebuilt from stage {stage}'s {part}: {e}") from e
-        sources[stage] = SourceState(stage, state.donor, state)
+        sources[stage] = FetchedSource(stage, state.donor, state)
     return sources
 
 
@@ -314,17 +160,16 @@ async def rebuild_stage(
     plan = plan_rebuild(stage, config.num_stages, recovery.strategy, recovery.checkfree_plus)
     if not plan.recoverable:
         raise RebuildFailed(f"stage {stage} cannot be rebuilt: {plan.reason}")
-    loop = asyncio.get_running_loop()
-    template = await loop.run_in_executor(worker.executor, worker.state_dict)
+    template = await worker.compute(worker.state_dict)
     expect = {name: tuple(t.shape) for name, t in template.items()}
 
-    sources: dict[int, SourceState] = {}
+    sources: dict[int, FetchedSource] = {}
     checkpoint: StageState | None = None
-    if plan.fetch != "none":
+    if plan.fetch != SourceFetch.NONE:
         sources = await fetch_sources(plan, transport, peers_by_stage, expect, rng)
-    if plan.action == "checkpoint":
+    if plan.action == RebuildAction.CHECKPOINT:
         root = checkpoint_root(recovery.checkpoint_dir, config.swarm_id)
-        saved = await loop.run_in_executor(worker.executor, load_checkpoint or load_latest, root, stage)
+        saved = await worker.compute(load_checkpoint or load_latest, root, stage)
         if saved is None:
             raise RebuildFailed(f"strategy checkpoint: no readable save of stage {stage} under {os.path.abspath(root)}")
         weights, step = saved
@@ -340,7 +185,7 @@ async def rebuild_stage(
     new_seed = rng.randrange(1 << 31)
 
     def fresh_state() -> dict[str, Tensor]:
-        if plan.action == "fresh":  # strategy random: a seed that does not reproduce the original init
+        if plan.action == RebuildAction.FRESH:  # strategy random: a seed that does not reproduce the original init
             return build_stage(config, stage, init_seed=new_seed).state_dict()
         return template
 
@@ -353,11 +198,11 @@ async def rebuild_stage(
         worker.set_lr_scale(lr_scale)
         return worker.state_dict()
 
-    loaded = await loop.run_in_executor(worker.executor, apply)
+    loaded = await worker.compute(apply)
     result = RebuildResult(plan, sources, inner_step, lr_scale, rebuild_detail(plan, sources), time.monotonic() - started)
     debug_dir = os.environ.get(DEBUG_DIR_ENV)
     if debug_dir:
-        await loop.run_in_executor(worker.executor, dump_rebuild, Path(debug_dir), result, loaded, checkpoint)
+        await worker.compute(dump_rebuild, Path(debug_dir), result, loaded, checkpoint)
     return result
 
 
@@ -368,8 +213,9 @@ def dump_rebuild(directory: Path, result: RebuildResult, loaded: Mapping[str, Te
     plan = result.plan
     record = {
         "lost_stage": plan.lost_stage,
-        "strategy": str(plan.strategy),
-        "action": plan.action,
+        # plain strings: torch.load(weights_only=True) refuses enum objects
+        "strategy": plan.strategy.value,
+        "action": plan.action.value,
         "sources": list(plan.sources),
         "lr_scale": result.lr_scale,
         "inner_step": result.inner_step,
@@ -387,7 +233,25 @@ def dump_rebuild(directory: Path, result: RebuildResult, loaded: Mapping[str, Te
     return path
 
 
-async def rebuild_into_service(service, registry: SwarmRegistry, *, retry_every: float = 2.0,
+class RebuildingService(Protocol):
+    """What `rebuild_into_service` needs of a stage service (node/server/stage_service.py's
+    StageService has all of it): read-only, so any object with these attributes fits."""
+
+    @property
+    def config(self) -> SwarmConfig: ...
+    @property
+    def me(self) -> PeerAnnouncer: ...
+    @property
+    def worker(self) -> StageWorker: ...
+    @property
+    def transport(self) -> Transport: ...
+    @property
+    def view(self) -> SwarmView: ...
+    @property
+    def gossip(self) -> Gossip | None: ...
+
+
+async def rebuild_into_service(service: RebuildingService, registry: SwarmRegistry, *, retry_every: float = 2.0,
                                attempts: int = 5) -> RebuildResult:
     """The rebuild step of a stage service whose stage nobody else holds: state `rebuilding` while
     it runs (the pipeline refuses traffic until `online`), a few attempts (a donor may die, a view
@@ -408,7 +272,7 @@ async def rebuild_into_service(service, registry: SwarmRegistry, *, retry_every:
             logger.warning(f"rebuild of stage {me.stage} failed (attempt {attempt}/{attempts}): {e}")
             await asyncio.sleep(retry_every)
             await service.view.refresh()
-    gossip = getattr(service, "gossip", None)
+    gossip = service.gossip
     if gossip is not None:  # NoLoCo's outer weights restart from the rebuilt ones, momentum zero
         await gossip.reset_outer()
         # the round count continues from the sources', so later partners see a plausible round
@@ -416,18 +280,16 @@ async def rebuild_into_service(service, registry: SwarmRegistry, *, retry_every:
                                        default=gossip.outer_state.round)
     logger.info(f"rebuilt {result.detail} in {result.seconds:.2f} s; inner step {result.inner_step}, "
                 f"lr x {result.lr_scale:g}")
-    task = asyncio.get_running_loop().create_task(log_first_microbatch(service.worker, me.stage))
-    _background.add(task)
-    task.add_done_callback(_background.discard)
-    event = SwarmEvent(time=time.time(), kind="rebuild", peer_id=me.peer_id, stage=me.stage, detail=result.detail)
-    try:
-        await registry.publish_event(event)
-    except Exception as e:
-        logger.warning(f"could not publish the rebuild event: {e!r}")
+    _first_microbatch_watchers.spawn(log_first_microbatch(service.worker, me.stage), name="first-microbatch")
+    # awaited, not in the background: the event is out before this peer goes online
+    event = SwarmEvent(time=time.time(), kind=EventKind.REBUILD, peer_id=me.peer_id, stage=me.stage,
+                       detail=result.detail)
+    await EventPublisher(registry, me.peer_id).publish_now(event)
     return result
 
 
-_background: set[asyncio.Task] = set()
+# fire and forget: each watcher ends by itself (first microbatch seen, or give_up seconds)
+_first_microbatch_watchers = BackgroundTasks()
 
 
 async def log_first_microbatch(worker: StageWorker, stage: int, poll: float = 0.05, give_up: float = 300.0) -> None:
@@ -443,7 +305,7 @@ async def log_first_microbatch(worker: StageWorker, stage: int, poll: float = 0.
         await asyncio.sleep(poll)
 
 
-async def refresh_until_seen(view, me: str, timeout: float = 8.0, interval: float = 0.5) -> None:
+async def refresh_until_seen(view: SwarmView, me: str, timeout: float = 8.0, interval: float = 0.5) -> None:
     """Refresh `view` until it shows any peer record at all (this peer announced its own before the
     stage service started), for at most `timeout` seconds. A freshly started DHT node can read
     nothing for a few seconds; that blind picture would make a lost stage look like a brand-new

@@ -28,10 +28,11 @@ from node.p2p.network import Network
 from node.pipeline.traffic import Pipeline
 from node.server.progress import ProgressDisplay, ServiceSummary
 from node.recovery.rebalance import Rebalancer, plan_move
-from node.recovery.rebuild import LossWatch, must_rebuild, rebuild_into_service, refresh_until_seen
+from node.recovery.lost_stages import LostStageWatch, must_rebuild
+from node.recovery.rebuild import rebuild_into_service, refresh_until_seen
 from node.pipeline.routing import Router
 from node.pipeline.stage_worker import StageWorker
-from node.recovery.state_transfer import join_live_stage, serve_state, stage_snapshot
+from node.recovery.state_transfer import join_live_stage, serve_state, state_provider
 from dht.swarm_view import SwarmView
 from node.p2p.transport import Transport
 
@@ -127,7 +128,7 @@ async def running_service(
         await service.pipeline.start()
         await service.gossip.start()
         edge_copies = edge_copies_for(config, me.stage)  # CheckFree+: stage 1 / stage S keep stage 0's edges
-        await serve_state(service.transport, stage_snapshot(service.worker, me, edge_copies, lambda: service.gossip))
+        await serve_state(service.transport, state_provider(service.worker, me, edge_copies, service.gossip))
         await refresh_until_seen(service.view, me.peer_id)  # a new DHT node may read nothing at first
         if service.view.online(me.stage, exclude=me.peer_id):
             # a live stage: continue from its current state (still `joining`); False if the donors vanished
@@ -177,7 +178,7 @@ async def serve_current_stage(
 ) -> int | None:
     """Serve `me.stage` until `stop` (returns None) or until this peer must move (the new stage)."""
     async with running_service(network, config, me, options) as service:
-        watch = LossWatch(config, SwarmRegistry(network.dht, config.swarm_id), me)
+        watch = LostStageWatch(config, SwarmRegistry(network.dht, config.swarm_id), me)
         service.view.on_refresh(watch.on_refresh)
         progress = ProgressDisplay(service.summary, quiet=options.quiet)
         mover = asyncio.create_task(watch_for_move(service, watch), name="rebalance")
@@ -199,7 +200,7 @@ async def serve_current_stage(
         return mover.result()
 
 
-async def watch_for_move(service: StageService, watch: LossWatch) -> int:
+async def watch_for_move(service: StageService, watch: LostStageWatch) -> int:
     """The stage this peer should move to (node/recovery/rebalance.py), once confirmed twice."""
     config, me = service.config, service.me
     period = config.heartbeat.period
@@ -218,7 +219,7 @@ async def watch_for_move(service: StageService, watch: LossWatch) -> int:
             return confirmed.target
 
 
-async def drive_when_ready(service: StageService, source, stop: asyncio.Event, watch: LossWatch) -> None:
+async def drive_when_ready(service: StageService, source, stop: asyncio.Event, watch: LostStageWatch) -> None:
     """Stage 0 sends microbatches whenever every block stage has a peer to receive them, and not
     while the swarm is unrecoverable (it would train the surviving stages on garbage)."""
 

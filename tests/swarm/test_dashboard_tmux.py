@@ -32,6 +32,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from dht.records import short_peer_id
 from node.local_swarm import Swarm, wait_for
 
 TMUX = shutil.which("tmux")
@@ -42,10 +43,6 @@ REFRESH = 1.0
 WIDTH, HEIGHT = 140, 45
 # a syntactically valid libp2p peer id that no process here owns
 SOME_PEER_ID = "12D3KooWLRRGaauhdUH4gvXnd7KzjSu5HLTr7BAfte8Zt8Y8zGZE"
-
-
-def short(peer_id: str) -> str:
-    return peer_id[-8:]
 
 
 def free_port() -> int:
@@ -239,7 +236,7 @@ def test_live_dashboard_in_tmux_follows_a_kill_and_quits_cleanly(swarm: Swarm, t
     try:
         ids = wait_for(peer_ids, 120,
                        lambda: "peers never joined:\n" + "\n".join(j.log()[-1500:] for j in joiners.values()))
-        shorts = {name: short(pid) for name, pid in ids.items()}
+        shorts = {name: short_peer_id(pid) for name, pid in ids.items()}
         assert len(set(shorts.values())) == 4
 
         def all_shown() -> str | None:

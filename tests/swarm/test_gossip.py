@@ -14,9 +14,9 @@ import logging
 import pytest
 import torch
 
-from node.config import load_config
 from node.averaging.gossip import Gossip
 from node.averaging.noloco import OuterState, diloco_outer_step, outer_step, pseudo_gradient, relative_distance
+from node.config import load_config
 from protocol import MessageKind, recv_message, send_message
 from tests.helpers.inprocess_swarm import inprocess_swarm
 
@@ -34,7 +34,7 @@ def gossip_config():
 
 
 async def on_executor(gossip: Gossip, fn, *args):
-    return await asyncio.get_running_loop().run_in_executor(gossip.worker.executor, fn, *args)
+    return await gossip.worker.compute(fn, *args)
 
 
 def weights(gossip: Gossip) -> list[torch.Tensor]:
@@ -54,7 +54,7 @@ async def train_a_little(gossip: Gossip, seed: int, scale: float = 0.01) -> None
     gossip.worker.inner_step += RIPE
 
 
-async def snapshot(gossip: Gossip) -> tuple[OuterState, list[torch.Tensor]]:
+async def outer_and_weights(gossip: Gossip) -> tuple[OuterState, list[torch.Tensor]]:
     return gossip.outer_state, await on_executor(gossip, weights, gossip)
 
 
@@ -91,7 +91,7 @@ def test_exchange_applies_exactly_the_outer_step_on_both_sides():
                 gossip.import_outer(outer, round=3)
             await train_a_little(a, seed=10)
             await train_a_little(b, seed=20)
-            (state_a, theta_a), (state_b, theta_b) = await snapshot(a), await snapshot(b)
+            (state_a, theta_a), (state_b, theta_b) = await outer_and_weights(a), await outer_and_weights(b)
             delta_a, delta_b = pseudo_gradient(state_a, theta_a), pseudo_gradient(state_b, theta_b)
 
             outcome = await a.run_round(partner=b.me.peer_id)
@@ -130,21 +130,21 @@ def test_peer_in_an_exchange_answers_busy():
             for seed, gossip in enumerate((a, b, c)):
                 await train_a_little(gossip, seed)
             # c is slow to send: the a <-> c exchange stays open for a while
-            original_send = c._send_tensors
+            original_send = c.wire.send_tensors
 
-            async def slow_send(writer, round_, tensors):
+            async def slow_send(session, round_, tensors):
                 await asyncio.sleep(2.0)
-                await original_send(writer, round_, tensors)
+                await original_send(session, round_, tensors)
 
-            c._send_tensors = slow_send
+            c.wire.send_tensors = slow_send
             exchange = asyncio.create_task(a.run_round(partner=c.me.peer_id))
-            await wait_until(lambda: a._exchanging and c._exchanging)
+            await wait_until(lambda: a.exchanging and c.exchanging)
             before = await on_executor(a, weights, a)
 
             # on the wire: a request to a busy peer gets BUSY back
             t = b.transport
             async with t.session(a.me.peer_id, "gossip", 5.0) as (reader, writer):
-                request = t.message(MessageKind.GOSSIP_REQUEST, b._request_meta(b.outer_state.round))
+                request = t.message(MessageKind.GOSSIP_REQUEST, b.wire.request_meta(b.outer_state.round))
                 await send_message(writer, request, "none", t.limits)
                 reply = await recv_message(reader, t.limits, t.swarm_id)
             assert reply.kind == MessageKind.BUSY
@@ -169,7 +169,7 @@ def test_mutual_pick_does_not_deadlock():
             a, b = gossips(peers)
             await train_a_little(a, seed=1)
             await train_a_little(b, seed=2)
-            before = [await snapshot(a), await snapshot(b)]
+            before = [await outer_and_weights(a), await outer_and_weights(b)]
             # both pick each other at the same moment: each is busy with its own round
             outcomes = await asyncio.wait_for(
                 asyncio.gather(a.run_round(partner=b.me.peer_id), b.run_round(partner=a.me.peer_id)), 5.0
@@ -196,15 +196,15 @@ def test_partner_disconnecting_mid_exchange_leaves_both_untouched():
             a, b = gossips(peers)
             await train_a_little(a, seed=1)
             await train_a_little(b, seed=2)
-            before = [await snapshot(a), await snapshot(b)]
-            original_send = b._send_tensors
+            before = [await outer_and_weights(a), await outer_and_weights(b)]
+            original_send = b.wire.send_tensors
 
-            async def send_half_then_vanish(writer, round_, tensors):
-                await original_send(writer, round_, tensors[: len(tensors) // 2])
-                writer.close()
+            async def send_half_then_vanish(session, round_, tensors):
+                await original_send(session, round_, tensors[: len(tensors) // 2])
+                session.writer.close()
                 raise ConnectionError("simulated crash mid-exchange")
 
-            b._send_tensors = send_half_then_vanish
+            b.wire.send_tensors = send_half_then_vanish
             # b as the responder, then b as the initiator
             assert (await a.run_round(partner=b.me.peer_id)).status == "aborted"
             assert (await b.run_round(partner=a.me.peer_id)).status == "aborted"
@@ -212,10 +212,10 @@ def test_partner_disconnecting_mid_exchange_leaves_both_untouched():
             for gossip, (state, theta) in zip((a, b), before):
                 assert gossip.outer_state is state and gossip.outer_state.round == 0
                 assert_same(await on_executor(gossip, weights, gossip), theta)
-                assert not gossip._exchanging
+                assert not gossip.exchanging
             assert not a.bans.is_banned(b.me.peer_id)  # a crash is not misbehaviour
 
-            b._send_tensors = original_send  # b recovers: the next round works
+            b.wire.send_tensors = original_send  # b recovers: the next round works
             assert (await a.run_round(partner=b.me.peer_id)).status == "applied"
 
     asyncio.run(scenario())
@@ -231,15 +231,15 @@ def test_poisoned_phi_is_rejected_and_the_sender_banned(poison, caplog):
             a, b, evil = gossips(peers)
             for seed, gossip in enumerate((a, b, evil)):
                 await train_a_little(gossip, seed)
-            before = [await snapshot(a), await snapshot(b)]
-            original_send = evil._send_tensors
+            before = [await outer_and_weights(a), await outer_and_weights(b)]
+            original_send = evil.wire.send_tensors
 
-            async def poisoned_send(writer, round_, tensors):
+            async def poisoned_send(session, round_, tensors):
                 tensors = list(tensors)
                 tensors[0] = torch.full_like(tensors[0], float("nan")) if poison == "nan" else tensors[0] * 1e4
-                await original_send(writer, round_, tensors)
+                await original_send(session, round_, tensors)
 
-            evil._send_tensors = poisoned_send
+            evil.wire.send_tensors = poisoned_send
             evil_id = evil.me.peer_id
             # a asks the poisoner; the poisoner asks b: rejected both ways
             outcome = await a.run_round(partner=evil_id)
@@ -251,7 +251,7 @@ def test_poisoned_phi_is_rejected_and_the_sender_banned(poison, caplog):
                 assert gossip.outer_state is state
                 assert_same(await on_executor(gossip, weights, gossip), theta)
                 assert gossip.bans.is_banned(evil_id)
-            assert evil_id not in a._candidates()
+            assert evil_id not in a.rounds.candidates()
             assert "rejected gossip from" in caplog.text
 
             # the dashboard's event list names the banned peer
@@ -268,7 +268,7 @@ def test_poisoned_phi_is_rejected_and_the_sender_banned(poison, caplog):
             # honest peers still gossip with each other
             assert (await a.run_round()).partners == (b.me.peer_id,)
 
-    with caplog.at_level(logging.WARNING, logger="node.averaging.gossip"):
+    with caplog.at_level(logging.WARNING, logger="node.averaging"):
         asyncio.run(scenario())
 
 
@@ -284,11 +284,11 @@ def test_diloco_mode_averages_all_replicas():
                 await train_a_little(gossip, seed)
             deltas = []
             for gossip in replicas:
-                state, theta = await snapshot(gossip)
+                state, theta = await outer_and_weights(gossip)
                 deltas.append(pseudo_gradient(state, theta))
             start = replicas[0].outer_state
             # one replica starts round 0; the others join it when asked for their Delta
-            outcome = await replicas[0]._start_diloco_round(0)
+            outcome = await replicas[0].diloco.start_round(0)
             assert outcome.status == "applied" and len(outcome.partners) == 2, outcome
             await wait_until(lambda: all(r.outer_state.round == 1 for r in replicas))
             expected = diloco_outer_step(start, deltas, g.outer_momentum, g.outer_lr)

@@ -8,29 +8,28 @@ import asyncio
 import contextlib
 import os
 import random
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import torch
 
 from dht.records import PeerRecord
-from node.recovery.checkpoints import CHECKPOINT_SUFFIX, load_latest, save_checkpoint, stage_dir
 from node.config import load_config
-from node.recovery.edge_copies import EdgeCopies, edge_parts_for, refresh_due, refresh_edge_copies
 from node.p2p.network import Network, start_network
+from node.p2p.transport import Transport, TransportError
 from node.pipeline.stage_worker import StageWorker
+from node.recovery.checkpoints import CHECKPOINT_SUFFIX, load_latest, save_checkpoint, stage_dir
+from node.recovery.edge_copies import EdgeCopies, edge_parts_for, refresh_due, refresh_edge_copies
 from node.recovery.state_transfer import (
-    StageState,
+    adopt_state,
+    capture_state,
     download_from_any,
     download_state,
-    encode_state,
     serve_state,
-    snapshot_worker,
-    stage_snapshot,
-    adopt_state,
+    state_provider,
 )
-from node.p2p.transport import Transport, TransportError
 from protocol import MessageKind, ProtocolError, recv_message, send_message
+from protocol.stage_state import StageState, encode_state
 
 CHUNK = 16 << 10  # small chunks: a tiny stage still streams as many chunks
 
@@ -134,12 +133,12 @@ def test_joiner_downloads_live_stage_and_computes_like_its_donor():
     async def scenario():
         donor_worker, joiner_worker = StageWorker(config, 1), StageWorker(config, 1)
         try:
-            await asyncio.get_running_loop().run_in_executor(donor_worker.executor, train_block, donor_worker, 5, 1)
+            await donor_worker.compute(train_block, donor_worker, 5, 1)
             donor_worker.set_lr_scale(1.1)  # as if this stage had been rebuilt: joiners must keep it
             async with networks(2) as (donor_net, joiner_net):
                 donor_me = record(donor_net, 1)
                 donor = Transport(donor_net.p2p, config.swarm_id, 1)
-                await serve_state(donor, stage_snapshot(donor_worker, donor_me), chunk_bytes=CHUNK)
+                await serve_state(donor, state_provider(donor_worker, donor_me), chunk_bytes=CHUNK)
                 joiner = Transport(joiner_net.p2p, config.swarm_id, 1)
                 shapes = {k: tuple(v.shape) for k, v in joiner_worker.module.state_dict().items()}
 
@@ -184,11 +183,11 @@ def test_hostile_donor_fails_cleanly_and_another_donor_is_used():
     async def scenario():
         worker = StageWorker(config, 2)
         try:
-            await asyncio.get_running_loop().run_in_executor(worker.executor, train_block, worker, 3, 2)
-            honest_state = await snapshot_worker(worker)
+            await worker.compute(train_block, worker, 3, 2)
+            honest_state = await capture_state(worker)
             async with networks(3) as (honest_net, hostile_net, joiner_net):
                 honest = Transport(honest_net.p2p, config.swarm_id, 2)
-                await serve_state(honest, stage_snapshot(worker, record(honest_net, 2)), chunk_bytes=CHUNK)
+                await serve_state(honest, state_provider(worker, record(honest_net, 2)), chunk_bytes=CHUNK)
                 hostile = Transport(hostile_net.p2p, config.swarm_id, 2)
                 modes: list[str] = []
                 served: list[str] = []
@@ -240,15 +239,15 @@ def test_edge_copies_refresh_from_stage0_and_are_served_back():
 
     async def scenario():
         edge = StageWorker(config, 0)
-        run_on_edge = lambda fn, *args: asyncio.get_running_loop().run_in_executor(edge.executor, fn, *args)
+        run_on_edge = edge.compute
         try:
             async with networks(3) as (edge_net, head_net, reader_net):
                 edge_me = record(edge_net, 0)
                 edge_transport = Transport(edge_net.p2p, config.swarm_id, 0)
-                await serve_state(edge_transport, stage_snapshot(edge, edge_me), chunk_bytes=CHUNK)
+                await serve_state(edge_transport, state_provider(edge, edge_me), chunk_bytes=CHUNK)
                 holder = Transport(head_net.p2p, config.swarm_id, 2)
                 copies = EdgeCopies(stage=2, parts=edge_parts_for(2, 3))
-                await serve_state(holder, stage_snapshot(StageWorker(config, 2), record(head_net, 2), copies))
+                await serve_state(holder, state_provider(StageWorker(config, 2), record(head_net, 2), copies))
                 rng = random.Random(0)
 
                 reader = Transport(reader_net.p2p, config.swarm_id, 0)
@@ -285,7 +284,7 @@ def test_refresh_due_counts_stage0_steps():
              PeerRecord(peer_id="b", stage=0, state="joining", inner_step=500)]
     assert refresh_due(None, peers, 50)  # no copy yet: fetch at once
     assert not refresh_due(0, peers, 50)  # the joining peer's step does not count
-    assert refresh_due(0, peers[:1] + [PeerRecord(peer_id="c", stage=0, state="online", inner_step=50)], 50)
+    assert refresh_due(0, [*peers[:1], PeerRecord(peer_id="c", stage=0, state="online", inner_step=50)], 50)
     assert not refresh_due(None, peers[1:], 50)  # no online stage-0 peer: nothing to fetch from
 
 
@@ -347,9 +346,9 @@ def test_checkpoints_keep_only_the_last_few(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_stage_service_joiner_downloads_before_going_online_and_keeps_edge_copies(monkeypatch):
+    import node.server.stage_service as stage_service
     from dht.announcer import PeerAnnouncer
     from dht.registry import SwarmRegistry
-    import node.server.stage_service as stage_service
     from node.server.stage_service import ServiceOptions, running_service
     from tests.helpers.inprocess_swarm import inprocess_swarm
 
@@ -377,12 +376,12 @@ def test_stage_service_joiner_downloads_before_going_online_and_keeps_edge_copie
                 await me.announce_now()
                 async with running_service(network, config, me, ServiceOptions(device="cpu")) as joined:
                     donor = peers[1].service.worker
-                    theirs = await asyncio.get_running_loop().run_in_executor(donor.executor, donor.state_dict)
-                    mine = await asyncio.get_running_loop().run_in_executor(joined.worker.executor, joined.worker.state_dict)
+                    theirs = await donor.compute(donor.state_dict)
+                    mine = await joined.worker.compute(joined.worker.state_dict)
                     steps = (joined.worker.inner_step, donor.inner_step, me.state)
                     # stage 1 keeps a copy of stage 0's embedding (CheckFree+), served as "edge_copy"
                     edge = peers[0].service.worker
-                    embed = await asyncio.get_running_loop().run_in_executor(edge.executor, edge.state_dict)
+                    embed = await edge.compute(edge.state_dict)
                     copy_state = None
                     for _ in range(40):
                         try:

@@ -1,4 +1,5 @@
-"""Losing every peer of a stage and getting it back (node/recovery/rebuild.py, node/recovery/rebalance.py).
+"""Losing every peer of a stage and getting it back (node/recovery/lost_stages.py, node/recovery/rebuild.py,
+node/recovery/rebalance.py).
 
 Fast part: the detection, move and rollback rules on plain records, and a stage service left and
 entered again for another stage in one process (real p2pd). Multi-process part: real swarms on
@@ -20,12 +21,19 @@ import time
 import pytest
 import torch
 
-from dht.records import PeerRecord, SwarmEvent
+from dht.records import EventKind, PeerRecord, SwarmEvent
 from node.recovery.checkpoints import checkpoint_root, save_checkpoint
 from node.config import SwarmConfig
 from node.local_swarm import NodeProcess, Swarm, wait_for
 from node.recovery.rebalance import Move, Rebalancer, plan_move
-from node.recovery.rebuild import LostStageTracker, lost_stages_from_events, must_rebuild, rebuild_stage
+from node.recovery.lost_stages import (
+    LOST_EVENT_REFRESH,
+    LostStageTracker,
+    LostStageWatch,
+    lost_stages_from_events,
+    must_rebuild,
+)
+from node.recovery.rebuild import rebuild_stage
 from node.pipeline.stage_worker import StageWorker
 from node.p2p.transport import TransportError
 from protocol import MessageKind
@@ -52,6 +60,63 @@ def test_a_stage_is_lost_only_after_the_grace_and_only_once_the_swarm_has_traine
     assert tracker.lost_for(1, 15.0) == pytest.approx(3.0)
     tracker.observe({**trained, 1: [peer("d", 1, state="rebuilding", inner_step=0)]}, now=16.0)
     assert tracker.lost_stages(now=30.0) == set()  # a rebuilding peer holds the stage again
+
+
+def test_the_reporter_publishes_lost_and_unrecoverable_once_per_refresh_period_and_retries_a_failed_publish():
+    class Registry:
+        def __init__(self):
+            self.events, self.fail_next = [], 1
+
+        async def publish_event(self, event):
+            if self.fail_next:
+                self.fail_next -= 1
+                raise ConnectionError("dht unreachable")
+            self.events.append(event)
+            return True
+
+    class Me:
+        peer_id = "a"  # the lowest live id: the reporter
+
+    config = SwarmConfig(num_stages=4).replace(recovery={"lost_grace": 2.0})
+    now = [0.0]
+    registry = Registry()
+    watch = LostStageWatch(config, registry, Me(), clock=lambda: now[0])
+    swarm = {0: [peer("a", 0)], 1: [peer("b", 1)], 2: [], 3: [peer("d", 3)]}
+
+    async def refresh_at(t, picture=swarm):
+        now[0] = t
+        watch.on_refresh(picture)
+        await asyncio.sleep(0.01)  # the publish runs in the background
+
+    async def run():
+        await refresh_at(0.0)
+        await refresh_at(1.0)
+        assert watch.lost == set() and registry.events == []  # within the grace
+        await refresh_at(2.5)  # lost now; the first publish fails ...
+        assert watch.lost == {2} and watch.unrecoverable_reason is None and registry.events == []
+        await refresh_at(3.0)  # ... and the next refresh retries it
+        assert [(e.kind, e.stage) for e in registry.events] == [(EventKind.LOST, 2)]
+        await refresh_at(3.0 + LOST_EVENT_REFRESH / 2)
+        assert len(registry.events) == 1  # not re-published before LOST_EVENT_REFRESH
+        await refresh_at(3.0 + LOST_EVENT_REFRESH)
+        assert [(e.kind, e.stage) for e in registry.events] == [(EventKind.LOST, 2)] * 2
+        # stage 3 goes too: two adjacent block stages, each the other's source
+        adjacent = {**swarm, 3: []}
+        await refresh_at(200.0, adjacent)
+        await refresh_at(202.5, adjacent)
+        assert watch.lost == {2, 3} and "lost at the same time" in watch.unrecoverable_reason
+        assert (EventKind.UNRECOVERABLE, None) in [(e.kind, e.stage) for e in registry.events]
+        # a peer that is not the reporter only keeps the verdict
+        other = LostStageWatch(config, registry, type("Other", (), {"peer_id": "z"})(), clock=lambda: now[0])
+        published = len(registry.events)
+        other.on_refresh(adjacent)
+        now[0] = 205.0
+        other.on_refresh(adjacent)
+        await asyncio.sleep(0.01)
+        assert other.lost == {2, 3} and len(registry.events) == published
+        watch.close()
+
+    asyncio.run(run())
 
 
 def test_a_joiner_rebuilds_only_a_stage_nobody_online_holds_in_a_trained_swarm():

@@ -5,8 +5,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from node.config import RecoveryStrategy
 from node.recovery.checkfree import (
-    STRATEGIES,
+    RebuildAction,
+    SourceFetch,
     UnrecoverableError,
     checkfree_average,
     checkfree_weights,
@@ -238,4 +240,16 @@ def test_recovered_lr_scale():
     assert recovered_lr_scale(1.2, plan_rebuild(3, S5, "random", True)) == 1.0
     with pytest.raises(ValueError):
         recovered_lr_scale(0.0)
-    assert set(STRATEGIES) == {"checkfree", "copy", "random", "checkpoint"}
+    assert set(RecoveryStrategy) == {"checkfree", "copy", "random", "checkpoint"}
+
+
+def test_plans_carry_enums_whose_values_are_the_plain_strings():
+    plan = plan_rebuild(3, S5, "checkfree", True)  # a plain string strategy is accepted (TOML, tests)
+    assert plan.strategy is RecoveryStrategy.CHECKFREE
+    assert plan.action is RebuildAction.AVERAGE and plan.fetch is SourceFetch.WEIGHTS
+    assert plan_rebuild(0, S5, RecoveryStrategy.COPY, True).fetch is SourceFetch.EDGE_COPY
+    assert plan_rebuild(2, S5, RecoveryStrategy.RANDOM, True).fetch is SourceFetch.NONE
+    # what debug dumps and events carry: plain strings
+    assert type(plan.action.value) is str and plan.action.value == "average"
+    with pytest.raises(ValueError, match="expected one of checkfree, copy, random, checkpoint"):
+        unrecoverable({1}, S5, "average", True)

@@ -1,10 +1,10 @@
 """CheckFree's recovery experiment in miniature, deterministic, in one process (no networking).
 
-Blagoev et al. (2025) lose a middle stage and rebuild it by (a) the gradient-norm-weighted average
+The CheckFree authors (docs/algorithms.md, "What the authors report") lose a middle stage and rebuild it by (a) the gradient-norm-weighted average
 of its two neighbours (CheckFree), (b) a copy of a neighbour, (c) a fresh random init, and report
 (a) < (b) < (c) in loss/perplexity. Here: stage 0 (edge) + 4 block stages of the project's model
 (node/model/llama.py) trained with the project's StageWorker, stage 2 lost after TRAIN_STEPS steps and
-rebuilt through node/checkfree.plan_rebuild + execute_rebuild, loss measured on fixed held-out
+rebuilt through node/recovery/checkfree.py's plan_rebuild + execute_rebuild, loss measured on fixed held-out
 batches right after the rebuild and after RECOVERY_STEPS more steps (rebuilt stage at lr x 1.1).
 
 Data: a second-order Markov chain (next token depends on the last two tokens). The project's
@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from node.recovery.checkfree import execute_rebuild, plan_rebuild, recovered_lr_scale
-from node.config import load_config
+from node.config import RecoveryStrategy, load_config
 from node.model.llama import build_stage
 from node.pipeline.stage_worker import StageWorker
 
@@ -45,6 +45,9 @@ RECOVERY_STEPS = 20
 LOST = 2
 NUM_STAGES = 5  # stage 0 + block stages 1..4
 SEQ, BATCH = 32, 8
+
+# the neighbour-based and fresh-init strategies compared (checkpoint has nothing to compare here)
+STRATEGIES = (RecoveryStrategy.CHECKFREE, RecoveryStrategy.COPY, RecoveryStrategy.RANDOM)
 
 
 class SecondOrderMarkov:
@@ -128,7 +131,7 @@ def run_experiment(seed: int) -> dict[str, float]:
         optimizers = [copy.deepcopy(w.optimizer.state_dict()) for w in pipe.workers]
         fetched = {s: (weights[s], pipe.workers[s].last_grad_norm) for s in (LOST - 1, LOST + 1)}
         results["grad_norms"] = (fetched[LOST - 1][1], fetched[LOST + 1][1])
-        for strategy in ("checkfree", "copy", "random"):
+        for strategy in STRATEGIES:
             for worker, sd, opt in zip(pipe.workers, weights, optimizers):  # every run starts from the same point
                 worker.load_state_dict(sd, fresh_optimizer=False)
                 worker.optimizer.load_state_dict(copy.deepcopy(opt))
@@ -161,14 +164,14 @@ def test_checkfree_average_beats_copy_and_random_is_a_skipped_stage():
     assert r["skip_stage"] > r["no_failure"] + 0.15
     # every rebuild hurts, and CheckFree's average hurts less than copying a neighbour (the paper's
     # central comparison; margins 0.08-0.14 nats over 7 settings tried)
-    for strategy in ("checkfree", "copy", "random"):
+    for strategy in STRATEGIES:
         assert r[strategy] > r["no_failure"], strategy
     assert r["checkfree"] < r["copy"] - 0.03
     # a fresh N(0, 0.02) block in a pre-norm residual stream is about the identity: "random" costs
     # what skipping the stage costs (which is why it does not come out last here, unlike the paper)
     assert abs(r["random"] - r["skip_stage"]) < 0.03
     # all strategies keep training from the rebuilt state (the loss falls back towards no_failure)
-    for strategy in ("checkfree", "copy", "random"):
+    for strategy in STRATEGIES:
         assert r[f"{strategy}_recovered"] < r[strategy] - 0.1, strategy
 
 
@@ -178,7 +181,6 @@ def test_checkfree_average_beats_copy_and_random_is_a_skipped_stage():
 # failure is rebuilt at once with the strategy under test (fresh optimizer, lr x 1.1 for
 # checkfree/copy from then on). Loss on fixed held-out batches right after every rebuild and at the end.
 
-STRATEGIES = ("checkfree", "copy", "random")
 # copy - checkfree, grid minima over 9 settings (docs/recovery.md): 0.0095 nats in mean loss right
 # after the rebuilds (pretrain 100), 0.0131 in mean jump at the rebuild (5 block stages); asserted at ~half
 MARGIN_AFTER = 0.005

@@ -1,4 +1,4 @@
-"""Rendering and interaction of `node dashboard` (node/monitor/dashboard.py), on hand-built snapshots."""
+"""Rendering and interaction of `node dashboard` (node/monitor/dashboard/), on hand-built snapshots."""
 
 from __future__ import annotations
 
@@ -8,14 +8,15 @@ import io
 import pytest
 from rich.console import Console
 
+from dht.records import short_peer_id
 from node.monitor.dashboard import (
     SORT_KEYS,
     DashboardState,
     human_count,
+    peer_id_text,
     render,
     render_once,
     run_live,
-    short_id,
     sparkline,
 )
 
@@ -92,8 +93,12 @@ def state_of(*snaps: dict) -> DashboardState:
 
 
 def test_helpers():
-    assert short_id(IDS["a"]) == "AAAAaaa1"
-    assert short_id(None) == "-"
+    assert short_peer_id(IDS["a"]) == "AAAAaaa1"
+    assert short_peer_id(None) == "-"
+    # ids from peers we do not trust: only a non-empty string is shown, and never raw
+    assert peer_id_text(IDS["a"]) == "AAAAaaa1"
+    assert peer_id_text(None) == peer_id_text("") == peer_id_text(12345) == "-"
+    assert peer_id_text("12D3Koo\x07WAbc") == "Koo?WAbc"
     assert human_count(1_234_567, "params") == "1.2M params"
     assert human_count(950) == "950"
     assert human_count(None) == "-"
@@ -116,7 +121,7 @@ def test_render_shows_everything_that_matters(width):
         assert any(line.strip().startswith(str(stage)) for line in lines), stage
     assert "EMPTY" in out and "SINGLE PEER" in out
     for key in "abc":
-        assert short_id(IDS[key]) in out
+        assert short_peer_id(IDS[key]) in out
     assert "sent a NaN gradient" in out and "ban" in out and "gossip_failure" in out
     assert "q quit" in out and "s sort" in out and "/ filter" in out and "c clear filter" in out
     if width >= 100:
@@ -133,7 +138,7 @@ def test_very_narrow_keeps_id_stage_state_loss():
     out = render_once(snapshot(), 50)
     assert max(len(line) for line in out.splitlines()) <= 50
     for key in "abc":
-        assert short_id(IDS[key]) in out
+        assert short_peer_id(IDS[key]) in out
     assert "host-a" not in out and "inner" not in out
     assert "EMPTY" in out and "SINGLE" in out
 

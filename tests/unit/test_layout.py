@@ -165,6 +165,38 @@ def test_lower_layers_import_nothing_from_higher_ones(graph):
     assert not offenders, "protocol/ must not import dht/ or node/, dht/ must not import node/:\n" + "\n".join(offenders)
 
 
+# node/'s subpackages in dependency order (docs/architecture.md): each may import the ones before it
+# (and node.config, dht, protocol), never one after it. node's loose modules (cli, demo, ...) sit
+# on top and may import anything.
+NODE_ORDER = ("runtime", "p2p", "model", "pipeline", "averaging", "recovery", "server", "monitor")
+
+
+def node_order_violations(graph: Graph) -> list[str]:
+    def rank(module: str) -> int | None:
+        parts = module.split(".")
+        if parts[0] != "node" or len(parts) < 2:
+            return None
+        return NODE_ORDER.index(parts[1]) if parts[1] in NODE_ORDER else None
+
+    offenders = []
+    for module, targets in sorted(graph.items()):
+        mine = rank(module)
+        if mine is None:
+            continue
+        for target, where in sorted(targets.items()):
+            theirs = rank(target)
+            if theirs is None and target.startswith("node.") and target.split(".")[1] not in ("config", "__init__"):
+                theirs = len(NODE_ORDER)  # a loose top-level module (cli, demo, local_swarm): above everything
+            if theirs is not None and theirs > mine:
+                offenders.append(f"  {module} imports {target} ({', '.join(where)})")
+    return offenders
+
+
+def test_node_subpackages_depend_one_way(graph):
+    offenders = node_order_violations(graph)
+    assert not offenders, f"node/ subpackages must only import earlier ones in {NODE_ORDER}:\n" + "\n".join(offenders)
+
+
 # ------------------------------------------------------------------------------------------------
 # Sizes
 

@@ -90,9 +90,9 @@ def test_outer_step_does_not_mutate_inputs():
     state = OuterState.from_parameters(rand_params(gen))
     state.momentum = rand_params(gen)
     own, pphi, pdelta = rand_params(gen), rand_params(gen), rand_params(gen)
-    snapshot = [t.clone() for t in state.phi + state.momentum + own + pphi + pdelta]
+    before = [t.clone() for t in state.phi + state.momentum + own + pphi + pdelta]
     new = outer_step(state, own, [pphi], [pdelta], ALPHA, BETA, GAMMA)
-    assert all(torch.equal(a, b) for a, b in zip(snapshot, state.phi + state.momentum + own + pphi + pdelta))
+    assert all(torch.equal(a, b) for a, b in zip(before, state.phi + state.momentum + own + pphi + pdelta))
     assert all(n.data_ptr() != o.data_ptr() for n, o in zip(new.phi + new.momentum, state.phi + state.momentum))
     assert all(t.dtype == torch.float32 for t in new.phi + new.momentum)
 
@@ -224,8 +224,8 @@ def test_validate_partner_update():
     assert "norm" in validate_partner_update(phi, delta, ok_phi, [t * 1000 for t in ok_delta], 10.0)
     assert "norm" in validate_partner_update(phi, zeros, ok_phi, ok_delta, 10.0)
     assert "tensors" in validate_partner_update(phi, delta, ok_phi[:-1], ok_delta, 10.0)
-    assert "tensors" in validate_partner_update(phi, delta, ok_phi, ok_delta + [torch.zeros(1)], 10.0)
-    reshaped = [ok_phi[0].reshape(4, 3)] + ok_phi[1:]
+    assert "tensors" in validate_partner_update(phi, delta, ok_phi, [*ok_delta, torch.zeros(1)], 10.0)
+    reshaped = [ok_phi[0].reshape(4, 3), *ok_phi[1:]]
     assert "shape" in validate_partner_update(phi, delta, reshaped, ok_delta, 10.0)
     ints = [t.long() for t in ok_phi]
     assert "dtype" in validate_partner_update(phi, delta, ints, ok_delta, 10.0)

@@ -1,0 +1,43 @@
+"""A few floats that tell how far apart two replicas of a stage are, without any gossip.
+
+Each peer publishes its fingerprint in its DHT record every heartbeat (docs/gossip.md, "What peers
+publish"); comparing them measures replica agreement in every gossip mode, `none` included.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["FINGERPRINT_COORDS", "FINGERPRINT_SIZE", "WeightFingerprint"]
+
+FINGERPRINT_SIZE = 8
+FINGERPRINT_COORDS = 1 << 14  # coordinates sampled by the fingerprint projection
+
+
+class WeightFingerprint:
+    """FINGERPRINT_SIZE floats: a fixed seeded random projection of a fixed seeded sample of the
+    flattened parameters. Replicas of a stage use the same seed, so ||f_a - f_b|| / ||f_a|| tracks
+    their relative distance. The sample (FINGERPRINT_COORDS coordinates, drawn with replacement)
+    keeps the cost independent of the model size. Calling it reads the module: do it on the
+    worker's compute thread (StageWorker.compute)."""
+
+    def __init__(self, shapes: Sequence[torch.Size], seed: int):
+        sizes = [math.prod(shape) for shape in shapes]
+        total = sum(sizes)
+        gen = torch.Generator().manual_seed(seed)
+        count = min(total, FINGERPRINT_COORDS)
+        coords = torch.randint(0, total, (count,), generator=gen).sort().values
+        self.projection = torch.randn(FINGERPRINT_SIZE, count, generator=gen) / math.sqrt(count)
+        starts = torch.tensor([0, *itertools.accumulate(sizes)])
+        owner = torch.bucketize(coords, starts[1:], right=True)  # which tensor each coordinate is in
+        self.local = [coords[owner == k] - starts[k] for k in range(len(sizes))]
+
+    def __call__(self, params: Sequence[Tensor]) -> list[float]:
+        with torch.no_grad():
+            sample = torch.cat([p.detach().reshape(-1)[idx].to(torch.float32) for p, idx in zip(params, self.local)])
+            return [float(v) for v in self.projection @ sample]

@@ -1,0 +1,164 @@
+"""One replica's outer optimizer, bound to its module's parameters: the local half of a gossip round.
+
+No networking and no event loop here: round_protocol.py and diloco.py move tensors between
+replicas; this module captures where a round starts, checks what a partner sent and applies a new
+outer state to the live weights (docs/gossip.md, "Training during a round"). The formulas are
+node/averaging/noloco.py. Every method that reads or writes the parameters must run on the
+worker's compute thread (StageWorker.compute), between two inner steps: that thread is what keeps
+them consistent, no lock is taken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+from torch import Tensor
+
+from node.averaging.noloco import (
+    OuterState,
+    apply_to_parameters,
+    diloco_outer_step,
+    outer_step,
+    pseudo_gradient,
+    relative_distance,
+    validate_partner_update,
+)
+from node.config import GossipConfig
+
+__all__ = ["STEPPED", "OuterReplica", "RoundOutcome", "RoundStart", "RoundStatus"]
+
+
+class RoundStatus(StrEnum):
+    """How one round attempt ended."""
+
+    APPLIED = "applied"  # an outer step with one or more partners
+    LONE = "lone"  # an outer step alone (n = 1): no free partner in time
+    BUSY = "busy"  # every partner asked was exchanging (or this peer was)
+    ABORTED = "aborted"  # timeout, disconnect, refusal, or the outer state replaced: weights untouched
+    REJECTED = "rejected"  # the partner's tensors failed validation: it is banned
+    SKIPPED = "skipped"  # no inner step since the last round: nothing to share
+
+
+STEPPED = frozenset({RoundStatus.APPLIED, RoundStatus.LONE})  # the round counts: the next is H steps away
+
+
+@dataclass
+class RoundOutcome:
+    """What one round attempt did."""
+
+    status: RoundStatus
+    round: int
+    partners: tuple[str, ...] = ()
+    detail: str = ""
+    divergence: float | None = None
+
+
+@dataclass
+class RoundStart:
+    """This replica at a round's start: the outer state it started from, theta and Delta."""
+
+    state: OuterState
+    theta: list[Tensor]
+    delta: list[Tensor]
+    inner_step: int
+    has_progress: bool  # Delta is not all zero
+
+
+class OuterReplica:
+    """The outer state (phi, momentum, round) of one replica and the parameters it steers."""
+
+    def __init__(self, module: torch.nn.Module, settings: GossipConfig):
+        self.settings = settings
+        self.params = list(module.parameters())
+        self.names = [name for name, _ in module.named_parameters()]
+        with torch.no_grad():  # built before the service trains: safe off the compute thread
+            self.state = OuterState.from_parameters(self.params)
+
+    @property
+    def shapes(self) -> list[torch.Size]:
+        return [p.shape for p in self.params]
+
+    @property
+    def total_numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    # ---- a round -------------------------------------------------------------------------------
+
+    def capture_start(self, inner_step: int) -> RoundStart:
+        """theta now (fp32 copies) and Delta = phi - theta against the current outer state."""
+        state = self.state
+        with torch.no_grad():
+            theta = [p.detach().to(torch.float32, copy=True) for p in self.params]
+        delta = pseudo_gradient(state, theta)
+        has_progress = any(bool(d.any()) for d in delta)
+        return RoundStart(state, theta, delta, inner_step, has_progress)
+
+    def check_partner(self, start: RoundStart, phi: list[Tensor], delta: list[Tensor]) -> tuple[str | None, float | None]:
+        """(why the partner's phi and Delta are unacceptable, None) or (None, relative phi distance)."""
+        reason = validate_partner_update(start.state.phi, start.delta, phi, delta, self.settings.max_norm_factor)
+        if reason is not None:
+            return reason, None
+        return None, relative_distance(start.state.phi, phi)
+
+    def pairwise_step(self, start: RoundStart, phis: Sequence[list[Tensor]], deltas: Sequence[list[Tensor]]) -> OuterState:
+        """NoLoCo's outer step with these partners (none: the lone step, n = 1)."""
+        s = self.settings
+        return outer_step(start.state, start.delta, list(phis), list(deltas), s.outer_momentum, s.outer_lr,
+                          s.pull_coefficient)
+
+    def group_step(self, start: RoundStart, deltas: Sequence[list[Tensor]]) -> OuterState:
+        """DiLoCo's outer step over my Delta and the other replicas' (all share phi)."""
+        s = self.settings
+        return diloco_outer_step(start.state, [start.delta, *deltas], s.outer_momentum, s.outer_lr)
+
+    def apply(self, start: RoundStart, new_state: OuterState) -> bool:
+        """phi <- new phi; theta <- new phi + the inner progress made since the round started, so
+        no local step is lost. False (nothing changed) if the outer state was replaced meanwhile."""
+        if self.state is not start.state:  # an imported outer state replaced ours meanwhile
+            return False
+        with torch.no_grad():
+            progress = [p.detach().to(torch.float32) - t for p, t in zip(self.params, start.theta)]
+            apply_to_parameters(new_state, self.params)
+            for p, d in zip(self.params, progress):
+                p.add_(d.to(p.dtype))
+        self.state = new_state
+        return True
+
+    # ---- the outer state for state transfer (docs/gossip.md, "State download") ---------------
+
+    def export_outer(self) -> dict[str, Tensor]:
+        """{"phi.<param name>", "momentum.<param name>"} -> fp32 tensors (not copies: an OuterState's
+        tensors are never modified in place, every outer step makes new ones)."""
+        out = {f"phi.{n}": t for n, t in zip(self.names, self.state.phi)}
+        out.update({f"momentum.{n}": t for n, t in zip(self.names, self.state.momentum)})
+        return out
+
+    def import_outer(self, tensors: Mapping[str, Tensor], round: int) -> None:
+        """Adopt a downloaded outer state; ValueError if names, shapes or values are wrong."""
+        if isinstance(round, bool) or not isinstance(round, int) or round < 0:
+            raise ValueError(f"round must be an int >= 0, got {round!r}")
+        expected = {f"{kind}.{n}" for kind in ("phi", "momentum") for n in self.names}
+        if set(tensors) != expected:
+            raise ValueError(f"outer state names differ: missing {sorted(expected - set(tensors))[:3]}, "
+                             f"unexpected {sorted(set(tensors) - expected)[:3]}")
+        columns = {}
+        for kind in ("phi", "momentum"):
+            column = []
+            for name, param in zip(self.names, self.params):
+                t = tensors[f"{kind}.{name}"]
+                if not isinstance(t, Tensor) or t.shape != param.shape or not t.is_floating_point():
+                    raise ValueError(f"{kind}.{name}: expected a float tensor of shape {tuple(param.shape)}")
+                if not bool(torch.isfinite(t).all()):
+                    raise ValueError(f"{kind}.{name}: holds NaN or Inf")
+                column.append(t.detach().to("cpu", torch.float32, copy=True))
+            columns[kind] = column
+        self.state = OuterState(phi=columns["phi"], momentum=columns["momentum"], round=round)
+
+    def restart_from_weights(self) -> None:
+        """phi <- the current weights, zero momentum, same round."""
+        state = OuterState.from_parameters(self.params)
+        state.round = self.state.round
+        self.state = state

@@ -1,0 +1,129 @@
+"""What every gossip round shares, whichever kind it is (NoLoCo pair, DiLoCo group).
+
+The replica and its compute thread, the wire, which partners may be picked, and the record of how
+rounds went: the outcome history, the partner and divergence the DHT record reports, bans and
+dashboard events for partners that sent bad tensors (docs/gossip.md, "Robustness").
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import deque
+from collections.abc import Callable
+
+from torch import Tensor
+
+from dht.announcer import PeerAnnouncer
+from dht.records import EventKind, short_peer_id
+from dht.swarm_view import SwarmView
+from node.averaging.gossip_wire import GossipWire
+from node.averaging.noloco import OuterState
+from node.averaging.outer_replica import STEPPED, OuterReplica, RoundOutcome, RoundStart, RoundStatus
+from node.config import GossipConfig
+from node.p2p.transport import Transport
+from node.pipeline.routing import BanList
+from node.pipeline.stage_worker import StageWorker
+from node.runtime.events import EventPublisher
+
+__all__ = ["RoundContext"]
+
+logger = logging.getLogger(__name__)
+
+
+class RoundContext:
+    """One replica's gossip state outside the outer state itself, and the steps every round takes."""
+
+    def __init__(
+        self,
+        settings: GossipConfig,
+        me: PeerAnnouncer,
+        worker: StageWorker,
+        transport: Transport,
+        view: SwarmView,
+        bans: BanList,
+        ban_until: Callable[[str], float],
+        events: EventPublisher,
+        rng: random.Random,
+    ):
+        self.settings = settings
+        self.me = me
+        self.worker = worker
+        self.view = view
+        self.bans = bans
+        self.ban_until = ban_until
+        self.events = events
+        self.rng = rng
+        self.replica = OuterReplica(worker.module, settings)
+        self.wire = GossipWire(transport, settings, self.replica)
+        self.round_start_step = worker.inner_step  # the inner step the last counted round started at
+        self.history: deque[RoundOutcome] = deque(maxlen=256)
+        self.last_partner: str | None = None
+        self.divergence: float | None = None
+
+    @property
+    def steps_since_round(self) -> int:
+        return self.worker.inner_step - self.round_start_step
+
+    def ripe(self, partner_steps: int) -> bool:
+        """Has this replica trained enough since its last round to answer a partner that took
+        `partner_steps` inner steps? At least half of H and a quarter of the partner's: a Delta
+        from a handful of steps would be so small that validate_partner_update would reject an
+        honest partner's full-round Delta as 'far beyond the local norm'."""
+        return self.steps_since_round >= max(1, self.settings.inner_steps // 2, partner_steps // 4)
+
+    def candidates(self) -> list[str]:
+        """The live, unbanned other replicas of this stage, in random order."""
+        peers = [p.peer_id for p in self.view.online(self.me.stage, exclude=self.me.peer_id)
+                 if not self.bans.is_banned(p.peer_id)]
+        self.rng.shuffle(peers)
+        return peers
+
+    def restart(self) -> None:
+        """The outer state was replaced from outside: the next round is due H inner steps from now."""
+        self.round_start_step = self.worker.inner_step
+
+    # ---- work on the compute thread ------------------------------------------------------------
+
+    async def capture_start(self) -> RoundStart:
+        worker, replica = self.worker, self.replica
+        # the step counter is read on the compute thread too: theta and the step must match
+        return await worker.compute(lambda: replica.capture_start(worker.inner_step))
+
+    async def check_partner(self, start: RoundStart, phi: list[Tensor], delta: list[Tensor]) -> tuple[str | None, float | None]:
+        return await self.worker.compute(self.replica.check_partner, start, phi, delta)
+
+    async def finish(self, start: RoundStart, new_state: OuterState, outcome: RoundOutcome) -> RoundOutcome:
+        """Apply `new_state` (computed from `start`) and record `outcome`, or record an abort if
+        the outer state was replaced since the round started."""
+        if not await self.worker.compute(self.replica.apply, start, new_state):
+            return self.record(RoundOutcome(RoundStatus.ABORTED, start.state.round, outcome.partners,
+                                            "outer state replaced"))
+        self.round_start_step = start.inner_step
+        if outcome.partners:
+            self.last_partner = outcome.partners[0] if len(outcome.partners) == 1 else self.last_partner
+            self.divergence = outcome.divergence
+        return self.record(outcome)
+
+    # ---- reporting -----------------------------------------------------------------------------
+
+    def record(self, outcome: RoundOutcome) -> RoundOutcome:
+        self.history.append(outcome)
+        if outcome.status in STEPPED:
+            who = ",".join(short_peer_id(p) for p in outcome.partners) or "alone"
+            div = "" if outcome.divergence is None else f", divergence {outcome.divergence:.3g}"
+            logger.info(f"outer round {outcome.round} -> {outcome.round + 1} with {who}{div}")
+        elif outcome.status in (RoundStatus.ABORTED, RoundStatus.REJECTED):
+            logger.info(f"gossip round {outcome.round} {outcome.status}: {outcome.detail}")
+        return outcome
+
+    def reject(self, peer_id: str, reason: str) -> None:
+        """Ban a peer whose tensors failed validation and tell the dashboard."""
+        self.bans.ban(peer_id, self.ban_until(peer_id), f"gossip: {reason}")
+        logger.warning(f"rejected gossip from {short_peer_id(peer_id)} and banned it: {reason}")
+        self.events.publish(EventKind.BAN, self.me.stage, peer_id=peer_id, detail=(
+            f"gossip from {short_peer_id(peer_id)} rejected by {short_peer_id(self.me.peer_id)}: {reason}"))
+
+    def report_failure(self, detail: str) -> None:
+        """An exchange this peer started broke off (shown on the dashboard, never acted upon)."""
+        self.events.publish(EventKind.GOSSIP_FAILURE, self.me.stage, detail)

@@ -1,0 +1,172 @@
+"""NoLoCo's pairwise round: one replica (A, the initiator) and one random partner (B, the responder).
+
+On one gossip session (docs/gossip.md, "A round on the wire"):
+
+    A: capture theta_A -> GOSSIP_REQUEST -> B: BUSY, ERROR, or capture theta_B + GOSSIP_ACCEPT
+    both at once: send own phi and Delta as GOSSIP_CHUNKs / receive the partner's
+    both: validate what arrived (compute thread)
+    A -> B: GOSSIP_DONE{accept, reason};  B -> A: GOSSIP_DONE{accept, reason}
+    B applies after sending its DONE, A after receiving it (only when both accepted)
+
+Any failure before that (timeout, disconnect, BUSY, rejection) leaves both peers' weights as they
+were. The one window left: B has sent an accepting DONE and applied, the stream dies before A reads
+it, A does not apply (a one-sided round: B moved toward A, A did not move; harmless, see the doc).
+A replica takes part in one exchange at a time, as initiator or responder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from dht.records import PeerState, short_peer_id
+from node.averaging.outer_replica import RoundOutcome, RoundStart, RoundStatus
+from node.averaging.round_context import RoundContext
+from node.p2p.tensor_stream import Session
+from node.p2p.transport import PEER_FAILURES, TransportError
+from node.runtime.timeouts import within
+from protocol import Message, MessageKind, ProtocolError
+
+__all__ = ["MAX_PARTNER_TRIES", "PairwiseRound", "PartnerBusy", "PartnerRejected", "PartnerUpdate"]
+
+MAX_PARTNER_TRIES = 3  # BUSY partners asked per attempt before backing off
+
+
+class PartnerRejected(Exception):
+    """The partner's tensors failed validation: ban it and skip the round."""
+
+
+class PartnerBusy(Exception):
+    """The partner is already exchanging (or has nothing to share yet)."""
+
+
+@dataclass
+class PartnerUpdate:
+    """What the partner sent in an exchange both sides accepted."""
+
+    peer: str
+    phi: list[Tensor]
+    delta: list[Tensor]
+    divergence: float | None  # relative distance of our phi from the partner's, before the step
+
+
+class PairwiseRound:
+    """The NoLoCo round of one replica, both as initiator (`run`) and as responder (`respond`)."""
+
+    def __init__(self, ctx: RoundContext):
+        self.ctx = ctx
+        self.exchanging = False  # one exchange at a time, as initiator or responder
+
+    # ---- initiator -----------------------------------------------------------------------------
+
+    async def run(self, partner: str | None = None, alone_if_busy: bool = False) -> RoundOutcome:
+        """One round now: with `partner`, or a uniformly random live, unbanned peer of this stage
+        (another one if it answers BUSY), or alone when the stage has no other live peer."""
+        ctx = self.ctx
+        round_ = ctx.replica.state.round
+        if self.exchanging:
+            return RoundOutcome(RoundStatus.BUSY, round_, detail="already exchanging")
+        self.exchanging = True
+        try:
+            start = await ctx.capture_start()
+            if not start.has_progress:
+                return ctx.record(RoundOutcome(RoundStatus.SKIPPED, round_, detail="no inner step since the last round"))
+            candidates = [partner] if partner is not None else ctx.candidates()
+            if not candidates:
+                return await self._step_with(start, None)
+            for peer in candidates[:MAX_PARTNER_TRIES]:
+                try:
+                    return await within(self._initiate(peer, start), ctx.settings.round_timeout)
+                except PartnerBusy:
+                    continue
+                except PartnerRejected as e:
+                    ctx.reject(peer, str(e))
+                    return ctx.record(RoundOutcome(RoundStatus.REJECTED, round_, (peer,), str(e)))
+                except PEER_FAILURES as e:
+                    detail = f"exchange with {short_peer_id(peer)} failed: {e!r}"[:300]
+                    ctx.report_failure(detail)
+                    return ctx.record(RoundOutcome(RoundStatus.ABORTED, round_, (peer,), detail))
+            if alone_if_busy:
+                return await self._step_with(start, None)
+            return ctx.record(RoundOutcome(RoundStatus.BUSY, round_, detail="every partner asked was busy"))
+        finally:
+            self.exchanging = False
+
+    async def _initiate(self, peer: str, start: RoundStart) -> RoundOutcome:
+        ctx = self.ctx
+        async with ctx.wire.open(peer) as session:
+            await session.send(ctx.wire.request(start.state.round, start.inner_step - ctx.round_start_step))
+            reply = await session.recv()
+            if reply.kind == MessageKind.BUSY:
+                raise PartnerBusy()
+            if reply.kind == MessageKind.ERROR:
+                raise TransportError(f"{short_peer_id(peer)} refused: {reply.meta.get('reason')}")
+            if reply.kind != MessageKind.GOSSIP_ACCEPT:
+                raise ProtocolError(f"expected gossip_accept, got {reply.kind.value}")
+            phi, delta = await self._swap(session, start)
+            reason, divergence = await ctx.check_partner(start, phi, delta)
+            await session.send(ctx.wire.done(start.state.round, reason))
+            theirs = await session.expect(MessageKind.GOSSIP_DONE)
+        if reason is not None:
+            raise PartnerRejected(reason)
+        if not theirs.meta.get("accept"):
+            raise TransportError(f"{short_peer_id(peer)} declined the round: {theirs.meta.get('reason')}")
+        return await self._step_with(start, PartnerUpdate(peer, phi, delta, divergence))
+
+    # ---- responder -----------------------------------------------------------------------------
+
+    async def respond(self, sender: str, session: Session, request: Message) -> None:
+        """Serve a GOSSIP_REQUEST the gossip has not refused: BUSY, or a whole exchange."""
+        ctx = self.ctx
+        steps = request.meta.get("steps")
+        partner_steps = steps if isinstance(steps, int) and not isinstance(steps, bool) else 0
+        if self.exchanging or not ctx.ripe(partner_steps) or ctx.me.state != PeerState.ONLINE:
+            await session.send(ctx.wire.transport.message(MessageKind.BUSY, request_id=request.request_id))
+            return
+        self.exchanging = True
+        try:
+            await within(self._answer(sender, session), ctx.settings.round_timeout)
+        except PartnerRejected as e:
+            ctx.reject(sender, str(e))
+            ctx.record(RoundOutcome(RoundStatus.REJECTED, ctx.replica.state.round, (sender,), str(e)))
+        except PEER_FAILURES as e:
+            ctx.record(RoundOutcome(RoundStatus.ABORTED, ctx.replica.state.round, (sender,),
+                                    f"as responder: {e!r}"[:300]))
+        finally:
+            self.exchanging = False
+
+    async def _answer(self, sender: str, session: Session) -> None:
+        ctx = self.ctx
+        start = await ctx.capture_start()
+        if not start.has_progress:
+            await session.send(ctx.wire.transport.message(MessageKind.BUSY))
+            return
+        await session.send(ctx.wire.accept(start.state.round))
+        phi, delta = await self._swap(session, start)
+        reason, divergence = await ctx.check_partner(start, phi, delta)
+        theirs = await session.expect(MessageKind.GOSSIP_DONE)
+        await session.send(ctx.wire.done(start.state.round, reason))
+        if reason is not None:
+            raise PartnerRejected(reason)
+        if not theirs.meta.get("accept"):
+            raise TransportError(f"{short_peer_id(sender)} declined the round: {theirs.meta.get('reason')}")
+        await self._step_with(start, PartnerUpdate(sender, phi, delta, divergence))
+
+    # ---- both ----------------------------------------------------------------------------------
+
+    async def _swap(self, session: Session, start: RoundStart) -> tuple[list[Tensor], list[Tensor]]:
+        """My phi and Delta out, the partner's in: (phi, Delta) of the partner."""
+        count = len(start.state.phi)
+        tensors = await self.ctx.wire.swap(session, start.state.round, [*start.state.phi, *start.delta])
+        return tensors[:count], tensors[count:]
+
+    async def _step_with(self, start: RoundStart, partner: PartnerUpdate | None) -> RoundOutcome:
+        """The outer step with the partner's update, or the lone step (n = 1) without one."""
+        ctx = self.ctx
+        if partner is None:
+            new_state = await ctx.worker.compute(ctx.replica.pairwise_step, start, [], [])
+            return await ctx.finish(start, new_state, RoundOutcome(RoundStatus.LONE, start.state.round))
+        new_state = await ctx.worker.compute(ctx.replica.pairwise_step, start, [partner.phi], [partner.delta])
+        return await ctx.finish(start, new_state, RoundOutcome(RoundStatus.APPLIED, start.state.round,
+                                                                 (partner.peer,), divergence=partner.divergence))
