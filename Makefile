@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test slow bench
+.PHONY: demo test slow bench lint format hostile
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,3 +27,16 @@ slow: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) tests/benchmarks/bench_all.py
+
+# ruff (lint + format check) with the rules in pyproject.toml; CI runs it before the tests
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(STAMP)
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
+
+# the long hostile-peer run (py-libp2p stranger against a training swarm); a short one is in `make test`
+hostile: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m slow tests/swarm/test_hostile_peer.py

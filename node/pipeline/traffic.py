@@ -175,6 +175,7 @@ class Pipeline:
         rng: random.Random | None = None,
         ban_until: Callable[[str], float] | None = None,
         max_queue: int | None = None,
+        is_member: Callable[[str], bool] | None = None,
     ):
         self.config = config
         self.transport = transport
@@ -183,6 +184,8 @@ class Pipeline:
         self.me = me
         self.rng = rng or random.Random()
         self.ban_until = ban_until or (lambda peer_id: time.time() + config.heartbeat.ttl)
+        # whether a peer has a live record in this swarm: compute is spent only on members' microbatches
+        self.is_member = is_member or (lambda peer_id: True)
         training = config.training
         self.max_queue = max_queue or 4 * training.max_in_flight
         self.hop_timeout = training.hop_timeout
@@ -223,6 +226,11 @@ class Pipeline:
                 return self.transport.error("unknown microbatch")
             self._spawn(self._finish_forward(msg))
             return self._ack(msg)
+        if not (self.is_member(sender) and self.is_member(msg.meta["origin"])):
+            # a stranger (or a joiner our swarm view has not seen yet): not a strike, and BUSY so an
+            # honest sender tries another peer without banning us
+            self.stats.busy_replies += 1
+            return self.transport.message(MessageKind.BUSY, {"reason": "not a member of this swarm"}, request_id=msg.request_id)
         if self._queued >= self.max_queue:
             self.stats.busy_replies += 1
             return self.transport.message(MessageKind.BUSY, request_id=msg.request_id)

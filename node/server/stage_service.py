@@ -34,6 +34,7 @@ from node.pipeline.routing import Router
 from node.pipeline.stage_worker import StageWorker
 from node.recovery.state_transfer import join_live_stage, serve_state, state_provider
 from dht.swarm_view import SwarmView
+from node.p2p.peer_conduct import PeerConduct
 from node.p2p.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -104,13 +105,18 @@ async def build_service(network: Network, config: SwarmConfig, me: PeerAnnouncer
     router = Router(rng, config.num_stages)
     view.on_refresh(router.refresh)
     worker = StageWorker(config, me.stage, device=pick_device(options.device))
-    transport = Transport(network.p2p, config.swarm_id, me.stage, compression=config.training.wire_compression)
 
     def ban_until(peer_id: str) -> float:
         record = view.record_of(peer_id)
         return max(record.expires if record else 0.0, time.time() + config.heartbeat.ttl)
 
-    pipeline = Pipeline(config, transport, worker, router, me, rng=rng, ban_until=ban_until)
+    # a peer banned for bad input is refused at the door and avoided by routing alike
+    conduct = PeerConduct(ban_until=ban_until, on_ban=lambda peer_id, until, reason: router.bans.ban(peer_id, until, reason))
+    transport = Transport(network.p2p, config.swarm_id, me.stage, compression=config.training.wire_compression,
+                          conduct=conduct)
+
+    pipeline = Pipeline(config, transport, worker, router, me, rng=rng, ban_until=ban_until,
+                        is_member=lambda peer_id: view.record_of(peer_id) is not None)
     gossip = Gossip(config, me, worker, transport, view, router.bans, registry, ban_until, rng=rng)
     return StageService(config, me, worker, transport, router, view, pipeline, gossip)
 
