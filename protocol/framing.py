@@ -3,11 +3,17 @@
 A frame is an 8-byte big-endian unsigned payload length, then the payload. Timeouts are the
 caller's business (wrap in asyncio.wait_for): this layer only guarantees it never reads or
 buffers more than limits.max_frame_bytes for one frame.
+
+In a private swarm every message carries a MAC: the frame's payload is the encoded message followed
+by HMAC-SHA256(swarm key, encoded message), 32 bytes. A frame whose MAC does not verify is refused
+before it is decoded, so a peer without the key cannot make a member parse anything it sends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import struct
 
 from protocol.errors import ProtocolError
@@ -16,6 +22,7 @@ from protocol.messages import Message, decode_message, encode_message
 
 _HEADER = struct.Struct(">Q")
 HEADER_BYTES = _HEADER.size
+MAC_BYTES = hashlib.sha256().digest_size
 
 
 async def read_frame(reader: asyncio.StreamReader, limits: Limits = DEFAULT_LIMITS) -> bytes:
@@ -55,14 +62,44 @@ async def write_frame(
     await writer.drain()
 
 
+def message_mac(swarm_key: bytes, encoded: bytes | memoryview) -> bytes:
+    """The MAC a private swarm appends to every encoded message."""
+    return hmac.new(swarm_key, encoded, hashlib.sha256).digest()
+
+
+def verify_mac(swarm_key: bytes, payload: bytes) -> memoryview:
+    """The encoded message inside a private swarm's frame, if its MAC verifies; ProtocolError otherwise."""
+    if len(payload) < MAC_BYTES:
+        raise ProtocolError("frame too short to carry a MAC: the sender has no swarm key")
+    body = memoryview(payload)[:-MAC_BYTES]
+    if not hmac.compare_digest(message_mac(swarm_key, body), payload[-MAC_BYTES:]):
+        raise ProtocolError("message authentication failed: the sender has a different or no swarm key")
+    return body
+
+
 async def send_message(
-    writer: asyncio.StreamWriter, msg: Message, compression: str = "none", limits: Limits = DEFAULT_LIMITS
+    writer: asyncio.StreamWriter,
+    msg: Message,
+    compression: str = "none",
+    limits: Limits = DEFAULT_LIMITS,
+    swarm_key: bytes | None = None,
 ) -> None:
-    await write_frame(writer, encode_message(msg, compression, limits=limits), limits)
+    encoded = encode_message(msg, compression, limits=limits)
+    if swarm_key is None:
+        await write_frame(writer, encoded, limits)
+    else:
+        await write_frame(writer, encoded + message_mac(swarm_key, encoded), limits)
 
 
 async def recv_message(
-    reader: asyncio.StreamReader, limits: Limits = DEFAULT_LIMITS, expected_swarm: str | None = None
+    reader: asyncio.StreamReader,
+    limits: Limits = DEFAULT_LIMITS,
+    expected_swarm: str | None = None,
+    swarm_key: bytes | None = None,
 ) -> Message:
-    """Read and decode one message; EOFError at a clean end of stream, ProtocolError otherwise."""
-    return decode_message(await read_frame(reader, limits), limits, expected_swarm)
+    """Read and decode one message; EOFError at a clean end of stream, ProtocolError otherwise
+    (including a MAC that does not verify under `swarm_key`)."""
+    payload = await read_frame(reader, limits)
+    if swarm_key is not None:
+        payload = bytes(verify_mac(swarm_key, payload))
+    return decode_message(payload, limits, expected_swarm)

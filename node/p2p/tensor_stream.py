@@ -43,10 +43,10 @@ class Session:
         self.compression = compression
 
     async def send(self, message: Message) -> None:
-        await within(send_message(self.writer, message, self.compression, self.transport.limits), self.timeout)
+        await within(send_message(self.writer, message, self.compression, self.transport.limits, self.transport.swarm_key), self.timeout)
 
     async def recv(self) -> Message:
-        return await within(recv_message(self.reader, self.transport.limits, self.transport.swarm_id), self.timeout)
+        return await within(recv_message(self.reader, self.transport.limits, self.transport.swarm_id, self.transport.swarm_key), self.timeout)
 
     async def expect(self, kind: MessageKind) -> Message:
         """The next message, which must be of `kind`; an ERROR is the peer giving up (TransportError)."""

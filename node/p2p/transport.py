@@ -50,8 +50,10 @@ class Transport:
         limits: Limits = DEFAULT_LIMITS,
         compression: str = "none",
         conduct: PeerConduct | None = None,
+        swarm_key: bytes | None = None,
     ):
         self.p2p = p2p
+        self.swarm_key = swarm_key  # a private swarm: every message carries a MAC under it
         self.conduct = conduct or PeerConduct()
         self.swarm_id = swarm_id
         self.stage = stage
@@ -96,7 +98,7 @@ class Transport:
         """Answer a refused stream with one short ERROR (bounded: a refused peer gets no time)."""
         logger.debug(f"refused a {service} stream from {short_peer_id(sender)}: {reason}")
         with contextlib.suppress(Exception):
-            await within(send_message(writer, self.error(reason), "none", self.limits), 1.0)
+            await within(send_message(writer, self.error(reason), "none", self.limits, self.swarm_key), 1.0)
         writer.close()
 
     async def serve_requests(self, service: str, handler: RequestHandler, read_timeout: float = 30.0) -> None:
@@ -110,25 +112,25 @@ class Transport:
                 await self._refuse(sender, service, writer, refusal)
                 return
             try:
-                request = await within(recv_message(reader, self.limits, self.swarm_id), read_timeout)
+                request = await within(recv_message(reader, self.limits, self.swarm_id, self.swarm_key), read_timeout)
                 try:
                     reply = await handler(sender, request)
                 except ProtocolError as e:
                     self.conduct.strike(sender, f"{service}: {e}")
                     reply = self.error(str(e), request.request_id)
-                await send_message(writer, reply, self.compression, self.limits)
+                await send_message(writer, reply, self.compression, self.limits, self.swarm_key)
             except (ProtocolError, EOFError, asyncio.TimeoutError) as e:
                 logger.info(f"bad {service} request from {short_peer_id(sender)}: {e!r}")
                 if not isinstance(e, EOFError):
                     self.conduct.strike(sender, f"{service}: {e!r}")
                 with contextlib.suppress(Exception):
-                    await within(send_message(writer, self.error(f"bad request: {e}"), "none", self.limits), 1.0)
+                    await within(send_message(writer, self.error(f"bad request: {e}"), "none", self.limits, self.swarm_key), 1.0)
             except (ConnectionError, asyncio.IncompleteReadError) as e:
                 logger.debug(f"{service} stream from {short_peer_id(sender)} broke: {e!r}")
             except Exception:
                 logger.exception(f"{service} handler failed on a request from {short_peer_id(sender)}")
                 with contextlib.suppress(Exception):
-                    await send_message(writer, self.error("internal error"), "none", self.limits)
+                    await send_message(writer, self.error("internal error"), "none", self.limits, self.swarm_key)
             finally:
                 self.conduct.release(sender)
                 writer.close()
@@ -164,8 +166,8 @@ class Transport:
         an ERROR reply (BUSY is returned, not raised: the caller decides where to go next)."""
         try:
             async with self.session(peer_id, service, timeout) as (reader, writer):
-                await within(send_message(writer, message, self.compression, self.limits), timeout)
-                reply = await within(recv_message(reader, self.limits, self.swarm_id), timeout)
+                await within(send_message(writer, message, self.compression, self.limits, self.swarm_key), timeout)
+                reply = await within(recv_message(reader, self.limits, self.swarm_id, self.swarm_key), timeout)
         except TransportError:
             raise
         except asyncio.TimeoutError as e:
