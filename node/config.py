@@ -20,10 +20,11 @@ import json
 import textwrap
 import tokenize
 import tomllib
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Collection, Mapping
+from typing import Any
 
 from protocol.plain import plain_dict
 from protocol.tensors import Compression
@@ -204,7 +205,7 @@ class SwarmConfig:
         return dataclasses.asdict(self, dict_factory=plain_dict)
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> "SwarmConfig":
+    def from_dict(cls, raw: Mapping[str, Any]) -> SwarmConfig:
         return _build(cls, raw, "")
 
     def config_hash(self) -> str:
@@ -214,7 +215,7 @@ class SwarmConfig:
         )
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
-    def replace(self, **sections: Mapping[str, Any]) -> "SwarmConfig":
+    def replace(self, **sections: Mapping[str, Any]) -> SwarmConfig:
         """A copy with some top-level values or section fields overridden (used for CLI flags)."""
         raw = self.to_dict()
         for key, value in sections.items():
@@ -296,7 +297,10 @@ def validate(config: SwarmConfig) -> None:
     need(2 <= config.num_stages <= 64, "num_stages counts stage 0 and must be in 2..64")
     m = config.model
     need(m.hidden_size % m.num_attention_heads == 0, "hidden_size must be divisible by num_attention_heads")
-    need(m.num_attention_heads % m.num_key_value_heads == 0, "num_attention_heads must be a multiple of num_key_value_heads")
+    need(
+        m.num_attention_heads % m.num_key_value_heads == 0,
+        "num_attention_heads must be a multiple of num_key_value_heads",
+    )
     need((m.hidden_size // m.num_attention_heads) % 2 == 0, "head dimension must be even (rotary embedding)")
     need(m.layers_per_stage >= 1 and m.vocab_size >= 2, "layers_per_stage >= 1 and vocab_size >= 2")
     t = config.training
@@ -304,7 +308,10 @@ def validate(config: SwarmConfig) -> None:
     need(t.microbatch_size >= 1 and t.microbatches_per_step >= 1 and t.max_in_flight >= 1, "batch sizes must be >= 1")
     need(t.hop_timeout > 0 and t.max_retries >= 0 and t.grad_clip > 0, "hop_timeout, grad_clip > 0; max_retries >= 0")
     g = config.gossip
-    need(g.inner_steps >= 1 and g.round_timeout > 0 and g.max_norm_factor > 1, "gossip: inner_steps >= 1, timeout > 0, norm factor > 1")
+    need(
+        g.inner_steps >= 1 and g.round_timeout > 0 and g.max_norm_factor > 1,
+        "gossip: inner_steps >= 1, timeout > 0, norm factor > 1",
+    )
     r = config.recovery
     need(r.lr_scale > 0 and r.lost_grace >= 0 and r.rebalance_wait >= 0, "recovery: lr_scale > 0, waits >= 0")
     h = config.heartbeat
@@ -397,8 +404,13 @@ def field_docs() -> dict[str, dict[str, str]]:
         if isinstance(cls, ast.ClassDef):
             found = docs.setdefault(cls.name, {})
             for stmt, doc in zip(cls.body, cls.body[1:]):
-                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(doc, ast.Expr) \
-                        and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str):
+                if (
+                    isinstance(stmt, ast.AnnAssign)
+                    and isinstance(stmt.target, ast.Name)
+                    and isinstance(doc, ast.Expr)
+                    and isinstance(doc.value, ast.Constant)
+                    and isinstance(doc.value.value, str)
+                ):
                     found[stmt.target.id] = doc.value.value.strip()
     return docs
 

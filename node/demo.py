@@ -13,14 +13,14 @@ import asyncio
 import sys
 import tempfile
 import time
-from dht.records import PeerState
 from pathlib import Path
 
 from rich.console import Console
 
+from dht.records import PeerState
 from node.config import SwarmConfig
-from node.model.data import open_source
 from node.local_swarm import Swarm, peers_by_stage, wait_for
+from node.model.data import open_source
 
 
 def summarize(snapshot: dict) -> dict:
@@ -79,8 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     floor = open_source(config, None, 0).loss_floor
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pipeswarm-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    console.print(f"[bold]pipeswarm demo[/]: {args.stages} stages x {args.peers_per_stage} peers on 127.0.0.1, "
-                  f"logs in {workdir}")
+    console.print(
+        f"[bold]pipeswarm demo[/]: {args.stages} stages x {args.peers_per_stage} peers on 127.0.0.1, logs in {workdir}"
+    )
     swarm = Swarm(workdir)
     try:
         swarm.bootstrap("--num-stages", str(args.stages), "--heartbeat-period", "2", "--heartbeat-ttl", "8")
@@ -88,9 +89,15 @@ def main(argv: list[str] | None = None) -> int:
         total = args.stages * args.peers_per_stage
         for i in range(total):
             swarm.join(f"peer{i}", "--stage", "auto", "--threads", "1", "--quiet", "--name", f"demo-{i}")
-        wait_for(lambda: all(node.process.poll() is None for node in swarm.nodes) and
-                 sum(map(len, peers_by_stage(swarm.status()).values())) == total, 120,
-                 lambda: "peers did not come online; see logs in " + str(workdir), interval=2.0)
+        wait_for(
+            lambda: (
+                all(node.process.poll() is None for node in swarm.nodes)
+                and sum(map(len, peers_by_stage(swarm.status()).values())) == total
+            ),
+            120,
+            lambda: "peers did not come online; see logs in " + str(workdir),
+            interval=2.0,
+        )
         console.print(f"{total} peers online; training (ctrl-c stops early)")
         losses = asyncio.run(watch(swarm, args.duration, args.interval, console, floor))
         if len(losses) >= 2:

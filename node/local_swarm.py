@@ -12,12 +12,14 @@ import signal
 import subprocess
 import sys
 import time
-from dht.records import PeerState
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
+
+from dht.records import PeerState
 
 REPO = Path(__file__).resolve().parent.parent  # PYTHONPATH for children, so a source checkout works too
 
@@ -87,7 +89,11 @@ class Swarm:
     def status(self, timeout: float = 60.0) -> dict[str, Any]:
         result = subprocess.run(
             [sys.executable, "-m", "node", "status", "--json", "--initial-peers", *self.initial_peers],
-            capture_output=True, text=True, env=self.env, cwd=self.workdir, timeout=timeout,
+            capture_output=True,
+            text=True,
+            env=self.env,
+            cwd=self.workdir,
+            timeout=timeout,
         )
         assert result.returncode == 0, f"node status failed ({result.returncode}):\n{result.stderr}"
         return json.loads(result.stdout)

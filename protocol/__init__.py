@@ -12,21 +12,21 @@ from protocol.messages import (
     decode_message,
     encode_message,
 )
-from protocol.tensors import COMPRESSIONS, Compression, DTYPES, decode_tensor, encode_tensor
+from protocol.tensors import COMPRESSIONS, DTYPES, Compression, decode_tensor, encode_tensor
 from protocol.version import PROTOCOL_VERSION
 
 __all__ = [
     "COMPRESSIONS",
-    "Compression",
     "DEFAULT_LIMITS",
     "DTYPES",
     "KIND_SCHEMAS",
     "KIND_TENSORS",
+    "PROTOCOL_VERSION",
+    "Compression",
     "Limits",
     "Message",
     "MessageKind",
     "MetaValue",
-    "PROTOCOL_VERSION",
     "ProtocolError",
     "decode_message",
     "decode_tensor",

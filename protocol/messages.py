@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import types
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import msgpack
 import torch
@@ -19,10 +19,10 @@ from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.tensors import COMPRESSIONS, decode_tensor, encode_tensor
 from protocol.version import PROTOCOL_VERSION
 
-MetaValue = Union[None, bool, int, float, str, bytes, list["MetaValue"]]
+MetaValue = None | bool | int | float | str | bytes | list["MetaValue"]
 
 
-class MessageKind(str, enum.Enum):
+class MessageKind(enum.StrEnum):
     FORWARD = "forward"
     BACKWARD = "backward"
     ACK = "ack"
@@ -57,7 +57,11 @@ KIND_SCHEMAS: dict[MessageKind, dict[str, Any]] = {
     MessageKind.GOSSIP_DONE: {"round": int},
     MessageKind.STATE_REQUEST: {"stage": int},
     MessageKind.STATE_HEADER: {
-        "stage": int, "names": list[str], "shapes": list[list[int]], "total_bytes": int, "checksum": str,
+        "stage": int,
+        "names": list[str],
+        "shapes": list[list[int]],
+        "total_bytes": int,
+        "checksum": str,
     },
     MessageKind.STATE_CHUNK: {"index": int, "offset": int},
     MessageKind.STATE_END: {"checksum": str},
@@ -66,12 +70,14 @@ KIND_SCHEMAS: dict[MessageKind, dict[str, Any]] = {
 # Required tensor names per kind; other names are allowed up to max_tensors (FORWARD may carry an
 # optional "targets" for the last stage).
 KIND_TENSORS: dict[MessageKind, frozenset[str]] = {kind: frozenset() for kind in MessageKind}
-KIND_TENSORS.update({
-    MessageKind.FORWARD: frozenset({"hidden"}),
-    MessageKind.BACKWARD: frozenset({"grad"}),
-    MessageKind.GOSSIP_CHUNK: frozenset({"chunk"}),
-    MessageKind.STATE_CHUNK: frozenset({"chunk"}),
-})
+KIND_TENSORS.update(
+    {
+        MessageKind.FORWARD: frozenset({"hidden"}),
+        MessageKind.BACKWARD: frozenset({"grad"}),
+        MessageKind.GOSSIP_CHUNK: frozenset({"chunk"}),
+        MessageKind.STATE_CHUNK: frozenset({"chunk"}),
+    }
+)
 
 # -1 is "no stage yet" (e.g. a joiner asking for state); real stages are 0..2**31-1
 MIN_STAGE, MAX_STAGE = -1, (1 << 31) - 1
@@ -113,8 +119,9 @@ def encode_message(msg: Message, compression: str = "none", *, limits: Limits = 
         if not isinstance(t, torch.Tensor):
             raise ProtocolError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
         if t.numel() * t.element_size() > limits.max_tensor_bytes:
-            raise ProtocolError(f"tensor {name!r} has {t.numel() * t.element_size()} bytes "
-                                f"> max_tensor_bytes {limits.max_tensor_bytes}")
+            raise ProtocolError(
+                f"tensor {name!r} has {t.numel() * t.element_size()} bytes > max_tensor_bytes {limits.max_tensor_bytes}"
+            )
     body = {
         "kind": kind.value,
         "swarm_id": msg.swarm_id,
@@ -187,7 +194,7 @@ def _read_version(view: memoryview) -> tuple[int, int]:
         raise ProtocolError("message does not start with a protocol version")
     if len(view) < 1 + width:
         raise ProtocolError("message truncated inside its protocol version")
-    return int.from_bytes(view[1:1 + width], "big"), 1 + width
+    return int.from_bytes(view[1 : 1 + width], "big"), 1 + width
 
 
 def _unpack(view: memoryview, limits: Limits) -> Any:
@@ -263,8 +270,9 @@ def _check_meta(meta: Any, kind: MessageKind, limits: Limits) -> None:
         if key not in meta:
             raise ProtocolError(f"{kind.value} message is missing meta key {key!r}")
         if not _matches(meta[key], spec):
-            raise ProtocolError(f"{kind.value} meta {key!r} must be {_spec_name(spec)} (ints >= 0), "
-                                f"got {meta[key]!r:.80}")
+            raise ProtocolError(
+                f"{kind.value} meta {key!r} must be {_spec_name(spec)} (ints >= 0), got {meta[key]!r:.80}"
+            )
 
 
 def _check_meta_value(value: Any, key: str, limits: Limits, depth: int) -> None:

@@ -157,8 +157,9 @@ def check_header(
     `expect` (name -> shape of our own weights) rejects a donor serving another architecture.
     The message schema (protocol/messages.py) already checked the required keys' types."""
     if meta.get("stage") != stage or meta.get("part") != part:
-        raise ProtocolError(f"asked for stage {stage} part {str(part)!r}, "
-                            f"got stage {meta.get('stage')!r} part {meta.get('part')!r}")
+        raise ProtocolError(
+            f"asked for stage {stage} part {str(part)!r}, got stage {meta.get('stage')!r} part {meta.get('part')!r}"
+        )
     names, shapes, dtypes = meta["names"], meta["shapes"], meta.get("dtypes")
     if not isinstance(dtypes, list) or not len(names) == len(shapes) == len(dtypes):
         raise ProtocolError("state header: names, shapes and dtypes must be lists of the same length")
@@ -201,7 +202,9 @@ def check_header(
         if not _is_int(meta.get(key)) or meta[key] < 0:
             raise ProtocolError(f"state header: {key} must be an int >= 0")
     grad_norm, lr_scale = meta.get("grad_norm"), meta.get("lr_scale")
-    if grad_norm is not None and not (isinstance(grad_norm, (int, float)) and math.isfinite(grad_norm) and grad_norm >= 0):
+    if grad_norm is not None and not (
+        isinstance(grad_norm, (int, float)) and math.isfinite(grad_norm) and grad_norm >= 0
+    ):
         raise ProtocolError(f"state header: grad_norm {grad_norm!r} must be a finite number >= 0 or null")
     if not (isinstance(lr_scale, (int, float)) and math.isfinite(lr_scale) and 0 < lr_scale <= 100):
         raise ProtocolError(f"state header: lr_scale {lr_scale!r} out of range")
@@ -211,8 +214,9 @@ def check_header(
 def check_checksum(computed: str, layout: StateLayout, end_checksum: object) -> None:
     """The checksum is announced twice (header and STATE_END) and computed: all three must agree."""
     if not computed == layout.checksum == end_checksum:
-        raise ProtocolError(f"checksum mismatch (computed {computed[:12]}, header {layout.checksum[:12]}, "
-                            f"end {str(end_checksum)[:12]})")
+        raise ProtocolError(
+            f"checksum mismatch (computed {computed[:12]}, header {layout.checksum[:12]}, end {str(end_checksum)[:12]})"
+        )
 
 
 def decode_payload(payload: Tensor, layout: StateLayout, meta: Mapping) -> StageState:
@@ -221,15 +225,19 @@ def decode_payload(payload: Tensor, layout: StateLayout, meta: Mapping) -> Stage
     for index, (name, shape, dtype) in enumerate(zip(layout.names, layout.shapes, layout.dtypes)):
         size = math.prod(shape) * dtype.itemsize
         # clone first: a view of the shared buffer at an odd offset cannot be reinterpreted as float
-        tensor = payload[offset:offset + size].clone().view(dtype).reshape(shape)
+        tensor = payload[offset : offset + size].clone().view(dtype).reshape(shape)
         offset += size
         if index < layout.num_weights:
             weights[name] = tensor
         else:
-            outer[name[len(OUTER_PREFIX):]] = tensor
+            outer[name[len(OUTER_PREFIX) :]] = tensor
     grad_norm = meta.get("grad_norm")
     return StageState(
-        stage=meta["stage"], weights=weights, outer=outer, inner_step=meta["inner_step"],
-        outer_round=meta["outer_round"], grad_norm=None if grad_norm is None else float(grad_norm),
+        stage=meta["stage"],
+        weights=weights,
+        outer=outer,
+        inner_step=meta["inner_step"],
+        outer_round=meta["outer_round"],
+        grad_norm=None if grad_norm is None else float(grad_norm),
         lr_scale=float(meta["lr_scale"]),
     )

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import math
 import sys
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
-from enum import StrEnum
-
 import torch
 
 from protocol.errors import ProtocolError
@@ -125,8 +124,9 @@ def decode_tensor(obj: Any, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
     data = _check_buffer(obj["data"], "data")
     wire_itemsize = itemsize if codec == "none" else _CODEC_ITEMSIZE[codec]
     if len(data) != numel * wire_itemsize:
-        raise ProtocolError(f"tensor data has {len(data)} bytes, shape {shape} with codec {codec!r} "
-                            f"needs {numel * wire_itemsize}")
+        raise ProtocolError(
+            f"tensor data has {len(data)} bytes, shape {shape} with codec {codec!r} needs {numel * wire_itemsize}"
+        )
     scales = _check_int8(obj["block"], obj["scales"], numel) if codec == "int8" else None
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
@@ -184,7 +184,7 @@ def _quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Ten
     full, tail = _blocks(x.numel(), block)
     absmax = [x[: full * block].view(full, block).abs().amax(dim=1)] if full else []
     if tail:
-        absmax.append(x[full * block:].abs().amax().reshape(1))
+        absmax.append(x[full * block :].abs().amax().reshape(1))
     scales = torch.cat(absmax) / 127.0 if absmax else torch.empty(0)
     # an all-zero block has scale 0: divide by 1 instead so it quantizes to zeros, not NaN
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
@@ -192,7 +192,7 @@ def _quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Ten
     if full:
         q[: full * block] = _round_clamp(x[: full * block].view(full, block) / safe[:full, None]).reshape(-1)
     if tail:
-        q[full * block:] = _round_clamp(x[full * block:] / safe[full])
+        q[full * block :] = _round_clamp(x[full * block :] / safe[full])
     return q, scales.to(torch.float32)
 
 
@@ -206,8 +206,7 @@ def _check_int8(block: Any, scales_obj: Any, numel: int) -> memoryview:
     scales = _check_buffer(scales_obj, "scales")
     nblocks = -(-numel // block)
     if len(scales) != nblocks * _SCALE_ITEMSIZE:
-        raise ProtocolError(f"int8 scales have {len(scales)} bytes, {nblocks} blocks need "
-                            f"{nblocks * _SCALE_ITEMSIZE}")
+        raise ProtocolError(f"int8 scales have {len(scales)} bytes, {nblocks} blocks need {nblocks * _SCALE_ITEMSIZE}")
     return scales
 
 
@@ -219,5 +218,5 @@ def _dequantize_int8(data: memoryview, block: int, scales_buf: memoryview, numel
     if full:
         x[: full * block].view(full, block).mul_(scales[:full, None])
     if tail:
-        x[full * block:].mul_(scales[full])
+        x[full * block :].mul_(scales[full])
     return x

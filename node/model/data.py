@@ -98,7 +98,9 @@ class SyntheticMarkovSource:
     def transition_matrix(self) -> np.ndarray:
         """The dense [V, V] transition matrix P (rows sum to 1)."""
         P = np.zeros((self.vocab_size, self.vocab_size))
-        np.add.at(P, (np.repeat(np.arange(self.vocab_size), self.branching), self.successors.ravel()), self.probs.ravel())
+        np.add.at(
+            P, (np.repeat(np.arange(self.vocab_size), self.branching), self.successors.ravel()), self.probs.ravel()
+        )
         return P
 
     def _stationary_distribution(self) -> np.ndarray:
@@ -159,7 +161,9 @@ class TokenFileSource:
             raise DataError(f"{self.path} is empty")
         self.tokens = np.memmap(self.path, dtype=dtype, mode="r")
         if len(self.tokens) < min_tokens:
-            raise DataError(f"{self.path} holds {len(self.tokens)} tokens, fewer than the {min_tokens} one sequence needs")
+            raise DataError(
+                f"{self.path} holds {len(self.tokens)} tokens, fewer than the {min_tokens} one sequence needs"
+            )
         self._check_vocab(vocab_size)
         self.vocab_size = vocab_size
         self.loss_floor: float | None = None
@@ -204,4 +208,3 @@ def open_source(config: SwarmConfig, data_path: str | None, stream_id: int) -> T
     return TokenFileSource(
         path, config.model.vocab_size, config.seed, stream_id, min_tokens=config.training.sequence_length + 1
     )
-

@@ -49,7 +49,9 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def rotary_cos_sin(
+    seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
     """cos and sin [T, head_dim] for positions 0..T-1, frequencies laid out as cat(freqs, freqs).
 
     Computed on the fly in float32 (a few hundred flops) rather than kept as a buffer, so a stage's
@@ -285,7 +287,9 @@ def count_stage_parameters(config: SwarmConfig, stage: int) -> int:
     if stage == 0:
         return 2 * m.vocab_size * m.hidden_size + m.hidden_size
     head_dim = m.hidden_size // m.num_attention_heads
-    attention = 2 * m.hidden_size * m.num_attention_heads * head_dim + 2 * m.hidden_size * m.num_key_value_heads * head_dim
+    attention = (
+        2 * m.hidden_size * m.num_attention_heads * head_dim + 2 * m.hidden_size * m.num_key_value_heads * head_dim
+    )
     layer = attention + 3 * m.hidden_size * m.intermediate_size + 2 * m.hidden_size
     return m.layers_per_stage * layer
 

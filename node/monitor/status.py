@@ -101,10 +101,14 @@ def format_table(snapshot: dict[str, Any]) -> str:
     if snapshot.get("unrecoverable"):
         lines.append(f"UNRECOVERABLE: {snapshot['unrecoverable']}")
     for stage in snapshot["stages"]:
-        lines.append(f"stage {stage['stage']}: {stage['status']}, {len(stage['peers'])} peer(s), "
-                     f"throughput {stage['throughput']:.2f}")
+        lines.append(
+            f"stage {stage['stage']}: {stage['status']}, {len(stage['peers'])} peer(s), "
+            f"throughput {stage['throughput']:.2f}"
+        )
         for peer in stage["peers"]:
             loss = "-" if peer["loss"] is None else f"{peer['loss']:.3f}"
-            lines.append(f"  {peer['peer_id'][-12:]}  {peer['state']:<10} step {peer['inner_step']:<6} "
-                         f"round {peer['outer_round']:<4} loss {loss:<7} v{peer['version']} {peer['name']}")
+            lines.append(
+                f"  {peer['peer_id'][-12:]}  {peer['state']:<10} step {peer['inner_step']:<6} "
+                f"round {peer['outer_round']:<4} loss {loss:<7} v{peer['version']} {peer['name']}"
+            )
     return "\n".join(lines)

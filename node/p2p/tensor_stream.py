@@ -43,10 +43,16 @@ class Session:
         self.compression = compression
 
     async def send(self, message: Message) -> None:
-        await within(send_message(self.writer, message, self.compression, self.transport.limits, self.transport.swarm_key), self.timeout)
+        await within(
+            send_message(self.writer, message, self.compression, self.transport.limits, self.transport.swarm_key),
+            self.timeout,
+        )
 
     async def recv(self) -> Message:
-        return await within(recv_message(self.reader, self.transport.limits, self.transport.swarm_id, self.transport.swarm_key), self.timeout)
+        return await within(
+            recv_message(self.reader, self.transport.limits, self.transport.swarm_id, self.transport.swarm_key),
+            self.timeout,
+        )
 
     async def expect(self, kind: MessageKind) -> Message:
         """The next message, which must be of `kind`; an ERROR is the peer giving up (TransportError)."""
@@ -94,7 +100,7 @@ class TensorStream:
         flats = [t.detach().reshape(-1) for t in tensors]
         for number, index, offset, length in self._layout([flat.numel() for flat in flats]):
             chunk_meta = {**(meta or {}), "index": index, "offset": offset}
-            chunk = flats[number][offset:offset + length]
+            chunk = flats[number][offset : offset + length]
             await session.send(session.transport.message(self.kind, chunk_meta, {"chunk": chunk}, request_id))
 
     async def receive(
@@ -111,12 +117,15 @@ class TensorStream:
             chunk = message.tensors["chunk"]
             got_index, got_offset = message.meta["index"], message.meta["offset"]
             if got_index != index or got_offset != offset:
-                raise ProtocolError(f"{self.kind.value} {got_index} at offset {got_offset}, "
-                                    f"expected {index} at {offset}")
+                raise ProtocolError(
+                    f"{self.kind.value} {got_index} at offset {got_offset}, expected {index} at {offset}"
+                )
             target = flats[number]
             if chunk.dtype != target.dtype or chunk.dim() != 1 or chunk.numel() != length:
-                raise ProtocolError(f"chunk {index} has {chunk.numel()} {chunk.dtype} elements "
-                                    f"({chunk.dim()}-D) at offset {offset}, expected {length} {target.dtype}")
-            target[offset:offset + length].copy_(chunk)
+                raise ProtocolError(
+                    f"chunk {index} has {chunk.numel()} {chunk.dtype} elements "
+                    f"({chunk.dim()}-D) at offset {offset}, expected {length} {target.dtype}"
+                )
+            target[offset : offset + length].copy_(chunk)
             if on_chunk is not None:
                 await on_chunk(chunk)

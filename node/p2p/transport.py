@@ -13,14 +13,14 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from typing import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from hivemind.p2p import P2P, PeerID
 
 from dht.records import short_peer_id
 from node.p2p.peer_conduct import PeerConduct
-from protocol import DEFAULT_LIMITS, Limits, Message, MessageKind, ProtocolError, recv_message, send_message
 from node.runtime.timeouts import within
+from protocol import DEFAULT_LIMITS, Limits, Message, MessageKind, ProtocolError, recv_message, send_message
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,13 @@ class TransportError(RuntimeError):
 # What talking to another peer can raise: it died, timed out, closed the stream or sent garbage.
 # Callers catch these to retry elsewhere; anything else is a bug of ours and propagates.
 PEER_FAILURES: tuple[type[BaseException], ...] = (
-    TransportError, ProtocolError, EOFError, ConnectionError, OSError, asyncio.IncompleteReadError, TimeoutError,
+    TransportError,
+    ProtocolError,
+    EOFError,
+    ConnectionError,
+    OSError,
+    asyncio.IncompleteReadError,
+    TimeoutError,
 )
 
 
@@ -81,7 +87,9 @@ class Transport:
     def protocol_name(self, service: str) -> str:
         return f"/pipeswarm/{self.swarm_id}/{service}"
 
-    def message(self, kind: MessageKind, meta: dict | None = None, tensors: dict | None = None, request_id: int | None = None) -> Message:
+    def message(
+        self, kind: MessageKind, meta: dict | None = None, tensors: dict | None = None, request_id: int | None = None
+    ) -> Message:
         return Message(
             kind=kind,
             swarm_id=self.swarm_id,
@@ -119,12 +127,14 @@ class Transport:
                     self.conduct.strike(sender, f"{service}: {e}")
                     reply = self.error(str(e), request.request_id)
                 await send_message(writer, reply, self.compression, self.limits, self.swarm_key)
-            except (ProtocolError, EOFError, asyncio.TimeoutError) as e:
+            except (TimeoutError, ProtocolError, EOFError) as e:
                 logger.info(f"bad {service} request from {short_peer_id(sender)}: {e!r}")
                 if not isinstance(e, EOFError):
                     self.conduct.strike(sender, f"{service}: {e!r}")
                 with contextlib.suppress(Exception):
-                    await within(send_message(writer, self.error(f"bad request: {e}"), "none", self.limits, self.swarm_key), 1.0)
+                    await within(
+                        send_message(writer, self.error(f"bad request: {e}"), "none", self.limits, self.swarm_key), 1.0
+                    )
             except (ConnectionError, asyncio.IncompleteReadError) as e:
                 logger.debug(f"{service} stream from {short_peer_id(sender)} broke: {e!r}")
             except Exception:
@@ -151,7 +161,7 @@ class Transport:
             except ProtocolError as e:
                 logger.info(f"{service} session with {short_peer_id(sender)} ended: {e!r}")
                 self.conduct.strike(sender, f"{service}: {e}")
-            except (EOFError, asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:
+            except (TimeoutError, EOFError, ConnectionError, asyncio.IncompleteReadError) as e:
                 logger.info(f"{service} session with {short_peer_id(sender)} ended: {e!r}")
             except Exception:
                 logger.exception(f"{service} session with {short_peer_id(sender)} failed")
@@ -170,7 +180,7 @@ class Transport:
                 reply = await within(recv_message(reader, self.limits, self.swarm_id, self.swarm_key), timeout)
         except TransportError:
             raise
-        except asyncio.TimeoutError as e:
+        except TimeoutError as e:
             raise TransportError(f"{service} to {short_peer_id(peer_id)} timed out after {timeout:.1f} s") from e
         except (ProtocolError, EOFError, ConnectionError, OSError, asyncio.IncompleteReadError) as e:
             raise TransportError(f"{service} to {short_peer_id(peer_id)} failed: {e!r}") from e
@@ -187,7 +197,7 @@ class Transport:
             _, reader, writer = await within(
                 self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), self.protocol_name(service)), timeout
             )
-        except asyncio.TimeoutError as e:
+        except TimeoutError as e:
             raise TransportError(f"opening {service} stream to {short_peer_id(peer_id)} timed out") from e
         except Exception as e:  # p2pd reports unreachable peers and unknown protocols as generic errors
             raise TransportError(f"cannot open {service} stream to {short_peer_id(peer_id)}: {e}") from e

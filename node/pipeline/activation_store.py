@@ -83,7 +83,9 @@ class ActivationStore:
             while len(self._stored) > self.max_stored:
                 old_key, _ = self._stored.popitem(last=False)
                 self.evicted += 1
-                logger.debug("stage %d: over %d stored activations, dropped the oldest %r", self.stage, self.max_stored, old_key)
+                logger.debug(
+                    "stage %d: over %d stored activations, dropped the oldest %r", self.stage, self.max_stored, old_key
+                )
 
     def unknown(self, key: Hashable) -> UnknownMicrobatch:
         return UnknownMicrobatch(f"stage {self.stage}: microbatch {key!r} is unknown, finished, dropped or expired")

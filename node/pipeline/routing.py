@@ -45,7 +45,7 @@ import random
 import statistics
 import threading
 import time
-from typing import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from dht.records import PeerRecord
 
@@ -114,7 +114,7 @@ class BanList:
 
 
 class _PeerLoad:
-    __slots__ = ("virtual_finish", "sec_per_unit", "guessed", "sidelined")
+    __slots__ = ("guessed", "sec_per_unit", "sidelined", "virtual_finish")
 
     def __init__(self, virtual_finish: float, sec_per_unit: float, guessed: bool):
         self.virtual_finish = virtual_finish
@@ -221,9 +221,7 @@ class StageRouter:
                 for state in returning:
                     state.virtual_finish = max(state.virtual_finish, floor)
                     state.sidelined = False
-            offsets = [
-                max(state.virtual_finish - now, 0.0) + task_size * state.sec_per_unit for _, state in eligible
-            ]
+            offsets = [max(state.virtual_finish - now, 0.0) + task_size * state.sec_per_unit for _, state in eligible]
             best = min(offsets)
             window = best * (1.0 + TIE_RTOL) + TIE_ATOL
             tied = [i for i, offset in enumerate(offsets) if offset <= window]
@@ -293,9 +291,7 @@ class Router:
                 r for r in records if r.serving and r.stage == stage and not (0.0 < r.expires <= now)
             )
 
-    def choose(
-        self, stage: int, exclude: Collection[str] = (), task_size: float = 1.0
-    ) -> str | None:
+    def choose(self, stage: int, exclude: Collection[str] = (), task_size: float = 1.0) -> str | None:
         """`for_stage(stage).choose(...)` with the shared ban list."""
         return self.for_stage(stage).choose(exclude=exclude, bans=self.bans, task_size=task_size)
 

@@ -40,9 +40,9 @@ import functools
 import logging
 import math
 import time
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Sequence
-from typing import Any, Callable, Hashable, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -61,7 +61,7 @@ from node.pipeline.admission import (
 
 T = TypeVar("T")
 
-__all__ = ["StageWorker", "UnknownMicrobatch", "ADAM_BETAS", "ADAM_EPS", "THROUGHPUT_EMA", "lr_at"]
+__all__ = ["ADAM_BETAS", "ADAM_EPS", "THROUGHPUT_EMA", "StageWorker", "UnknownMicrobatch", "lr_at"]
 
 logger = logging.getLogger(__name__)
 
@@ -129,8 +129,14 @@ class StageWorker:
         self.accumulated = 0  # completed backward passes since the last step
         self.throughput = 0.0  # microbatches/s of compute, EMA; 0.0 = not measured yet
         self.store = ActivationStore(stage, self.max_stored)
-        bounds = {"max_batch": self.max_batch, "max_positions": config.model.max_position_embeddings, "device": self.device}
-        self._check_hidden = functools.partial(check_hidden, hidden_size=config.model.hidden_size, dtype=self.dtype, **bounds)
+        bounds = {
+            "max_batch": self.max_batch,
+            "max_positions": config.model.max_position_embeddings,
+            "device": self.device,
+        }
+        self._check_hidden = functools.partial(
+            check_hidden, hidden_size=config.model.hidden_size, dtype=self.dtype, **bounds
+        )
         self._check_tokens = functools.partial(check_tokens, vocab_size=config.model.vocab_size, **bounds)
         self._closed = False
         self.gradient_gate = GradientGate()  # refuses absurd gradients from other peers
@@ -201,12 +207,6 @@ class StageWorker:
         self.executor.shutdown(wait=True, cancel_futures=True)
         self.store.clear()
 
-    def __enter__(self) -> "StageWorker":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # ------------------------------------------------------------------------------------------
     # Stored activations (node/pipeline/activation_store.py)
 
@@ -255,7 +255,9 @@ class StageWorker:
         with torch.enable_grad():
             out = self.module(leaf)
         elapsed = time.perf_counter() - start
-        self.store.put(key, StoredMicrobatch("block", x.detach(), leaf, out, self._versions(), time.monotonic(), elapsed))
+        self.store.put(
+            key, StoredMicrobatch("block", x.detach(), leaf, out, self._versions(), time.monotonic(), elapsed)
+        )
         return self._out(out)
 
     def backward(self, key: Hashable, grad_output: Tensor) -> Tensor:
@@ -355,45 +357,48 @@ class StageWorker:
         self.accumulated += 1
         if seconds > 0:
             sample = 1.0 / seconds
-            self.throughput = sample if self.throughput <= 0 else (1 - THROUGHPUT_EMA) * self.throughput + THROUGHPUT_EMA * sample
+            self.throughput = (
+                sample if self.throughput <= 0 else (1 - THROUGHPUT_EMA) * self.throughput + THROUGHPUT_EMA * sample
+            )
         if self.accumulated >= self.config.training.microbatches_per_step:
             self._step()
 
     def _step(self) -> None:
         self.accumulated = 0
-        params = [p for p in self._params if p.grad is not None]
-        if not params:
-            return
-        total = torch.nn.utils.clip_grad_norm_(params, self.config.training.grad_clip)
-        if not torch.isfinite(total):
+        norm = clipped_step(self.optimizer, self._params, self.config.training.grad_clip, self.current_lr)
+        if norm is None:
             self.skipped_steps += 1
-            self.optimizer.zero_grad(set_to_none=True)
-            logger.warning("stage %d: gradient norm %s is not finite, step skipped", self.stage, float(total))
-            return
-        clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-        lr = self.current_lr
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.inner_step += 1
-        # the norm of the clipped gradients; float32 rounding can put it a hair above the clip
-        self.last_grad_norm = min(float(clipped), self.config.training.grad_clip)
+            logger.warning("stage %d: gradient norm is not finite, step skipped", self.stage)
+        elif math.isfinite(norm):
+            self.inner_step += 1
+            self.last_grad_norm = norm
 
     def measure_throughput(self, batch: int | None = None, seq: int | None = None, repeats: int = 3) -> float:
         """Time forward+backward on random inputs (no .grad touched, no stored state) and set
         `throughput` (microbatches/s). Run it through the executor before the first announcement."""
         seconds = time_forward_backward(
-            self.module, self.config, self.stage, self.device, self.dtype,
-            batch or self.config.training.microbatch_size, seq or self.config.training.sequence_length, repeats,
+            self.module,
+            self.config,
+            self.stage,
+            self.device,
+            self.dtype,
+            batch or self.config.training.microbatch_size,
+            seq or self.config.training.sequence_length,
+            repeats,
         )
         self.throughput = 1.0 / max(seconds, 1e-9)
         return self.throughput
 
 
 def time_forward_backward(
-    module: nn.Module, config: SwarmConfig, stage: int, device: torch.device, dtype: torch.dtype,
-    batch: int, seq: int, repeats: int,
+    module: nn.Module,
+    config: SwarmConfig,
+    stage: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    batch: int,
+    seq: int,
+    repeats: int,
 ) -> float:
     """Best-of-`repeats` seconds of one forward+backward of a stage's module on random inputs."""
     m = config.model
@@ -428,3 +433,22 @@ def accumulate(params: Sequence[nn.Parameter], grads: Sequence[Tensor | None]) -
                 p.grad = g.clone()
             else:
                 p.grad.add_(g)
+
+
+def clipped_step(optimizer: torch.optim.Optimizer, params: Sequence[Tensor], clip: float, lr: float) -> float | None:
+    """One optimizer step on the accumulated gradients, clipped to `clip`: the clipped norm; None
+    (and the gradients dropped) when the norm is not finite; NaN when there was nothing to step."""
+    with_grad = [p for p in params if p.grad is not None]
+    if not with_grad:
+        return math.nan
+    total = torch.nn.utils.clip_grad_norm_(with_grad, clip)
+    if not torch.isfinite(total):
+        optimizer.zero_grad(set_to_none=True)
+        return None
+    clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in with_grad]))
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    # the norm of the clipped gradients; float32 rounding can put it a hair above the clip
+    return min(float(clipped), clip)

@@ -28,26 +28,26 @@ import random
 import secrets
 import time
 from collections import deque
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Callable, Coroutine, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from dht.announcer import PeerAnnouncer
 from dht.records import PeerState, short_peer_id
-from node.pipeline.order import pipeline_order
 from node.config import SwarmConfig
+from node.p2p.transport import Transport, TransportError
 from node.pipeline.admission import RejectedInput
+from node.pipeline.order import pipeline_order
 from node.pipeline.routing import Router
 from node.pipeline.stage_worker import StageWorker
-from node.p2p.transport import Transport, TransportError
-from protocol import Message, MessageKind, ProtocolError
 from node.runtime.tasks import BackgroundTasks
 from node.runtime.timeouts import within
+from protocol import Message, MessageKind, ProtocolError
 
 logger = logging.getLogger(__name__)
-
 
 
 class PipelineService(StrEnum):
@@ -115,7 +115,12 @@ class HopSender:
     peers with bans and bounded retries (SWARM: a failed peer is banned until its record expires)."""
 
     def __init__(
-        self, transport: Transport, router: Router, stats: PipelineStats, hop_timeout: float, max_retries: int,
+        self,
+        transport: Transport,
+        router: Router,
+        stats: PipelineStats,
+        hop_timeout: float,
+        max_retries: int,
         ban_until: Callable[[str], float],
     ):
         self.transport, self.router, self.stats = transport, router, stats
@@ -220,7 +225,9 @@ class Pipeline:
             raise ProtocolError(f"inconsistent hop {hop} for a path of {len(path)} peers")
         expected_stage = order[hop - 1] if hop <= len(order) else 0
         if expected_stage != self.me.stage or self.me.state != PeerState.ONLINE:
-            return self.transport.error(f"this peer serves stage {self.me.stage} ({self.me.state}), not {expected_stage}")
+            return self.transport.error(
+                f"this peer serves stage {self.me.stage} ({self.me.state}), not {expected_stage}"
+            )
         if hop == len(order) + 1:
             if msg.meta["origin"] != self.me.peer_id or self._ticket(msg) is None:
                 return self.transport.error("unknown microbatch")
@@ -230,7 +237,9 @@ class Pipeline:
             # a stranger (or a joiner our swarm view has not seen yet): not a strike, and BUSY so an
             # honest sender tries another peer without banning us
             self.stats.busy_replies += 1
-            return self.transport.message(MessageKind.BUSY, {"reason": "not a member of this swarm"}, request_id=msg.request_id)
+            return self.transport.message(
+                MessageKind.BUSY, {"reason": "not a member of this swarm"}, request_id=msg.request_id
+            )
         if self._queued >= self.max_queue:
             self.stats.busy_replies += 1
             return self.transport.message(MessageKind.BUSY, request_id=msg.request_id)
@@ -385,21 +394,34 @@ class Pipeline:
         for attempt in range(retries + 1):
             microbatch_id = next(self._microbatch_ids)
             key = (self.me.peer_id, microbatch_id)
-            ticket = InFlight(microbatch_id, targets, order, time.monotonic(),
-                              asyncio.get_running_loop().create_future(), secrets.token_hex(8))
+            ticket = InFlight(
+                microbatch_id,
+                targets,
+                order,
+                time.monotonic(),
+                asyncio.get_running_loop().create_future(),
+                secrets.token_hex(8),
+            )
             self.in_flight[microbatch_id] = ticket
             try:
                 hidden = await self.worker.compute(self.worker.embed, key, tokens)
-                meta = {"microbatch_id": microbatch_id, "origin": self.me.peer_id, "path": [self.me.peer_id],
-                        "order": order, "hop": 1, "token": ticket.token}
-                if await self.hops.send_routed(order[0], FORWARD, MessageKind.FORWARD, meta,
-                                           {"hidden": hidden, "targets": targets}):
+                meta = {
+                    "microbatch_id": microbatch_id,
+                    "origin": self.me.peer_id,
+                    "path": [self.me.peer_id],
+                    "order": order,
+                    "hop": 1,
+                    "token": ticket.token,
+                }
+                if await self.hops.send_routed(
+                    order[0], FORWARD, MessageKind.FORWARD, meta, {"hidden": hidden, "targets": targets}
+                ):
                     loss = await within(ticket.done, deadline)
                     self.stats.losses.append(loss)
                     self.stats.completed += 1
                     self.stats.completions.append(time.monotonic())
                     return loss
-            except (asyncio.TimeoutError, TransportError) as e:
+            except (TimeoutError, TransportError) as e:
                 logger.info(f"microbatch {microbatch_id} failed (attempt {attempt + 1}): {e!r}")
             finally:
                 self.in_flight.pop(microbatch_id, None)
@@ -424,7 +446,9 @@ class Pipeline:
             return
         key = (self.me.peer_id, ticket.microbatch_id)
         try:
-            loss, grad = await self.worker.compute(self.worker.head_loss_backward, key, msg.tensors["hidden"], ticket.targets)
+            loss, grad = await self.worker.compute(
+                self.worker.head_loss_backward, key, msg.tensors["hidden"], ticket.targets
+            )
         except RejectedInput as e:
             self.transport.conduct.strike(msg.meta["path"][-1], f"final hidden states rejected: {e}")
             ticket.finish(error=TransportError(f"loss computation failed: {e}"))

@@ -15,29 +15,29 @@ that still has a peer is simply re-joined by downloading from that peer, no appr
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Callable, Mapping
 
 import torch
 from torch import Tensor
 
-from node.pipeline.order import pipeline_order
 from node.config import RecoveryStrategy
+from node.pipeline.order import pipeline_order
 
 __all__ = [
     "CHECKFREE_EPS",
-    "UnrecoverableError",
-    "checkfree_weights",
-    "checkfree_average",
-    "pipeline_order",
     "RebuildAction",
-    "SourceFetch",
     "RebuildPlan",
-    "plan_rebuild",
-    "unrecoverable",
+    "SourceFetch",
+    "UnrecoverableError",
+    "checkfree_average",
+    "checkfree_weights",
     "execute_rebuild",
+    "pipeline_order",
+    "plan_rebuild",
     "recovered_lr_scale",
+    "unrecoverable",
 ]
 
 CHECKFREE_EPS = 1e-4
@@ -66,7 +66,9 @@ def checkfree_weights(grad_norm_prev: float, grad_norm_next: float) -> tuple[flo
     return abs(float(grad_norm_next)) + CHECKFREE_EPS, abs(float(grad_norm_prev)) + CHECKFREE_EPS
 
 
-def _check_compatible(reference: Mapping[str, Tensor], other: Mapping[str, Tensor], ref_name: str, other_name: str) -> None:
+def _check_compatible(
+    reference: Mapping[str, Tensor], other: Mapping[str, Tensor], ref_name: str, other_name: str
+) -> None:
     missing, extra = sorted(set(reference) - set(other)), sorted(set(other) - set(reference))
     if missing or extra:
         raise ValueError(
@@ -113,6 +115,7 @@ def checkfree_average(
 
 # --------------------------------------------------------------------------------------------
 # Planning and executing a rebuild
+
 
 class RebuildAction(StrEnum):
     """How a lost stage gets its weights back (the value is what debug dumps and events carry)."""
@@ -205,19 +208,22 @@ def plan_rebuild(
         if not checkfree_plus:
             return nope("stage 0 (embedding, norm, head) has no neighbour copies without CheckFree+")
         sources = (1,) if S == 1 else (1, S)
-        return RebuildPlan(**plan, action=RebuildAction.EDGE_COPIES, sources=sources, fetch=SourceFetch.EDGE_COPY,
-                           scale_lr=True)
+        return RebuildPlan(
+            **plan, action=RebuildAction.EDGE_COPIES, sources=sources, fetch=SourceFetch.EDGE_COPY, scale_lr=True
+        )
     if S == 1:
         return nope("stage 1 is the only block stage: there is no neighbouring block stage to rebuild it from")
     i = lost_stage
     if strategy == RecoveryStrategy.COPY:
         source = i + 1 if i < S else S - 1
-        return RebuildPlan(**plan, action=RebuildAction.COPY, sources=(source,), fetch=SourceFetch.WEIGHTS,
-                           scale_lr=True)
+        return RebuildPlan(
+            **plan, action=RebuildAction.COPY, sources=(source,), fetch=SourceFetch.WEIGHTS, scale_lr=True
+        )
     # checkfree
     if 1 < i < S:
-        return RebuildPlan(**plan, action=RebuildAction.AVERAGE, sources=(i - 1, i + 1), fetch=SourceFetch.WEIGHTS,
-                           scale_lr=True)
+        return RebuildPlan(
+            **plan, action=RebuildAction.AVERAGE, sources=(i - 1, i + 1), fetch=SourceFetch.WEIGHTS, scale_lr=True
+        )
     if not checkfree_plus:
         return nope(f"stage {i} is an edge block stage (one block neighbour): CheckFree needs CheckFree+ for it")
     source = 2 if i == 1 else S - 1
@@ -257,7 +263,9 @@ def unrecoverable(
             return f"stage {stage}: {plan.reason}"
         gone = sorted(set(plan.sources) & lost)
         if gone:
-            what = "its stage-0 copies are held by" if plan.action == RebuildAction.EDGE_COPIES else "it is rebuilt from"
+            what = (
+                "its stage-0 copies are held by" if plan.action == RebuildAction.EDGE_COPIES else "it is rebuilt from"
+            )
             return f"stage {stage}: {what} stage(s) {gone}, lost at the same time"
     return None
 
@@ -275,7 +283,9 @@ def _source(
     fetched: Mapping[int, tuple[Mapping[str, Tensor], float]], stage: int, plan: RebuildPlan
 ) -> tuple[Mapping[str, Tensor], float]:
     if stage not in fetched:
-        raise ValueError(f"rebuilding stage {plan.lost_stage} ({plan.action}) needs stage {stage}'s {plan.fetch}, not fetched")
+        raise ValueError(
+            f"rebuilding stage {plan.lost_stage} ({plan.action}) needs stage {stage}'s {plan.fetch}, not fetched"
+        )
     state, grad_norm = fetched[stage]
     return state, grad_norm
 
@@ -329,10 +339,14 @@ def execute_rebuild(
             template = fresh_state()
             missing, extra = sorted(set(template) - set(result)), sorted(set(result) - set(template))
             if missing or extra:
-                raise ValueError(f"rebuilt stage {plan.lost_stage}: missing entries {missing}, unexpected entries {extra}")
+                raise ValueError(
+                    f"rebuilt stage {plan.lost_stage}: missing entries {missing}, unexpected entries {extra}"
+                )
             for key, t in template.items():
                 if result[key].shape != t.shape:
-                    raise ValueError(f"rebuilt stage {plan.lost_stage}: {key!r} has shape {tuple(result[key].shape)}, expected {tuple(t.shape)}")
+                    raise ValueError(
+                        f"rebuilt stage {plan.lost_stage}: {key!r} has shape {tuple(result[key].shape)}, expected {tuple(t.shape)}"
+                    )
         for key, value in result.items():
             if value.is_floating_point() and not bool(torch.isfinite(value).all()):
                 raise ValueError(f"rebuilt stage {plan.lost_stage}: {key!r} holds NaN or Inf (bad neighbour weights)")

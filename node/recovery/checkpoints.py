@@ -20,8 +20,8 @@ import logging
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -30,7 +30,7 @@ from node.pipeline.stage_worker import StageWorker
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CHECKPOINT_SUFFIX", "checkpoint_root", "stage_dir", "save_checkpoint", "load_latest", "run_checkpoints"]
+__all__ = ["CHECKPOINT_SUFFIX", "checkpoint_root", "load_latest", "run_checkpoints", "save_checkpoint", "stage_dir"]
 
 FORMAT = "pipeswarm-checkpoint/1"
 CHECKPOINT_SUFFIX = ".pt"
@@ -58,7 +58,9 @@ def _saved(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def save_checkpoint(root: str | os.PathLike, stage: int, weights: dict[str, Tensor], inner_step: int, keep: int = 2) -> Path:
+def save_checkpoint(
+    root: str | os.PathLike, stage: int, weights: dict[str, Tensor], inner_step: int, keep: int = 2
+) -> Path:
     """Write `weights` as stage `stage`'s checkpoint at `inner_step` atomically; prune to the last
     `keep`. Blocking file IO: call it off the event loop (asyncio.to_thread)."""
     if keep < 1 or inner_step < 0:
@@ -66,8 +68,12 @@ def save_checkpoint(root: str | os.PathLike, stage: int, weights: dict[str, Tens
     directory = stage_dir(root, stage)
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / f"step{inner_step:010d}{CHECKPOINT_SUFFIX}"
-    payload = {"format": FORMAT, "stage": stage, "inner_step": inner_step,
-               "weights": {name: t.detach().to("cpu") for name, t in weights.items()}}
+    payload = {
+        "format": FORMAT,
+        "stage": stage,
+        "inner_step": inner_step,
+        "weights": {name: t.detach().to("cpu") for name, t in weights.items()},
+    }
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=CHECKPOINT_SUFFIX, dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -114,7 +120,10 @@ def _is_checkpoint(raw: object, stage: int, step: int) -> bool:
 
 
 async def run_checkpoints(
-    worker: StageWorker, root: str | os.PathLike, every: int, check_period: float,
+    worker: StageWorker,
+    root: str | os.PathLike,
+    every: int,
+    check_period: float,
     on_saved: Callable[[int], None] | None = None,
 ) -> None:
     """Save `worker`'s weights each time its inner_step passes a multiple of `every`, until cancelled.
@@ -138,4 +147,3 @@ async def run_checkpoints(
         logger.info(f"saved checkpoint of stage {worker.stage} at step {step}")
         if on_saved is not None:
             on_saved(step)
-

@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from torch import Tensor
 
@@ -33,7 +33,14 @@ from protocol.stage_state import StageState, StatePart, StateUnavailable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EdgeCopies", "edge_copies_for", "edge_parts_for", "refresh_due", "refresh_edge_copies", "run_edge_copy_refresher"]
+__all__ = [
+    "EdgeCopies",
+    "edge_copies_for",
+    "edge_parts_for",
+    "refresh_due",
+    "refresh_edge_copies",
+    "run_edge_copy_refresher",
+]
 
 
 # the strategies whose plan_rebuild rebuilds stage 0 from these copies (docs/algorithms.md, "Rebuild plans")
@@ -51,7 +58,7 @@ def edge_parts_for(stage: int, num_stages: int) -> tuple[StatePart, ...]:
     return tuple(parts)
 
 
-def edge_copies_for(config: SwarmConfig, stage: int) -> "EdgeCopies | None":
+def edge_copies_for(config: SwarmConfig, stage: int) -> EdgeCopies | None:
     """The copies a peer of `stage` keeps, or None: only stage 1 / stage S peers, only with
     CheckFree+ and a strategy that rebuilds stage 0 from them (checkfree, copy; see plan_rebuild)."""
     recovery = config.recovery
@@ -104,8 +111,13 @@ def refresh_due(copy_step: int | None, stage0_peers: Sequence[PeerRecord], inter
 
 
 async def refresh_edge_copies(
-    copies: EdgeCopies, transport: Transport, stage0_peers: Sequence[PeerRecord], interval: int, rng: random.Random,
-    *, force: bool = False,
+    copies: EdgeCopies,
+    transport: Transport,
+    stage0_peers: Sequence[PeerRecord],
+    interval: int,
+    rng: random.Random,
+    *,
+    force: bool = False,
 ) -> list[StatePart]:
     """Refresh every due part from a stage-0 peer; returns the parts refreshed. A failed download
     keeps the previous copy (stale beats none) and is retried at the next check."""
@@ -125,8 +137,12 @@ async def refresh_edge_copies(
 
 
 async def run_edge_copy_refresher(
-    copies: EdgeCopies, transport: Transport, stage0_peers: Callable[[], Sequence[PeerRecord]], interval: int,
-    check_period: float, rng: random.Random,
+    copies: EdgeCopies,
+    transport: Transport,
+    stage0_peers: Callable[[], Sequence[PeerRecord]],
+    interval: int,
+    check_period: float,
+    rng: random.Random,
 ) -> None:
     """Keep `copies` fresh until cancelled; `stage0_peers` reads the swarm view."""
     while True:

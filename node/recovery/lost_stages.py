@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
 
 from dht.announcer import PeerAnnouncer
 from dht.records import EventKind, PeerRecord, PeerState, SwarmEvent
@@ -35,13 +35,13 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "LIVE_STATES",
     "LOST_EVENT_REFRESH",
-    "live_peers",
-    "swarm_has_trained",
-    "must_rebuild",
     "LostStageTracker",
-    "reporter",
     "LostStageWatch",
+    "live_peers",
     "lost_stages_from_events",
+    "must_rebuild",
+    "reporter",
+    "swarm_has_trained",
 ]
 
 LIVE_STATES = (PeerState.ONLINE, PeerState.REBUILDING)
@@ -68,8 +68,10 @@ def must_rebuild(peers_by_stage: PeersByStage, stage: int, me: str) -> bool:
         return False
     trained = swarm_has_trained(peers_by_stage, exclude=me)
     seen = {s: [(str(p.state), p.inner_step) for p in peers] for s, peers in peers_by_stage.items()}
-    logger.info(f"stage {stage} has no online peer to download from; the swarm has "
-                f"{'trained: rebuilding it' if trained else 'not trained: starting from the seed'} (seen: {seen})")
+    logger.info(
+        f"stage {stage} has no online peer to download from; the swarm has "
+        f"{'trained: rebuilding it' if trained else 'not trained: starting from the seed'} (seen: {seen})"
+    )
     return trained
 
 
@@ -118,8 +120,13 @@ class LostStageWatch:
     transitions are logged here, and published as events when this peer is the reporter.
     """
 
-    def __init__(self, config: SwarmConfig, registry: SwarmRegistry, me: PeerAnnouncer,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        config: SwarmConfig,
+        registry: SwarmRegistry,
+        me: PeerAnnouncer,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.config = config
         self.me = me
         self.clock = clock
@@ -141,24 +148,31 @@ class LostStageWatch:
         self.tracker.observe(peers_by_stage, now)
         lost = self.tracker.lost_stages(now)
         recovery = self.config.recovery
-        reason = (unrecoverable(lost, self.config.num_stages, recovery.strategy, recovery.checkfree_plus)
-                  if lost else None)
+        reason = (
+            unrecoverable(lost, self.config.num_stages, recovery.strategy, recovery.checkfree_plus) if lost else None
+        )
         for stage in sorted(lost - self.lost):
             logger.warning(f"stage {stage} is lost: no live peer for over {recovery.lost_grace:.0f} s")
         for stage in sorted(self.lost - lost):
             logger.info(f"stage {stage} is served again")
             self._reported.pop((EventKind.LOST, stage), None)
         if reason is not None and reason != self.unrecoverable_reason:
-            logger.error(f"the swarm cannot recover from losing stages {sorted(lost)}: {reason}; "
-                         f"stage 0 stops training until those stages are served again (e.g. from checkpoints)")
+            logger.error(
+                f"the swarm cannot recover from losing stages {sorted(lost)}: {reason}; "
+                f"stage 0 stops training until those stages are served again (e.g. from checkpoints)"
+            )
         if reason is None and self.unrecoverable_reason is not None:
             logger.info("the swarm is recoverable again")
             self._reported.pop((EventKind.UNRECOVERABLE, None), None)
         self.lost, self.unrecoverable_reason = lost, reason
         if reporter(peers_by_stage) == self.me.peer_id:
             for stage in sorted(lost):
-                self._publish_due(EventKind.LOST, stage, f"stage {stage} has had no live peer for over "
-                                                         f"{recovery.lost_grace:.0f} s", now)
+                self._publish_due(
+                    EventKind.LOST,
+                    stage,
+                    f"stage {stage} has had no live peer for over {recovery.lost_grace:.0f} s",
+                    now,
+                )
             if reason is not None:
                 self._publish_due(EventKind.UNRECOVERABLE, None, reason, now)
 
@@ -189,6 +203,7 @@ def lost_stages_from_events(peers_by_stage: PeersByStage, events: Sequence[Swarm
             if event.stage not in latest or event.time >= latest[event.stage].time:
                 latest[event.stage] = event
     return {
-        stage for stage in range(num_stages)
+        stage
+        for stage in range(num_stages)
         if not live_peers(peers_by_stage.get(stage, ())) and stage in latest and latest[stage].kind == EventKind.LOST
     }

@@ -20,15 +20,14 @@ nobody has joined it `recovery.rebalance_wait` seconds after it was declared los
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
-
 
 from dht.records import PeerRecord, PeerState
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Move", "plan_move", "Rebalancer"]
+__all__ = ["Move", "Rebalancer", "plan_move"]
 
 
 @dataclass(frozen=True)

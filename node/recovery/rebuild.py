@@ -22,9 +22,10 @@ import logging
 import os
 import random
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -60,9 +61,9 @@ __all__ = [
     "RebuildFailed",
     "RebuildResult",
     "RebuildingService",
-    "rebuild_stage",
     "rebuild_detail",
     "rebuild_into_service",
+    "rebuild_stage",
     "refresh_until_seen",
 ]
 
@@ -100,6 +101,7 @@ LoadCheckpoint = Callable[[Path, int], "tuple[dict[str, Tensor], int] | None"]
 
 def rebuild_detail(plan: RebuildPlan, sources: Mapping[int, FetchedSource]) -> str:
     """The event text, e.g. "stage 2 by checkfree from stages 1 (|g|=0.41) and 3 (|g|=0.37)"."""
+
     def norm(stage: int) -> str:
         g = sources[stage].state.grad_norm
         return f"{stage} (|g|={'?' if g is None else f'{g:.3g}'})"
@@ -118,8 +120,11 @@ def rebuild_detail(plan: RebuildPlan, sources: Mapping[int, FetchedSource]) -> s
 
 
 async def fetch_sources(
-    plan: RebuildPlan, transport: Transport, peers_by_stage: Mapping[int, Sequence[PeerRecord]],
-    expect: Mapping[str, Sequence[int]], rng: random.Random,
+    plan: RebuildPlan,
+    transport: Transport,
+    peers_by_stage: Mapping[int, Sequence[PeerRecord]],
+    expect: Mapping[str, Sequence[int]],
+    rng: random.Random,
 ) -> dict[int, FetchedSource]:
     """Download what the plan names from one live peer of each source stage (up to FETCH_ATTEMPTS
     donors per stage; the donor that answered is remembered for the event and the debug dump)."""
@@ -130,8 +135,9 @@ async def fetch_sources(
     sources: dict[int, FetchedSource] = {}
     for stage in plan.sources:
         try:
-            state = await download_from_any(transport, peers_by_stage.get(stage, ()), stage, part, rng,
-                                            attempts=FETCH_ATTEMPTS, expect=shape_check)
+            state = await download_from_any(
+                transport, peers_by_stage.get(stage, ()), stage, part, rng, attempts=FETCH_ATTEMPTS, expect=shape_check
+            )
         except TransportError as e:
             raise RebuildFailed(f"stage {plan.lost_stage} is rebuilt from stage {stage}'s {part}: {e}") from e
         sources[stage] = FetchedSource(stage, state.donor, state)
@@ -171,7 +177,7 @@ async def rebuild_stage(
         root = checkpoint_root(recovery.checkpoint_dir, config.swarm_id)
         saved = await worker.compute(load_checkpoint or load_latest, root, stage)
         if saved is None:
-            raise RebuildFailed(f"strategy checkpoint: no readable save of stage {stage} under {os.path.abspath(root)}")
+            raise RebuildFailed(f"strategy checkpoint: no readable save of stage {stage} under {root}")
         weights, step = saved
         checkpoint = StageState(stage=stage, weights=weights, inner_step=step)
 
@@ -199,14 +205,18 @@ async def rebuild_stage(
         return worker.state_dict()
 
     loaded = await worker.compute(apply)
-    result = RebuildResult(plan, sources, inner_step, lr_scale, rebuild_detail(plan, sources), time.monotonic() - started)
+    result = RebuildResult(
+        plan, sources, inner_step, lr_scale, rebuild_detail(plan, sources), time.monotonic() - started
+    )
     debug_dir = os.environ.get(DEBUG_DIR_ENV)
     if debug_dir:
         await worker.compute(dump_rebuild, Path(debug_dir), result, loaded, checkpoint)
     return result
 
 
-def dump_rebuild(directory: Path, result: RebuildResult, loaded: Mapping[str, Tensor], checkpoint: StageState | None) -> Path:
+def dump_rebuild(
+    directory: Path, result: RebuildResult, loaded: Mapping[str, Tensor], checkpoint: StageState | None
+) -> Path:
     """Write the rebuild's inputs and the weights actually loaded, as plain tensors and numbers
     (no classes: the file opens with torch.load(weights_only=True))."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -221,11 +231,17 @@ def dump_rebuild(directory: Path, result: RebuildResult, loaded: Mapping[str, Te
         "inner_step": result.inner_step,
         "time": time.time(),
         "fetched": {
-            s: {"peer_id": src.peer_id, "weights": src.state.weights, "grad_norm": src.state.grad_norm,
-                "inner_step": src.state.inner_step}
+            s: {
+                "peer_id": src.peer_id,
+                "weights": src.state.weights,
+                "grad_norm": src.state.grad_norm,
+                "inner_step": src.state.inner_step,
+            }
             for s, src in result.sources.items()
         },
-        "checkpoint": None if checkpoint is None else {"weights": checkpoint.weights, "inner_step": checkpoint.inner_step},
+        "checkpoint": None
+        if checkpoint is None
+        else {"weights": checkpoint.weights, "inner_step": checkpoint.inner_step},
         "loaded": dict(loaded),
     }
     path = directory / f"rebuild-stage{plan.lost_stage}-{time.time_ns()}.pt"
@@ -251,8 +267,9 @@ class RebuildingService(Protocol):
     def gossip(self) -> Gossip | None: ...
 
 
-async def rebuild_into_service(service: RebuildingService, registry: SwarmRegistry, *, retry_every: float = 2.0,
-                               attempts: int = 5) -> RebuildResult:
+async def rebuild_into_service(
+    service: RebuildingService, registry: SwarmRegistry, *, retry_every: float = 2.0, attempts: int = 5
+) -> RebuildResult:
     """The rebuild step of a stage service whose stage nobody else holds: state `rebuilding` while
     it runs (the pipeline refuses traffic until `online`), a few attempts (a donor may die, a view
     may be stale), then a "rebuild" event for the dashboard. Raises RebuildFailed after the last."""
@@ -262,8 +279,12 @@ async def rebuild_into_service(service: RebuildingService, registry: SwarmRegist
     for attempt in range(1, attempts + 1):
         try:
             result = await rebuild_stage(
-                config=config, stage=me.stage, worker=service.worker, transport=service.transport,
-                peers_by_stage=service.view.peers_by_stage, rng=rng,
+                config=config,
+                stage=me.stage,
+                worker=service.worker,
+                transport=service.transport,
+                peers_by_stage=service.view.peers_by_stage,
+                rng=rng,
             )
             break
         except RebuildFailed as e:
@@ -276,14 +297,17 @@ async def rebuild_into_service(service: RebuildingService, registry: SwarmRegist
     if gossip is not None:  # NoLoCo's outer weights restart from the rebuilt ones, momentum zero
         await gossip.reset_outer()
         # the round count continues from the sources', so later partners see a plausible round
-        gossip.outer_state.round = max((src.state.outer_round for src in result.sources.values()),
-                                       default=gossip.outer_state.round)
-    logger.info(f"rebuilt {result.detail} in {result.seconds:.2f} s; inner step {result.inner_step}, "
-                f"lr x {result.lr_scale:g}")
+        gossip.outer_state.round = max(
+            (src.state.outer_round for src in result.sources.values()), default=gossip.outer_state.round
+        )
+    logger.info(
+        f"rebuilt {result.detail} in {result.seconds:.2f} s; inner step {result.inner_step}, lr x {result.lr_scale:g}"
+    )
     _first_microbatch_watchers.spawn(log_first_microbatch(service.worker, me.stage), name="first-microbatch")
     # awaited, not in the background: the event is out before this peer goes online
-    event = SwarmEvent(time=time.time(), kind=EventKind.REBUILD, peer_id=me.peer_id, stage=me.stage,
-                       detail=result.detail)
+    event = SwarmEvent(
+        time=time.time(), kind=EventKind.REBUILD, peer_id=me.peer_id, stage=me.stage, detail=result.detail
+    )
     await EventPublisher(registry, me.peer_id).publish_now(event)
     return result
 
@@ -299,8 +323,10 @@ async def log_first_microbatch(worker: StageWorker, stage: int, poll: float = 0.
     started = time.monotonic()
     while time.monotonic() - started < give_up:
         if worker.microbatches_done > done_at_rebuild:
-            logger.info(f"RECOVERED stage {stage}: first microbatch through the rebuilt stage at {time.time():.3f} "
-                        f"({time.monotonic() - started:.2f} s after the rebuild)")
+            logger.info(
+                f"RECOVERED stage {stage}: first microbatch through the rebuilt stage at {time.time():.3f} "
+                f"({time.monotonic() - started:.2f} s after the rebuild)"
+            )
             return
         await asyncio.sleep(poll)
 

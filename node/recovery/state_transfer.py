@@ -234,7 +234,9 @@ async def download_from_any(
         try:
             return await download_state(transport, donor.peer_id, stage, part, timeout, expect=expect)
         except (TransportError, ProtocolError) as e:
-            logger.warning(f"state download of stage {stage} part {part} from {short_peer_id(donor.peer_id)} failed: {e}")
+            logger.warning(
+                f"state download of stage {stage} part {part} from {short_peer_id(donor.peer_id)} failed: {e}"
+            )
             failures.append(f"{short_peer_id(donor.peer_id)}: {e}")
     detail = "; ".join(failures) or "no online donor"
     raise TransportError(f"could not download stage {stage} part {part} ({detail})")
@@ -269,8 +271,13 @@ async def capture_state(worker: StageWorker, gossip: Gossip | None = None, outer
         # the gossip's own round counter is exact; the record's copy lags by up to a heartbeat
         round_now = gossip.outer_state.round if gossip else outer_round
         return StageState(
-            stage=worker.stage, weights=worker.state_dict(), outer=outer, inner_step=worker.inner_step,
-            outer_round=round_now, grad_norm=worker.last_grad_norm, lr_scale=worker.lr_scale,
+            stage=worker.stage,
+            weights=worker.state_dict(),
+            outer=outer,
+            inner_step=worker.inner_step,
+            outer_round=round_now,
+            grad_norm=worker.last_grad_norm,
+            lr_scale=worker.lr_scale,
         )
 
     return await worker.compute(take)
@@ -301,8 +308,12 @@ def state_provider(
 
         def take() -> StageState:
             weights = dict(worker.module.state_dict())
-            return StageState(stage=0, weights={k: weights[k].detach().to("cpu", copy=True) for k in keys},
-                              inner_step=worker.inner_step, grad_norm=worker.last_grad_norm)
+            return StageState(
+                stage=0,
+                weights={k: weights[k].detach().to("cpu", copy=True) for k in keys},
+                inner_step=worker.inner_step,
+                grad_norm=worker.last_grad_norm,
+            )
 
         return await worker.compute(take)
 
@@ -343,7 +354,9 @@ class JoiningService(Protocol):
     def gossip(self) -> Gossip | None: ...
 
 
-async def join_live_stage(service: JoiningService, attempts: int = 3, rounds: int = 5, retry_every: float = 2.0) -> bool:
+async def join_live_stage(
+    service: JoiningService, attempts: int = 3, rounds: int = 5, retry_every: float = 2.0
+) -> bool:
     """Before a peer of a live stage goes online: download the stage's state from one of its online
     peers and adopt it (its record stays `joining` meanwhile, so nobody routes to it or gossips
     with it). Up to `attempts` donors per round; between rounds the swarm view is refreshed (donors
@@ -358,8 +371,9 @@ async def join_live_stage(service: JoiningService, attempts: int = 3, rounds: in
         if not donors:
             return False
         try:
-            state = await download_from_any(service.transport, donors, me.stage, StatePart.STAGE, rng, attempts,
-                                            expect=shapes)
+            state = await download_from_any(
+                service.transport, donors, me.stage, StatePart.STAGE, rng, attempts, expect=shapes
+            )
         except TransportError as e:
             if round_index == rounds:
                 raise

@@ -8,7 +8,8 @@ finishes; a background loop built on it then keeps running after its task was ca
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, TypeVar
+from collections.abc import Awaitable
+from typing import TypeVar
 
 T = TypeVar("T")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 from rich.console import Console
 from rich.live import Live
@@ -47,8 +47,10 @@ class ProgressDisplay:
         s = self.summary()
         loss = "-" if s["loss"] is None else f"{s['loss']:.3f}"
         unit = "microbatches/s (completed)" if s["stage"] == 0 else "microbatches/s (compute)"
-        return (f"stage {s['stage']} {s['state']} | step {s['step']} | {s['rate']:.2f} {unit} | loss {loss} | "
-                f"peers seen {s['peers']} | done {s['done']} retried {s['retried']} dropped {s['dropped']}")
+        return (
+            f"stage {s['stage']} {s['state']} | step {s['step']} | {s['rate']:.2f} {unit} | loss {loss} | "
+            f"peers seen {s['peers']} | done {s['done']} retried {s['retried']} dropped {s['dropped']}"
+        )
 
     def render(self) -> Table:
         s = self.summary()

@@ -11,8 +11,8 @@ only as many of the newest joiners of a crowded stage move as it takes to even i
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from dht.records import PeerRecord, PeerState
 

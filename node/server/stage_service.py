@@ -11,31 +11,31 @@ import contextlib
 import logging
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 import torch
 
 from dht.announcer import PeerAnnouncer, PeerProgress
 from dht.records import PeerState
 from dht.registry import SwarmRegistry
-from node.config import SwarmConfig
-from node.recovery.checkpoints import checkpoint_root, run_checkpoints
-from node.model.data import open_source, stream_id_from_peer
-from node.recovery.edge_copies import edge_copies_for, run_edge_copy_refresher
-from node.averaging.gossip import Gossip
-from node.p2p.network import Network
-from node.pipeline.traffic import Pipeline
-from node.server.progress import ProgressDisplay, ServiceSummary
-from node.recovery.rebalance import Rebalancer, plan_move
-from node.recovery.lost_stages import LostStageWatch, must_rebuild
-from node.recovery.rebuild import rebuild_into_service, refresh_until_seen
-from node.pipeline.routing import Router
-from node.pipeline.stage_worker import StageWorker
-from node.recovery.state_transfer import join_live_stage, serve_state, state_provider
 from dht.swarm_view import SwarmView
+from node.averaging.gossip import Gossip
+from node.config import SwarmConfig
+from node.model.data import open_source, stream_id_from_peer
+from node.p2p.network import Network
 from node.p2p.peer_conduct import PeerConduct
 from node.p2p.transport import Transport
+from node.pipeline.routing import Router
+from node.pipeline.stage_worker import StageWorker
+from node.pipeline.traffic import Pipeline
+from node.recovery.checkpoints import checkpoint_root, run_checkpoints
+from node.recovery.edge_copies import edge_copies_for, run_edge_copy_refresher
+from node.recovery.lost_stages import LostStageWatch, must_rebuild
+from node.recovery.rebalance import Rebalancer, plan_move
+from node.recovery.rebuild import rebuild_into_service, refresh_until_seen
+from node.recovery.state_transfer import join_live_stage, serve_state, state_provider
+from node.server.progress import ProgressDisplay, ServiceSummary
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,9 @@ class StageService:
         )
 
 
-async def build_service(network: Network, config: SwarmConfig, me: PeerAnnouncer, options: ServiceOptions) -> StageService:
+async def build_service(
+    network: Network, config: SwarmConfig, me: PeerAnnouncer, options: ServiceOptions
+) -> StageService:
     rng = random.Random()
     registry = SwarmRegistry(network.dht, config.swarm_id)
     view = SwarmView(registry, config.num_stages, period=max(0.5, config.heartbeat.period / 2))
@@ -111,12 +113,23 @@ async def build_service(network: Network, config: SwarmConfig, me: PeerAnnouncer
         return max(record.expires if record else 0.0, time.time() + config.heartbeat.ttl)
 
     # a peer banned for bad input is refused at the door and avoided by routing alike
-    conduct = PeerConduct(ban_until=ban_until, on_ban=lambda peer_id, until, reason: router.bans.ban(peer_id, until, reason))
-    transport = Transport(network.p2p, config.swarm_id, me.stage, compression=config.training.wire_compression,
-                          conduct=conduct)
+    conduct = PeerConduct(
+        ban_until=ban_until, on_ban=lambda peer_id, until, reason: router.bans.ban(peer_id, until, reason)
+    )
+    transport = Transport(
+        network.p2p, config.swarm_id, me.stage, compression=config.training.wire_compression, conduct=conduct
+    )
 
-    pipeline = Pipeline(config, transport, worker, router, me, rng=rng, ban_until=ban_until,
-                        is_member=lambda peer_id: view.record_of(peer_id) is not None)
+    pipeline = Pipeline(
+        config,
+        transport,
+        worker,
+        router,
+        me,
+        rng=rng,
+        ban_until=ban_until,
+        is_member=lambda peer_id: view.record_of(peer_id) is not None,
+    )
     gossip = Gossip(config, me, worker, transport, view, router.bans, registry, ban_until, rng=rng)
     return StageService(config, me, worker, transport, router, view, pipeline, gossip)
 
@@ -148,13 +161,31 @@ async def running_service(
         tasks.append(asyncio.create_task(publish_progress_loop(service), name="progress"))
         tasks.append(asyncio.create_task(service.gossip.run(), name="gossip"))
         if edge_copies is not None:
-            tasks.append(asyncio.create_task(run_edge_copy_refresher(
-                edge_copies, service.transport, lambda: service.view.online(0), config.recovery.edge_copy_interval,
-                me.period, random.Random()), name="edge-copies"))
+            tasks.append(
+                asyncio.create_task(
+                    run_edge_copy_refresher(
+                        edge_copies,
+                        service.transport,
+                        lambda: service.view.online(0),
+                        config.recovery.edge_copy_interval,
+                        me.period,
+                        random.Random(),
+                    ),
+                    name="edge-copies",
+                )
+            )
         if config.recovery.strategy == "checkpoint":
-            tasks.append(asyncio.create_task(run_checkpoints(
-                service.worker, checkpoint_root(config.recovery.checkpoint_dir, config.swarm_id),
-                config.recovery.checkpoint_every, check_period=min(1.0, me.period)), name="checkpoints"))
+            tasks.append(
+                asyncio.create_task(
+                    run_checkpoints(
+                        service.worker,
+                        checkpoint_root(config.recovery.checkpoint_dir, config.swarm_id),
+                        config.recovery.checkpoint_every,
+                        check_period=min(1.0, me.period),
+                    ),
+                    name="checkpoints",
+                )
+            )
         yield service
     finally:
         for task in tasks:
@@ -166,7 +197,11 @@ async def running_service(
 
 
 async def serve_stage(
-    network: Network, config: SwarmConfig, me: PeerAnnouncer, stop: asyncio.Event, options: ServiceOptions,
+    network: Network,
+    config: SwarmConfig,
+    me: PeerAnnouncer,
+    stop: asyncio.Event,
+    options: ServiceOptions,
 ) -> None:
     """Run this peer's stage until `stop` is set. When the rebalancer moves this peer to a lost
     stage, the stage service is left and entered again for the new stage, in this process."""
@@ -180,7 +215,11 @@ async def serve_stage(
 
 
 async def serve_current_stage(
-    network: Network, config: SwarmConfig, me: PeerAnnouncer, stop: asyncio.Event, options: ServiceOptions,
+    network: Network,
+    config: SwarmConfig,
+    me: PeerAnnouncer,
+    stop: asyncio.Event,
+    options: ServiceOptions,
 ) -> int | None:
     """Serve `me.stage` until `stop` (returns None) or until this peer must move (the new stage)."""
     async with running_service(network, config, me, options) as service:
@@ -216,12 +255,19 @@ async def watch_for_move(service: StageService, watch: LostStageWatch) -> int:
         if me.state != PeerState.ONLINE:
             continue
         lost_for = {stage: watch.lost_for(stage) for stage in watch.lost}
-        move = plan_move(service.view.peers_by_stage, config.num_stages, lost_for,
-                         config.recovery.rebalance_wait, watch.unrecoverable_reason)
+        move = plan_move(
+            service.view.peers_by_stage,
+            config.num_stages,
+            lost_for,
+            config.recovery.rebalance_wait,
+            watch.unrecoverable_reason,
+        )
         confirmed = rebalancer.check(move, time.monotonic())
         if confirmed is not None and confirmed.peer_id == me.peer_id and confirmed.donor == me.stage:
-            logger.warning(f"stage {confirmed.target} has been lost for over {config.recovery.rebalance_wait:.0f} s "
-                           f"and nobody joined it: moving there from stage {me.stage}")
+            logger.warning(
+                f"stage {confirmed.target} has been lost for over {config.recovery.rebalance_wait:.0f} s "
+                f"and nobody joined it: moving there from stage {me.stage}"
+            )
             return confirmed.target
 
 

@@ -25,8 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench_transport.add_arguments(parser)
     bench_swarm.add_arguments(parser)
-    parser.add_argument("--quick", action="store_true",
-                        help="short timings: 2 s per transport case, 10 s single process, 3x1 swarm only, 30 s window")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="short timings: 2 s per transport case, 10 s single process, 3x1 swarm only, 30 s window",
+    )
     parser.add_argument("--json", help="also write the raw results here")
     args = parser.parse_args(argv)
     if args.quick:
@@ -40,8 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     print("# pipeswarm benchmarks")
     print()
     print(f"machine: {m0['nproc']} CPUs, {m0['cpu']}; python {m0['python']}, torch {m0['torch']}; started {m0['time']}")
-    print(f"load average (1, 5, 15 min): {m0['loadavg']} at start, {transport['machine_after']['loadavg']} after the "
-          f"transport part, {m1['loadavg']} at the end")
+    print(
+        f"load average (1, 5, 15 min): {m0['loadavg']} at start, {transport['machine_after']['loadavg']} after the "
+        f"transport part, {m1['loadavg']} at the end"
+    )
     print()
     print(bench_swarm.format_report(swarm))
     print()

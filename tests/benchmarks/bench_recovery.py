@@ -61,8 +61,13 @@ def run_once(name: str) -> dict:
             rebuilt_by = next(n for n in swarm.nodes if REBUILD_LINE.search(n.log()))
             seconds = recovery_seconds(rebuilt_by, victim_stage, killed_at)
             detail, rebuild_seconds = REBUILD_LINE.search(rebuilt_by.log()).groups()
-            return {"scenario": name, "recovery_s": seconds, "rebuild_s": float(rebuild_seconds), "detail": detail,
-                    "rebuilt_by": rebuilt_by.name}
+            return {
+                "scenario": name,
+                "recovery_s": seconds,
+                "rebuild_s": float(rebuild_seconds),
+                "detail": detail,
+                "rebuilt_by": rebuilt_by.name,
+            }
         finally:
             swarm.close()
 
@@ -73,9 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     args = parser.parse_args(argv)
     load = os.getloadavg()
-    print(f"machine: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, python "
-          f"{platform.python_version()}; load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
-          f"{time.strftime('%Y-%m-%d %H:%M')}")
+    print(
+        f"machine: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, python "
+        f"{platform.python_version()}; load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
+        f"{time.strftime('%Y-%m-%d %H:%M')}"
+    )
     print()
     print("| scenario | rebuilt by | how | rebuild (fetch+compute+load) | death -> first microbatch |")
     print("|---|---|---|---|---|")
@@ -83,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeats):
             r = run_once(name)
             how = r["detail"].replace("|", "\\|")  # |g| would split a markdown cell
-            print(f"| {r['scenario']} | {r['rebuilt_by']} | {how} | {r['rebuild_s']:.2f} s | "
-                  f"{r['recovery_s']:.1f} s |", flush=True)
+            print(
+                f"| {r['scenario']} | {r['rebuilt_by']} | {how} | {r['rebuild_s']:.2f} s | {r['recovery_s']:.1f} s |",
+                flush=True,
+            )
     return 0
 
 

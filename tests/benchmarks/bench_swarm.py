@@ -160,17 +160,32 @@ def swarm_run(peers_per_stage: int, warmup: float, window: float, workdir: Path)
     swarm = Swarm(workdir)
     try:
         t0 = time.monotonic()
-        swarm.bootstrap("--num-stages", str(stages), "--heartbeat-period", str(HEARTBEAT_PERIOD),
-                        "--heartbeat-ttl", str(HEARTBEAT_TTL))
-        nodes = [swarm.join(f"peer{i}", "--stage", str(i % stages), "--threads", "1", "--quiet")
-                 for i in range(total)]
-        wait_for(lambda: sum(map(len, peers_by_stage(snapshot(swarm.initial_peers)).values())) == total, 180,
-                 lambda: "peers never came online:\n" + "\n".join(n.log()[-1500:] for n in nodes), interval=1.0)
-        wait_for(lambda: any(p["loss"] is not None for p in online(snapshot(swarm.initial_peers), 0)), 120,
-                 "stage 0 never reported a loss", interval=1.0)
+        swarm.bootstrap(
+            "--num-stages",
+            str(stages),
+            "--heartbeat-period",
+            str(HEARTBEAT_PERIOD),
+            "--heartbeat-ttl",
+            str(HEARTBEAT_TTL),
+        )
+        nodes = [swarm.join(f"peer{i}", "--stage", str(i % stages), "--threads", "1", "--quiet") for i in range(total)]
+        wait_for(
+            lambda: sum(map(len, peers_by_stage(snapshot(swarm.initial_peers)).values())) == total,
+            180,
+            lambda: "peers never came online:\n" + "\n".join(n.log()[-1500:] for n in nodes),
+            interval=1.0,
+        )
+        wait_for(
+            lambda: any(p["loss"] is not None for p in online(snapshot(swarm.initial_peers), 0)),
+            120,
+            "stage 0 never reported a loss",
+            interval=1.0,
+        )
         startup = time.monotonic() - t0
-        log(f"  swarm 3x{peers_per_stage}: all {total} peers online and training after {startup:.0f} s; "
-            f"warm-up {warmup:.0f} s")
+        log(
+            f"  swarm 3x{peers_per_stage}: all {total} peers online and training after {startup:.0f} s; "
+            f"warm-up {warmup:.0f} s"
+        )
         time.sleep(warmup)
         load_before = os.getloadavg()
         first = snapshot(swarm.initial_peers)
@@ -193,10 +208,19 @@ def swarm_run(peers_per_stage: int, warmup: float, window: float, workdir: Path)
                 continue
             microbatches = (p["inner_step"] - q["inner_step"]) * t.microbatches_per_step
             seconds = p["expires"] - q["expires"]
-            per_peer.append({"peer": p["peer_id"][-8:], "microbatches": microbatches, "seconds": seconds,
-                             "microbatches_per_s": microbatches / seconds, "loss": p["loss"]})
-        block_steps = {s: sum(p["inner_step"] for p in online(last, s)) - sum(p["inner_step"] for p in online(first, s))
-                       for s in range(1, stages)}
+            per_peer.append(
+                {
+                    "peer": p["peer_id"][-8:],
+                    "microbatches": microbatches,
+                    "seconds": seconds,
+                    "microbatches_per_s": microbatches / seconds,
+                    "loss": p["loss"],
+                }
+            )
+        block_steps = {
+            s: sum(p["inner_step"] for p in online(last, s)) - sum(p["inner_step"] for p in online(first, s))
+            for s in range(1, stages)
+        }
         microbatches_per_s = sum(p["microbatches_per_s"] for p in per_peer)
         cpu = sum(cpu_after.get(pid, 0.0) - cpu_before.get(pid, 0.0) for pid in cpu_after if pid in cpu_before)
         result = {
@@ -230,42 +254,59 @@ def swarm_run(peers_per_stage: int, warmup: float, window: float, workdir: Path)
 def format_report(result: dict) -> str:
     lines = ["## Swarm training throughput", ""]
     config = result["config"]
-    lines.append(f"Model/config: defaults (hidden {config['hidden_size']}, {config['num_stages']} stages, microbatch "
-                 f"{config['microbatch_size']} x {config['sequence_length']} tokens = {config['tokens_per_microbatch']} "
-                 f"tokens, microbatches_per_step {config['microbatches_per_step']}, wire {config['wire_compression']}).")
+    lines.append(
+        f"Model/config: defaults (hidden {config['hidden_size']}, {config['num_stages']} stages, microbatch "
+        f"{config['microbatch_size']} x {config['sequence_length']} tokens = {config['tokens_per_microbatch']} "
+        f"tokens, microbatches_per_step {config['microbatches_per_step']}, wire {config['wire_compression']})."
+    )
     lines.append("")
-    lines.append("| run | processes | torch threads/process | tokens/s | microbatches/s | vs single process (1 thread) "
-                 "| CPU cores used | CPU ms per microbatch |")
+    lines.append(
+        "| run | processes | torch threads/process | tokens/s | microbatches/s | vs single process (1 thread) "
+        "| CPU cores used | CPU ms per microbatch |"
+    )
     lines.append("|---|---|---|---|---|---|---|---|")
     base = next((r["tokens_per_s"] for r in result["single"] if r["threads"] == 1), None)
     for r in result["single"]:
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
-        lines.append(f"| single process, stages chained ({r['microbatches']} microbatches in {r['seconds']:.0f} s) "
-                     f"| 1 | {r['threads']} | {r['tokens_per_s']:.0f} | {r['microbatches_per_s']:.2f} | {ratio} "
-                     f"| {r['cpu_cores_used']:.2f} | {r['cpu_ms_per_microbatch']:.1f} |")
+        lines.append(
+            f"| single process, stages chained ({r['microbatches']} microbatches in {r['seconds']:.0f} s) "
+            f"| 1 | {r['threads']} | {r['tokens_per_s']:.0f} | {r['microbatches_per_s']:.2f} | {ratio} "
+            f"| {r['cpu_cores_used']:.2f} | {r['cpu_ms_per_microbatch']:.1f} |"
+        )
     for r in result["swarm"]:
         if r["crashed"]:
-            lines.append(f"| swarm {r['layout']}: INVALID, peers exited during the window ({r['crashed']}) "
-                         f"| {r['processes']} | 1 | - | - | - | - | - |")
+            lines.append(
+                f"| swarm {r['layout']}: INVALID, peers exited during the window ({r['crashed']}) "
+                f"| {r['processes']} | 1 | - | - | - | - | - |"
+            )
             continue
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
-        lines.append(f"| swarm {r['layout']} ({r['window_seconds']:.0f} s window) | {r['processes']} (+{r['processes']} p2pd) "
-                     f"| 1 | {r['tokens_per_s']:.0f} | {r['microbatches_per_s']:.2f} | {ratio} "
-                     f"| {r['cpu_cores_used']:.2f} | {r['cpu_ms_per_microbatch']:.1f} |")
+        lines.append(
+            f"| swarm {r['layout']} ({r['window_seconds']:.0f} s window) | {r['processes']} (+{r['processes']} p2pd) "
+            f"| 1 | {r['tokens_per_s']:.0f} | {r['microbatches_per_s']:.2f} | {ratio} "
+            f"| {r['cpu_cores_used']:.2f} | {r['cpu_ms_per_microbatch']:.1f} |"
+        )
     lines.append("")
     for r in result["swarm"]:
         peers = ", ".join(f"{p['peer']}: {p['microbatches']} mb in {p['seconds']:.1f} s" for p in r["per_stage0_peer"])
-        lines.append(f"- swarm {r['layout']}: stage-0 peers {peers}; block-stage microbatches in the window "
-                     f"{r['block_stage_microbatches']}; 1-min load average {r['loadavg_window'][0]} -> "
-                     f"{r['loadavg_window'][1]}; startup {r['startup_seconds']:.0f} s"
-                     + (f"; EXITED EARLY: {r['crashed']}" if r["crashed"] else ""))
+        lines.append(
+            f"- swarm {r['layout']}: stage-0 peers {peers}; block-stage microbatches in the window "
+            f"{r['block_stage_microbatches']}; 1-min load average {r['loadavg_window'][0]} -> "
+            f"{r['loadavg_window'][1]}; startup {r['startup_seconds']:.0f} s"
+            + (f"; EXITED EARLY: {r['crashed']}" if r["crashed"] else "")
+        )
     return "\n".join(lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--single-seconds", type=float, default=30.0, help="timed seconds of the single-process run")
-    parser.add_argument("--single-threads", type=int, nargs="+", default=[1, 2],
-                        help="torch threads of the single-process runs (one run each)")
+    parser.add_argument(
+        "--single-threads",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="torch threads of the single-process runs (one run each)",
+    )
     parser.add_argument("--layouts", type=int, nargs="+", default=[1, 2], help="peers per stage of each swarm run")
     parser.add_argument("--warmup", type=float, default=20.0, help="swarm seconds after the first loss, not measured")
     parser.add_argument("--window", type=float, default=60.0, help="swarm measurement window (s)")
@@ -279,10 +320,15 @@ def run(args: argparse.Namespace) -> dict:
     t = config.training
     result: dict = {
         "machine_before": machine_info(),
-        "config": {"hidden_size": config.model.hidden_size, "num_stages": config.num_stages,
-                   "microbatch_size": t.microbatch_size, "sequence_length": t.sequence_length,
-                   "tokens_per_microbatch": t.microbatch_size * t.sequence_length,
-                   "microbatches_per_step": t.microbatches_per_step, "wire_compression": t.wire_compression},
+        "config": {
+            "hidden_size": config.model.hidden_size,
+            "num_stages": config.num_stages,
+            "microbatch_size": t.microbatch_size,
+            "sequence_length": t.sequence_length,
+            "tokens_per_microbatch": t.microbatch_size * t.sequence_length,
+            "microbatches_per_step": t.microbatches_per_step,
+            "wire_compression": t.wire_compression,
+        },
         "single": [],
         "swarm": [],
     }

@@ -43,8 +43,8 @@ import statistics
 import struct
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Awaitable, Callable
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
@@ -152,11 +152,18 @@ def codec_costs(shape: tuple[int, ...], compressions: tuple[str, ...], reps: int
             enc.append(t1 - t0)
             dec.append(t2 - t1)
         assert decoded.tensors["hidden"].shape == x.shape
-        rows.append({
-            "shape": list(shape), "compression": compression, "payload_bytes": payload, "wire_bytes": len(data),
-            "encode_ms": percentiles([t * 1e3 for t in enc]), "decode_ms": percentiles([t * 1e3 for t in dec]),
-            "encode_mb_per_s": payload / MB / statistics.median(enc), "decode_mb_per_s": payload / MB / statistics.median(dec),
-        })
+        rows.append(
+            {
+                "shape": list(shape),
+                "compression": compression,
+                "payload_bytes": payload,
+                "wire_bytes": len(data),
+                "encode_ms": percentiles([t * 1e3 for t in enc]),
+                "decode_ms": percentiles([t * 1e3 for t in dec]),
+                "encode_mb_per_s": payload / MB / statistics.median(enc),
+                "decode_mb_per_s": payload / MB / statistics.median(dec),
+            }
+        )
     return rows
 
 
@@ -215,8 +222,9 @@ async def run_network_benchmarks(shapes: list[tuple[int, ...]], args: argparse.N
             received["hivemind-unary"] += 1
             return runtime_pb2.ExpertResponse()
 
-        await server_net.p2p.add_protobuf_handler("bench.forward_stream", hm_stream_handler, runtime_pb2.ExpertRequest,
-                                                  stream_input=True, stream_output=True)
+        await server_net.p2p.add_protobuf_handler(
+            "bench.forward_stream", hm_stream_handler, runtime_pb2.ExpertRequest, stream_input=True, stream_output=True
+        )
         await server_net.p2p.add_protobuf_handler("bench.forward", hm_unary_handler, runtime_pb2.ExpertRequest)
 
         # (c) raw TCP: persistent connection, length-prefixed bytes, 1-byte ACK
@@ -280,18 +288,34 @@ async def run_network_benchmarks(shapes: list[tuple[int, ...]], args: argparse.N
             x = torch.randn(shape)
             payload = x.numel() * x.element_size()
             big = payload > 4 * 1024 * 1024
-            reps = dict(seconds=args.seconds, min_reps=args.min_reps if not big else max(5, args.min_reps // 4),
-                        max_reps=args.max_reps, warmup=2 if big else 10)
+            reps = dict(
+                seconds=args.seconds,
+                min_reps=args.min_reps if not big else max(5, args.min_reps // 4),
+                max_reps=args.max_reps,
+                warmup=2 if big else 10,
+            )
 
             def row(path: str, compression: str, wire_bytes: int, result: dict) -> None:
-                rows.append({"shape": list(shape), "path": path, "compression": compression,
-                             "payload_bytes": payload, "wire_bytes": wire_bytes, **result})
-                print(f"  {str(list(shape)):<18} {path:<15} {compression:<5} "
-                      f"median {result['mb_per_s']['median']:8.1f} MB/s  "
-                      f"latency p50 {result['latency_ms']['median']:8.2f} ms  (n={result['latency_ms']['n']})",
-                      file=sys.stderr, flush=True)
+                rows.append(
+                    {
+                        "shape": list(shape),
+                        "path": path,
+                        "compression": compression,
+                        "payload_bytes": payload,
+                        "wire_bytes": wire_bytes,
+                        **result,
+                    }
+                )
+                print(
+                    f"  {list(shape)!s:<18} {path:<15} {compression:<5} "
+                    f"median {result['mb_per_s']['median']:8.1f} MB/s  "
+                    f"latency p50 {result['latency_ms']['median']:8.2f} ms  (n={result['latency_ms']['n']})",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
             for compression, client in clients.items():
+
                 def make_message(client=client):
                     return client.message(MessageKind.FORWARD, forward_meta(client_net.peer_id), {"hidden": x})
 
@@ -309,23 +333,30 @@ async def run_network_benchmarks(shapes: list[tuple[int, ...]], args: argparse.N
 
                 async def send_hm_stream(codec=codec):
                     serialized = serialize_torch_tensor(x, codec)
-                    parts = [runtime_pb2.ExpertRequest(uid="bench", tensors=[part])
-                             for part in split_for_streaming(serialized, DEFAULT_MAX_MSG_SIZE)]
+                    parts = [
+                        runtime_pb2.ExpertRequest(uid="bench", tensors=[part])
+                        for part in split_for_streaming(serialized, DEFAULT_MAX_MSG_SIZE)
+                    ]
                     stream = await client_net.p2p.iterate_protobuf_handler(
-                        server_pid, "bench.forward_stream", as_aiter(*parts), runtime_pb2.ExpertResponse)
+                        server_pid, "bench.forward_stream", as_aiter(*parts), runtime_pb2.ExpertResponse
+                    )
                     async for _ in stream:
                         pass
 
                 serialized = serialize_torch_tensor(x, codec)
-                wire = sum(runtime_pb2.ExpertRequest(uid="bench", tensors=[p]).ByteSize() + 8
-                           for p in split_for_streaming(serialized, DEFAULT_MAX_MSG_SIZE))
+                wire = sum(
+                    runtime_pb2.ExpertRequest(uid="bench", tensors=[p]).ByteSize() + 8
+                    for p in split_for_streaming(serialized, DEFAULT_MAX_MSG_SIZE)
+                )
                 row("hivemind", compression, wire, await measure(send_hm_stream, payload, **reps))
 
                 if payload <= MAX_UNARY_PAYLOAD_SIZE:
+
                     async def send_hm_unary(codec=codec):
                         request = runtime_pb2.ExpertRequest(uid="bench", tensors=[serialize_torch_tensor(x, codec)])
-                        await client_net.p2p.call_protobuf_handler(server_pid, "bench.forward", request,
-                                                                    runtime_pb2.ExpertResponse)
+                        await client_net.p2p.call_protobuf_handler(
+                            server_pid, "bench.forward", request, runtime_pb2.ExpertResponse
+                        )
 
                     wire = runtime_pb2.ExpertRequest(uid="bench", tensors=[serialized]).ByteSize()
                     row("hivemind-unary", compression, wire, await measure(send_hm_unary, payload, **reps))
@@ -366,8 +397,10 @@ async def run_network_benchmarks(shapes: list[tuple[int, ...]], args: argparse.N
 
 def format_report(result: dict) -> str:
     lines = ["## Activation transport (loopback)", ""]
-    lines.append("| tensor (float32) | payload | path | wire codec | wire bytes/msg | MB/s median | MB/s p10..p90 "
-                 "| latency ms median | latency ms p10..p90 | n |")
+    lines.append(
+        "| tensor (float32) | payload | path | wire codec | wire bytes/msg | MB/s median | MB/s p10..p90 "
+        "| latency ms median | latency ms p10..p90 | n |"
+    )
     lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for r in result["network"]:
         mbs, lat = r["mb_per_s"], r["latency_ms"]
@@ -377,8 +410,10 @@ def format_report(result: dict) -> str:
             f"| {lat['median']:.2f} | {lat['p10']:.2f}..{lat['p90']:.2f} | {lat['n']} |"
         )
     lines += ["", "Codec alone (encode_message + decode_message of one FORWARD, no network):", ""]
-    lines.append("| tensor (float32) | codec | wire bytes | encode ms (median) | decode ms (median) "
-                 "| encode MB/s | decode MB/s |")
+    lines.append(
+        "| tensor (float32) | codec | wire bytes | encode ms (median) | decode ms (median) "
+        "| encode MB/s | decode MB/s |"
+    )
     lines.append("|---|---|---|---|---|---|---|")
     for r in result["codec"]:
         lines.append(
@@ -390,16 +425,29 @@ def format_report(result: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES),
-                        help="float32 activation shapes, e.g. 8x64x64 (the default microbatch) 16x512x1024")
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        default=list(DEFAULT_SIZES),
+        help="float32 activation shapes, e.g. 8x64x64 (the default microbatch) 16x512x1024",
+    )
     parser.add_argument("--seconds", type=float, default=6.0, help="timed seconds per (size, path, codec)")
     parser.add_argument("--min-reps", type=int, default=30, help="timed messages at least (a quarter for > 4 MiB)")
     parser.add_argument("--max-reps", type=int, default=2000, help="timed messages at most")
-    parser.add_argument("--compressions", nargs="+", default=["none", "fp16"], choices=["none", "fp16", "bf16", "int8"],
-                        help="wire compressions of our path (hivemind gets none/fp16 only)")
+    parser.add_argument(
+        "--compressions",
+        nargs="+",
+        default=["none", "fp16"],
+        choices=["none", "fp16", "bf16", "int8"],
+        help="wire compressions of our path (hivemind gets none/fp16 only)",
+    )
     parser.add_argument("--codec-reps", type=int, default=20, help="repetitions of the codec-only timing")
-    parser.add_argument("--torch-threads", type=int, default=1,
-                        help="torch CPU threads for the codec (default 1, as the swarm peers run with --threads 1)")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch CPU threads for the codec (default 1, as the swarm peers run with --threads 1)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -410,16 +458,18 @@ def run(args: argparse.Namespace) -> dict:
     shapes = [parse_size(s) for s in args.sizes]
     result = {"machine_before": machine_info()}
     print("transport benchmark: codec alone ...", file=sys.stderr, flush=True)
-    result["codec"] = [row for shape in shapes
-                       for row in codec_costs(shape, ("none", "fp16", "bf16", "int8"), args.codec_reps)]
+    result["codec"] = [
+        row for shape in shapes for row in codec_costs(shape, ("none", "fp16", "bf16", "int8"), args.codec_reps)
+    ]
     print("transport benchmark: over loopback ...", file=sys.stderr, flush=True)
     result["network"] = uvloop.run(run_network_benchmarks(shapes, args))
     result["machine_after"] = machine_info()
     return result
 
 
-def script_main(doc: str, add_arguments: Callable, run: Callable, format_report: Callable,
-                argv: list[str] | None = None) -> int:
+def script_main(
+    doc: str, add_arguments: Callable, run: Callable, format_report: Callable, argv: list[str] | None = None
+) -> int:
     """The command line every benchmark script shares: arguments, run, one report, optional JSON."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
@@ -427,8 +477,10 @@ def script_main(doc: str, add_arguments: Callable, run: Callable, format_report:
     args = parser.parse_args(argv)
     result = run(args)
     m0, m1 = result["machine_before"], result["machine_after"]
-    print(f"machine: {m0['nproc']} CPUs, {m0['cpu']}; load average {m0['loadavg']} before, {m1['loadavg']} after; "
-          f"python {m0['python']}, torch {m0['torch']} ({m0['torch_threads']} threads); {m0['time']}")
+    print(
+        f"machine: {m0['nproc']} CPUs, {m0['cpu']}; load average {m0['loadavg']} before, {m1['loadavg']} after; "
+        f"python {m0['python']}, torch {m0['torch']} ({m0['torch_threads']} threads); {m0['time']}"
+    )
     print(format_report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

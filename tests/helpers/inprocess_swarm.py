@@ -7,8 +7,8 @@ real libp2p streams on loopback.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from dht.announcer import PeerAnnouncer
 from dht.records import ConfigRecord, PeerRecord
@@ -43,8 +43,9 @@ async def inprocess_swarm(config: SwarmConfig, stages: list[int]) -> AsyncIterat
                 network = await start_network(host="127.0.0.1", initial_peers=initial)
                 networks.append(network)
                 record = PeerRecord(peer_id=network.peer_id, stage=stage, version=__version__)
-                me = PeerAnnouncer(SwarmRegistry(network.dht, config.swarm_id), record,
-                                   config.heartbeat.period, config.heartbeat.ttl)
+                me = PeerAnnouncer(
+                    SwarmRegistry(network.dht, config.swarm_id), record, config.heartbeat.period, config.heartbeat.ttl
+                )
                 await me.announce_now()
                 service = await stack.enter_async_context(
                     running_service(network, config, me, ServiceOptions(device="cpu"))

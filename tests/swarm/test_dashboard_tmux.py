@@ -62,22 +62,42 @@ class TmuxDashboard:
         self.stderr_file = workdir / f"{name}.stderr"
         self.family: set[int] = set()
         script = workdir / f"{name}.sh"
-        command = [sys.executable, "-m", "node", "dashboard", "--initial-peers", *initial_peers,
-                   "--refresh", str(REFRESH)]
+        command = [
+            sys.executable,
+            "-m",
+            "node",
+            "dashboard",
+            "--initial-peers",
+            *initial_peers,
+            "--refresh",
+            str(REFRESH),
+        ]
         script.write_text(
             "#!/bin/sh\n"
             f"export PYTHONPATH={shlex.quote(env['PYTHONPATH'])} PYTHONUNBUFFERED=1 LANG=C.UTF-8 LC_ALL=C.UTF-8\n"
             f"cd {shlex.quote(str(workdir))}\n"
             f"{shlex.join(command)} 2>{shlex.quote(str(self.stderr_file))}\n"
-            f"echo \"EXIT=$?\" > {shlex.quote(str(self.exit_file))}\n"
+            f'echo "EXIT=$?" > {shlex.quote(str(self.exit_file))}\n'
         )
         self.pane_pid: int | None = None
         self.socket_path: str | None = None
         try:
-            self.tmux("-f", "/dev/null", "new-session", "-d", "-s", name, "-x", str(WIDTH), "-y", str(HEIGHT),
-                      f"sh {shlex.quote(str(script))}")
-            pane_pid, self.socket_path = self.tmux(
-                "display-message", "-p", "-t", name, "#{pane_pid} #{socket_path}").strip().split(" ", 1)
+            self.tmux(
+                "-f",
+                "/dev/null",
+                "new-session",
+                "-d",
+                "-s",
+                name,
+                "-x",
+                str(WIDTH),
+                "-y",
+                str(HEIGHT),
+                f"sh {shlex.quote(str(script))}",
+            )
+            pane_pid, self.socket_path = (
+                self.tmux("display-message", "-p", "-t", name, "#{pane_pid} #{socket_path}").strip().split(" ", 1)
+            )
             self.pane_pid = int(pane_pid)
             self.refresh_family()
         except BaseException:
@@ -85,8 +105,9 @@ class TmuxDashboard:
             raise
 
     def tmux(self, *args: str) -> str:
-        result = subprocess.run([TMUX, "-L", self.socket, *args], capture_output=True, text=True,
-                                env=self.env, timeout=30)
+        result = subprocess.run(
+            [TMUX, "-L", self.socket, *args], capture_output=True, text=True, env=self.env, timeout=30
+        )
         assert result.returncode == 0, f"tmux {args}: {result.stderr}"
         return result.stdout
 
@@ -144,8 +165,11 @@ class TmuxDashboard:
         watcher.start()
         try:
             self.tmux("send-keys", "-t", self.session, "q")
-            status = wait_for(self.exit_status, timeout,
-                              lambda: f"dashboard did not exit after q:\n{self.screen()}\n{self.stderr()[-3000:]}")
+            status = wait_for(
+                self.exit_status,
+                timeout,
+                lambda: f"dashboard did not exit after q:\n{self.screen()}\n{self.stderr()[-3000:]}",
+            )
         finally:
             done.set()
             watcher.join()
@@ -196,8 +220,9 @@ def stage_rows(screen: str) -> dict[int, tuple[int, str]]:
     """stage -> (peer count, status text) from the stage map."""
     rows = {}
     for line in sections(screen)["stages"]:
-        m = re.match(r"^\s*(\d+)\s+(\d+)\s.*?((?:✓ ok)|(?:! SINGLE PEER)|(?:✗ EMPTY)|(?:✗ LOST)|(?:↻ REBUILDING))\s*$",
-                     line)
+        m = re.match(
+            r"^\s*(\d+)\s+(\d+)\s.*?((?:✓ ok)|(?:! SINGLE PEER)|(?:✗ EMPTY)|(?:✗ LOST)|(?:↻ REBUILDING))\s*$", line
+        )
         if m:
             rows[int(m.group(1))] = (int(m.group(2)), m.group(3))
     return rows
@@ -217,8 +242,9 @@ def test_live_dashboard_in_tmux_follows_a_kill_and_quits_cleanly(swarm: Swarm, t
     started = time.monotonic()
     swarm.bootstrap("--num-stages", "3", "--heartbeat-period", "1", "--heartbeat-ttl", str(TTL))
     names = {"alpha": 0, "bravo": 1, "charlie": 2, "delta": 0}
-    joiners = {name: swarm.join(name, "--stage", str(stage), "--no-train", "--name", name)
-               for name, stage in names.items()}
+    joiners = {
+        name: swarm.join(name, "--stage", str(stage), "--no-train", "--name", name) for name, stage in names.items()
+    }
 
     def peer_ids() -> dict[str, str] | None:
         ids = {}
@@ -234,8 +260,9 @@ def test_live_dashboard_in_tmux_follows_a_kill_and_quits_cleanly(swarm: Swarm, t
     # the dashboard starts while the peers do (both take a while on a loaded machine)
     dash = TmuxDashboard(tmp_path, swarm.env, swarm.initial_peers)
     try:
-        ids = wait_for(peer_ids, 120,
-                       lambda: "peers never joined:\n" + "\n".join(j.log()[-1500:] for j in joiners.values()))
+        ids = wait_for(
+            peer_ids, 120, lambda: "peers never joined:\n" + "\n".join(j.log()[-1500:] for j in joiners.values())
+        )
         shorts = {name: short_peer_id(pid) for name, pid in ids.items()}
         assert len(set(shorts.values())) == 4
 
@@ -244,12 +271,19 @@ def test_live_dashboard_in_tmux_follows_a_kill_and_quits_cleanly(swarm: Swarm, t
             assert "Traceback" not in screen, screen
             assert dash.exit_status() is None, f"dashboard exited early: {dash.exit_status()}\n{dash.stderr()[-3000:]}"
             rows = stage_rows(screen)
-            if peer_ids_in_table(screen) == set(shorts.values()) and "peers 4 online / 4" in screen \
-                    and rows.get(0, (0,))[0] == 2 and rows.get(1, (0,))[0] == 1 and rows.get(2, (0,))[0] == 1:
+            if (
+                peer_ids_in_table(screen) == set(shorts.values())
+                and "peers 4 online / 4" in screen
+                and rows.get(0, (0,))[0] == 2
+                and rows.get(1, (0,))[0] == 1
+                and rows.get(2, (0,))[0] == 1
+            ):
                 return screen
             return None
 
-        screen = wait_for(all_shown, 120, lambda: f"swarm never fully on screen:\n{dash.screen()}\n{dash.stderr()[-3000:]}")
+        screen = wait_for(
+            all_shown, 120, lambda: f"swarm never fully on screen:\n{dash.screen()}\n{dash.stderr()[-3000:]}"
+        )
         assert "pipeswarm dashboard" in screen and "stages 3" in screen and "peers 4 online / 4" in screen, screen
         rows = stage_rows(screen)
         assert rows == {0: (2, "✓ ok"), 1: (1, "! SINGLE PEER"), 2: (1, "! SINGLE PEER")}, screen
@@ -269,8 +303,9 @@ def test_live_dashboard_in_tmux_follows_a_kill_and_quits_cleanly(swarm: Swarm, t
             screen = dash.screen()
             return screen if shorts["delta"] not in peer_ids_in_table(screen) else None
 
-        screen = wait_for(victim_gone, TTL + REFRESH + 40,
-                          lambda: f"killed peer still in the table:\n{dash.screen()}", interval=0.5)
+        screen = wait_for(
+            victim_gone, TTL + REFRESH + 40, lambda: f"killed peer still in the table:\n{dash.screen()}", interval=0.5
+        )
         gone_after = time.monotonic() - killed_at
         # the record lives up to TTL after its last heartbeat; the next snapshot may take a few
         # seconds on a loaded machine
@@ -279,8 +314,10 @@ def test_live_dashboard_in_tmux_follows_a_kill_and_quits_cleanly(swarm: Swarm, t
 
         def leave_event_and_stage_single() -> str | None:
             screen = dash.screen()
-            leave = any(re.search(rf"\bleave\b.*\b{re.escape(shorts['delta'])}\b.*delta disappeared", line)
-                        for line in sections(screen)["events"])
+            leave = any(
+                re.search(rf"\bleave\b.*\b{re.escape(shorts['delta'])}\b.*delta disappeared", line)
+                for line in sections(screen)["events"]
+            )
             return screen if leave and stage_rows(screen).get(0) == (1, "! SINGLE PEER") else None
 
         screen = wait_for(leave_event_and_stage_single, 15, lambda: f"no leave event:\n{dash.screen()}")
@@ -299,10 +336,15 @@ def test_dashboard_against_an_unreachable_peer_says_so_without_a_traceback(tmp_p
     env = Swarm(tmp_path).env  # the environment the swarm's children get (PYTHONPATH = the repo)
     once = subprocess.Popen(
         [sys.executable, "-m", "node", "dashboard", "--once", "--width", "100", "--initial-peers", unreachable],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=tmp_path,
     )
     dash = TmuxDashboard(tmp_path, env, [unreachable], name="unreachable")
     try:
+
         def reconnecting() -> str | None:
             dash.p2pd_pids()  # remember every p2pd a failed attempt starts
             screen = dash.screen()

@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from node.averaging.gossip import Gossip
+from node.averaging.gossip_wire import STALL_TIMEOUT
 from node.averaging.noloco import OuterState, diloco_outer_step, outer_step, pseudo_gradient, relative_distance
 from node.config import load_config
+from node.p2p.tensor_stream import Session
 from protocol import MessageKind, recv_message, send_message
 from tests.helpers.inprocess_swarm import inprocess_swarm
 
@@ -129,12 +131,22 @@ def test_peer_in_an_exchange_answers_busy():
             a, b, c = gossips(peers)
             for seed, gossip in enumerate((a, b, c)):
                 await train_a_little(gossip, seed)
-            # c is slow to send: the a <-> c exchange stays open for a while
+            # c is slow to send (every chunk a little late, never silent for long): the a <-> c
+            # exchange stays open for a few seconds
             original_send = c.wire.send_tensors
 
             async def slow_send(session, round_, tensors):
-                await asyncio.sleep(2.0)
-                await original_send(session, round_, tensors)
+                send = session.send
+
+                async def late(message):
+                    await asyncio.sleep(0.15)
+                    await send(message)
+
+                session.send = late
+                try:
+                    await original_send(session, round_, tensors)
+                finally:
+                    session.send = send
 
             c.wire.send_tensors = slow_send
             exchange = asyncio.create_task(a.run_round(partner=c.me.peer_id))
@@ -221,8 +233,32 @@ def test_partner_disconnecting_mid_exchange_leaves_both_untouched():
     asyncio.run(scenario())
 
 
+def poisoned(poison: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What a poisoner sends instead of its phi (first half) and Delta (second half)."""
+    tensors = list(tensors)
+    count = len(tensors) // 2
+    if poison == "nan":
+        tensors[0] = torch.full_like(tensors[0], float("nan"))
+    elif poison == "huge":
+        tensors[0] = tensors[0] * 1e4
+    elif poison == "negated":  # passes the norm checks: same norms, opposite direction
+        tensors = [-t for t in tensors]
+    elif poison == "scaled":
+        tensors[:count] = [3 * t for t in tensors[:count]]
+    else:
+        assert poison == "random"  # a random phi of the same global norm
+        gen = torch.Generator().manual_seed(99)
+        raw = [torch.randn(t.shape, generator=gen) for t in tensors[:count]]
+        scale = torch.sqrt(sum((t * t).sum() for t in tensors[:count]) / sum((r * r).sum() for r in raw))
+        tensors[:count] = [r * scale for r in raw]
+    return tensors
+
+
+POISON_REASON = {"nan": "NaN", "huge": "norm", "negated": "cosine", "scaled": "norm 3", "random": "cosine"}
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("poison", ["nan", "huge"])
+@pytest.mark.parametrize("poison", list(POISON_REASON))
 def test_poisoned_phi_is_rejected_and_the_sender_banned(poison, caplog):
     config = gossip_config()
 
@@ -235,16 +271,14 @@ def test_poisoned_phi_is_rejected_and_the_sender_banned(poison, caplog):
             original_send = evil.wire.send_tensors
 
             async def poisoned_send(session, round_, tensors):
-                tensors = list(tensors)
-                tensors[0] = torch.full_like(tensors[0], float("nan")) if poison == "nan" else tensors[0] * 1e4
-                await original_send(session, round_, tensors)
+                await original_send(session, round_, poisoned(poison, tensors))
 
             evil.wire.send_tensors = poisoned_send
             evil_id = evil.me.peer_id
             # a asks the poisoner; the poisoner asks b: rejected both ways
             outcome = await a.run_round(partner=evil_id)
             assert outcome.status == "rejected", outcome
-            assert ("NaN" if poison == "nan" else "norm") in outcome.detail
+            assert POISON_REASON[poison] in outcome.detail
             assert (await evil.run_round(partner=b.me.peer_id)).status == "aborted"
             await asyncio.sleep(0.5)
             for gossip, (state, theta) in zip((a, b), before):
@@ -297,5 +331,61 @@ def test_diloco_mode_averages_all_replicas():
                     assert torch.allclose(got, want, rtol=0, atol=1e-6)
                 for got, want in zip(await on_executor(gossip, weights, gossip), expected.phi):
                     assert torch.allclose(got, want, rtol=0, atol=1e-6)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(90)
+def test_a_silent_partner_frees_the_slot_within_the_stall_timeout():
+    config = gossip_config()
+    margin = 2.5
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        async with inprocess_swarm(config, stages=[1, 1, 1]) as peers:
+            a, b, silent = gossips(peers)
+            for seed, gossip in enumerate((a, b, silent)):
+                await train_a_little(gossip, seed)
+            before = await outer_and_weights(a)
+            silent_id = silent.me.peer_id
+
+            # 1. silent initiator: asks a for a round, reads the ACCEPT, then sends nothing and
+            # keeps the stream open
+            t = silent.transport
+            async with t.session(a.me.peer_id, "gossip", 5.0) as (reader, writer):
+                session = Session(t, reader, writer, timeout=5.0)
+                await session.send(t.message(MessageKind.GOSSIP_REQUEST, silent.wire.request_meta(0, RIPE)))
+                assert (await session.recv()).kind == MessageKind.GOSSIP_ACCEPT
+                accepted = loop.time()
+                assert a.exchanging
+                assert (await b.run_round(partner=a.me.peer_id)).status == "busy"  # the slot is held...
+                await wait_until(lambda: not a.exchanging, timeout=STALL_TIMEOUT + margin)
+                assert loop.time() - accepted < STALL_TIMEOUT + margin  # ... for the stall timeout at most
+                # the silent stream is still open; an honest round goes through at once
+                assert (await b.run_round(partner=a.me.peer_id)).status == "applied"
+            stalled = [o for o in a.rounds.history if o.partners == (silent_id,)]
+            assert stalled[-1].status == "aborted" and "went silent" in stalled[-1].detail
+            assert a.outer_state is not before[0] and a.outer_state.round == 1  # only b's round counted
+            # silence is not misbehaviour: no ban, but a cool-down (not picked, not answered)
+            assert not a.bans.is_banned(silent_id)
+            assert a.rounds.cooling_down(silent_id)
+            assert silent_id not in a.rounds.candidates()
+            refused = await silent.run_round(partner=a.me.peer_id)
+            assert refused.status == "aborted" and "stalled" in refused.detail
+
+            # 2. silent responder: accepts b's request, then never sends its tensors
+            async def never_send(session, round_, tensors):
+                await asyncio.sleep(3600)
+
+            silent.wire.send_tensors = never_send
+            await train_a_little(b, seed=5)
+            state_b, theta_b = await outer_and_weights(b)
+            started = loop.time()
+            outcome = await b.run_round(partner=silent_id)
+            assert outcome.status == "aborted" and "went silent" in outcome.detail, outcome
+            assert loop.time() - started < STALL_TIMEOUT + margin
+            assert b.outer_state is state_b and not b.exchanging
+            assert_same(await on_executor(b, weights, b), theta_b)
+            assert b.rounds.cooling_down(silent_id) and not b.bans.is_banned(silent_id)
 
     asyncio.run(scenario())

@@ -21,7 +21,7 @@ def test_cancelled_start_leaves_no_p2pd(cancel_after: float):
     async def main() -> None:
         try:
             network = await asyncio.wait_for(start_network(host="127.0.0.1"), cancel_after)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         else:  # a fast machine finished first: nothing was cancelled, shut it down normally
             await network.shutdown()

@@ -35,11 +35,20 @@ CHUNK = 16 << 10  # small chunks: a tiny stage still streams as many chunks
 
 
 def tiny_config():
-    return load_config(None, swarm_id="state-test", num_stages=3, **{
-        "model.hidden_size": 32, "model.intermediate_size": 64, "model.vocab_size": 64,
-        "training.microbatch_size": 4, "training.sequence_length": 16, "training.microbatches_per_step": 1,
-        "training.wire_compression": "none",
-    })
+    return load_config(
+        None,
+        swarm_id="state-test",
+        num_stages=3,
+        **{
+            "model.hidden_size": 32,
+            "model.intermediate_size": 64,
+            "model.vocab_size": 64,
+            "training.microbatch_size": 4,
+            "training.sequence_length": 16,
+            "training.microbatches_per_step": 1,
+            "training.wire_compression": "none",
+        },
+    )
 
 
 def train_block(worker: StageWorker, steps: int, seed: int) -> None:
@@ -100,12 +109,18 @@ def hostile_handler(transport: Transport, state: StageState, modes: list[str], s
         rid = request.request_id
         if mode == "oversized":
             # a consistent but enormous header: 2**40 float32s, nothing should be allocated
-            meta = {**meta, "names": ["huge"], "shapes": [[1 << 40]], "dtypes": ["float32"],
-                    "total_bytes": 4 << 40, "num_weights": 1}
+            meta = {
+                **meta,
+                "names": ["huge"],
+                "shapes": [[1 << 40]],
+                "dtypes": ["float32"],
+                "total_bytes": 4 << 40,
+                "num_weights": 1,
+            }
         if mode == "lying_total":
             meta = {**meta, "total_bytes": meta["total_bytes"] + 1}
         await send_message(writer, transport.message(MessageKind.STATE_HEADER, meta, request_id=rid))
-        chunks = [payload[o:o + CHUNK].clone() for o in range(0, payload.numel(), CHUNK)]
+        chunks = [payload[o : o + CHUNK].clone() for o in range(0, payload.numel(), CHUNK)]
         if mode == "bad_checksum":
             chunks[1][7] ^= 0xFF  # one flipped byte; the announced checksum is the honest one
         if mode == "truncated":
@@ -114,11 +129,17 @@ def hostile_handler(transport: Transport, state: StageState, modes: list[str], s
             chunks[0] = torch.cat([chunks[0], chunks[0]])
         offset = 0
         for index, chunk in enumerate(chunks):
-            await send_message(writer, transport.message(MessageKind.STATE_CHUNK, {"index": index, "offset": offset},
-                                                         {"chunk": chunk}, request_id=rid))
+            await send_message(
+                writer,
+                transport.message(
+                    MessageKind.STATE_CHUNK, {"index": index, "offset": offset}, {"chunk": chunk}, request_id=rid
+                ),
+            )
             offset += chunk.numel()
         if mode != "truncated":  # the truncated donor just closes the stream ("dies")
-            await send_message(writer, transport.message(MessageKind.STATE_END, {"checksum": meta["checksum"]}, request_id=rid))
+            await send_message(
+                writer, transport.message(MessageKind.STATE_END, {"checksum": meta["checksum"]}, request_id=rid)
+            )
 
     return handle
 
@@ -200,7 +221,9 @@ def test_hostile_donor_fails_cleanly_and_another_donor_is_used():
                     modes.append(mode)
                     with pytest.raises((ProtocolError, TransportError), match=error):
                         await download_state(joiner, hostile_net.peer_id, 2, "stage", 10.0)
-                    results[mode] = await download_from_any(joiner, candidates, 2, "stage", random.Random(0), timeout=10.0)
+                    results[mode] = await download_from_any(
+                        joiner, candidates, 2, "stage", random.Random(0), timeout=10.0
+                    )
                 return served, results, honest_state
         finally:
             worker.close()
@@ -280,8 +303,10 @@ def test_edge_copies_refresh_from_stage0_and_are_served_back():
 
 
 def test_refresh_due_counts_stage0_steps():
-    peers = [PeerRecord(peer_id="a", stage=0, state="online", inner_step=40),
-             PeerRecord(peer_id="b", stage=0, state="joining", inner_step=500)]
+    peers = [
+        PeerRecord(peer_id="a", stage=0, state="online", inner_step=40),
+        PeerRecord(peer_id="b", stage=0, state="joining", inner_step=500),
+    ]
     assert refresh_due(None, peers, 50)  # no copy yet: fetch at once
     assert not refresh_due(0, peers, 50)  # the joining peer's step does not count
     assert refresh_due(0, [*peers[:1], PeerRecord(peer_id="c", stage=0, state="online", inner_step=50)], 50)
@@ -371,8 +396,9 @@ def test_stage_service_joiner_downloads_before_going_online_and_keeps_edge_copie
             assert states_during_join == []  # nobody joined a live stage so far
             network = await start_network(host="127.0.0.1", initial_peers=await peers[0].network.visible_maddrs())
             try:
-                me = PeerAnnouncer(SwarmRegistry(network.dht, config.swarm_id), PeerRecord(peer_id=network.peer_id, stage=1),
-                                   1.0, 10.0)
+                me = PeerAnnouncer(
+                    SwarmRegistry(network.dht, config.swarm_id), PeerRecord(peer_id=network.peer_id, stage=1), 1.0, 10.0
+                )
                 await me.announce_now()
                 async with running_service(network, config, me, ServiceOptions(device="cpu")) as joined:
                     donor = peers[1].service.worker
@@ -385,7 +411,9 @@ def test_stage_service_joiner_downloads_before_going_online_and_keeps_edge_copie
                     copy_state = None
                     for _ in range(40):
                         try:
-                            copy_state = await download_state(joined.transport, peers[1].network.peer_id, 1, "edge_copy", 10.0)
+                            copy_state = await download_state(
+                                joined.transport, peers[1].network.peer_id, 1, "edge_copy", 10.0
+                            )
                             break
                         except TransportError:
                             await asyncio.sleep(0.5)
@@ -400,6 +428,7 @@ def test_stage_service_joiner_downloads_before_going_online_and_keeps_edge_copie
     assert copy_state is not None and set(copy_state.weights) == {"embed_tokens.weight"}
     # taken when stage 1 came online, before any training step; not due again for 50 stage-0 steps
     from node.model.llama import build_stage
+
     assert copy_state.inner_step == 0
     assert torch.equal(copy_state.weights["embed_tokens.weight"], build_stage(config, 0).embed_tokens.weight)
     assert not torch.equal(copy_state.weights["embed_tokens.weight"], embed["embed_tokens.weight"])

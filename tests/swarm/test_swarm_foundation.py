@@ -32,7 +32,9 @@ def test_six_auto_joiners_spread_evenly_and_leave_cleanly(swarm: Swarm):
     assert sorted(len(ids) for ids in online.values()) == [2, 2, 2], snapshot
     for stage in snapshot["stages"]:
         for peer in stage["peers"]:
-            assert {"peer_id", "stage", "state", "throughput", "inner_step", "outer_round", "loss", "version"} <= set(peer)
+            assert {"peer_id", "stage", "state", "throughput", "inner_step", "outer_round", "loss", "version"} <= set(
+                peer
+            )
             assert peer["stage"] == stage["stage"]
 
     swarm.refresh_families()
@@ -51,8 +53,11 @@ def test_six_auto_joiners_spread_evenly_and_leave_cleanly(swarm: Swarm):
     victim.process.wait()
     killed_at = time.monotonic()
     wait_for(
-        lambda: all(id_of["peer0"] not in ids for ids in peers_by_stage(swarm.observe(), ("online", "joining")).values()),
-        TTL + 10, "killed peer's record never expired",
+        lambda: all(
+            id_of["peer0"] not in ids for ids in peers_by_stage(swarm.observe(), ("online", "joining")).values()
+        ),
+        TTL + 10,
+        "killed peer's record never expired",
     )
     gone_after = time.monotonic() - killed_at
     # an observer takes ~1 s to start: the record itself was gone within the TTL
@@ -76,7 +81,10 @@ def test_six_auto_joiners_spread_evenly_and_leave_cleanly(swarm: Swarm):
 @pytest.mark.timeout(120)
 def test_joiner_with_other_protocol_version_is_refused(swarm: Swarm):
     swarm.bootstrap("--num-stages", "2")
-    patched = ["-c", "import sys, protocol.version as v; v.PROTOCOL_VERSION = 99; from node.cli import main; sys.exit(main())"]
+    patched = [
+        "-c",
+        "import sys, protocol.version as v; v.PROTOCOL_VERSION = 99; from node.cli import main; sys.exit(main())",
+    ]
     stranger = swarm.join("stranger", "--stage", "auto", python_prefix=patched)
     code = stranger.process.wait(timeout=90)
     assert code != 0

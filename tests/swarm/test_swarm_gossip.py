@@ -44,8 +44,7 @@ class Run:
 
 def write_config(path: Path, mode: str) -> Path:
     path.write_text(
-        f'[gossip]\nmode = "{mode}"\ninner_steps = 5\nround_timeout = 10.0\n'
-        "[training]\nmicrobatches_per_step = 2\n"
+        f'[gossip]\nmode = "{mode}"\ninner_steps = 5\nround_timeout = 10.0\n[training]\nmicrobatches_per_step = 2\n'
     )
     return path
 
@@ -82,8 +81,17 @@ def start_swarm(workdir: Path, mode: str, swarms: dict[str, Swarm]) -> None:
     workdir.mkdir()
     swarm = swarms[mode] = Swarm(workdir)
     config = write_config(workdir / "swarm.toml", mode)
-    swarm.bootstrap("--config", str(config), "--num-stages", str(NUM_STAGES),
-                    "--heartbeat-period", "1", "--heartbeat-ttl", "5", timeout=ONLINE_TIMEOUT)
+    swarm.bootstrap(
+        "--config",
+        str(config),
+        "--num-stages",
+        str(NUM_STAGES),
+        "--heartbeat-period",
+        "1",
+        "--heartbeat-ttl",
+        "5",
+        timeout=ONLINE_TIMEOUT,
+    )
     for i in range(NUM_STAGES * PEERS_PER_STAGE):
         swarm.join(f"peer{i}", "--stage", str(i % NUM_STAGES), "--threads", "1", "--quiet")
 
@@ -110,8 +118,9 @@ async def watch(swarms: dict[str, Swarm]) -> dict[str, Run]:
     """Wait until every swarm is fully online, then poll them side by side for TRAIN_SECONDS
     (long-lived observers: one p2pd each, instead of one per poll)."""
     async with contextlib.AsyncExitStack() as stack:
-        observers = {mode: await stack.enter_async_context(observe(swarm.initial_peers, None))
-                     for mode, swarm in swarms.items()}
+        observers = {
+            mode: await stack.enter_async_context(observe(swarm.initial_peers, None)) for mode, swarm in swarms.items()
+        }
         deadline = time.monotonic() + ONLINE_TIMEOUT
         for mode, observer in observers.items():
             while True:
@@ -156,10 +165,12 @@ def median_divergence(run: Run) -> float:
 
 def describe(mode: str, run: Run) -> str:
     partners = sorted(len(seen) for seen in run.partners.values())
-    return (f"{mode}: rounds per peer {sorted(run.rounds.values())}, inner steps {sorted(run.inner_steps.values())}, "
-            f"distinct partners {partners}, fingerprint divergence {median_divergence(run):.4g} (per stage "
-            f"{', '.join(f'{median(v):.3g}' for v in run.stage_divergences.values())}), "
-            f"loss {run.first_loss} -> {run.last_loss}")
+    return (
+        f"{mode}: rounds per peer {sorted(run.rounds.values())}, inner steps {sorted(run.inner_steps.values())}, "
+        f"distinct partners {partners}, fingerprint divergence {median_divergence(run):.4g} (per stage "
+        f"{', '.join(f'{median(v):.3g}' for v in run.stage_divergences.values())}), "
+        f"loss {run.first_loss} -> {run.last_loss}"
+    )
 
 
 def check_gossip_happened(run: Run) -> None:

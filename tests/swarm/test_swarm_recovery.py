@@ -22,10 +22,12 @@ import pytest
 import torch
 
 from dht.records import EventKind, PeerRecord, SwarmEvent
-from node.recovery.checkpoints import checkpoint_root, save_checkpoint
 from node.config import SwarmConfig
 from node.local_swarm import NodeProcess, Swarm, wait_for
-from node.recovery.rebalance import Move, Rebalancer, plan_move
+from node.monitor.status import stage_status
+from node.p2p.transport import TransportError
+from node.pipeline.stage_worker import StageWorker
+from node.recovery.checkpoints import checkpoint_root, save_checkpoint
 from node.recovery.lost_stages import (
     LOST_EVENT_REFRESH,
     LostStageTracker,
@@ -33,11 +35,9 @@ from node.recovery.lost_stages import (
     lost_stages_from_events,
     must_rebuild,
 )
+from node.recovery.rebalance import Move, Rebalancer, plan_move
 from node.recovery.rebuild import rebuild_stage
-from node.pipeline.stage_worker import StageWorker
-from node.p2p.transport import TransportError
 from protocol import MessageKind
-from node.monitor.status import stage_status
 
 
 def peer(pid: str, stage: int, state: str = "online", inner_step: int = 10, throughput: float = 1.0) -> PeerRecord:
@@ -129,8 +129,12 @@ def test_a_joiner_rebuilds_only_a_stage_nobody_online_holds_in_a_trained_swarm()
 
 def test_status_reads_lost_from_the_latest_event_and_flags_unrecoverable():
     swarm = {0: [peer("a", 0)], 1: [], 2: [], 3: [peer("d", 3)]}
-    events = [SwarmEvent(1.0, "lost", "a", 1, ""), SwarmEvent(2.0, "rebuild", "x", 1, ""),
-              SwarmEvent(3.0, "lost", "a", 2, ""), SwarmEvent(0.5, "lost", "a", 3, "")]
+    events = [
+        SwarmEvent(1.0, "lost", "a", 1, ""),
+        SwarmEvent(2.0, "rebuild", "x", 1, ""),
+        SwarmEvent(3.0, "lost", "a", 2, ""),
+        SwarmEvent(0.5, "lost", "a", 3, ""),
+    ]
     # stage 1's latest event is its rebuild (it is empty again, but not yet declared lost again);
     # stage 3 has a live peer whatever old events say
     assert lost_stages_from_events(swarm, events, 4) == {2}
@@ -175,8 +179,9 @@ def test_checkpoint_strategy_reloads_the_last_save_with_its_step_and_a_fresh_opt
     swarm = {0: [peer("a", 0, inner_step=37)], 1: [], 2: [peer("c", 2, inner_step=40)]}
 
     async def run():
-        return await rebuild_stage(config=config, stage=1, worker=worker, transport=None, peers_by_stage=swarm,
-                                   rng=random.Random(0))
+        return await rebuild_stage(
+            config=config, stage=1, worker=worker, transport=None, peers_by_stage=swarm, rng=random.Random(0)
+        )
 
     try:
         result = asyncio.run(run())
@@ -194,11 +199,11 @@ def test_checkpoint_strategy_reloads_the_last_save_with_its_step_and_a_fresh_opt
 
 
 def test_a_peer_can_leave_its_stage_service_and_serve_another_stage_in_the_same_process():
-    from tests.helpers.inprocess_swarm import inprocess_swarm
-    from node.p2p.network import start_network
-    from node.server.stage_service import ServiceOptions, running_service
     from dht.announcer import PeerAnnouncer
     from dht.registry import SwarmRegistry
+    from node.p2p.network import start_network
+    from node.server.stage_service import ServiceOptions, running_service
+    from tests.helpers.inprocess_swarm import inprocess_swarm
 
     config = SwarmConfig(num_stages=3).replace(heartbeat={"period": 1.0, "ttl": 4.0}, gossip={"mode": "none"})
 
@@ -207,8 +212,9 @@ def test_a_peer_can_leave_its_stage_service_and_serve_another_stage_in_the_same_
             anchor_addrs = await peers[0].network.visible_maddrs()
             network = await start_network(host="127.0.0.1", initial_peers=anchor_addrs)
             try:
-                me = PeerAnnouncer(SwarmRegistry(network.dht, config.swarm_id), PeerRecord(peer_id=network.peer_id, stage=1),
-                                   1.0, 4.0)
+                me = PeerAnnouncer(
+                    SwarmRegistry(network.dht, config.swarm_id), PeerRecord(peer_id=network.peer_id, stage=1), 1.0, 4.0
+                )
                 for stage in (1, 2, 1):  # leave and enter again, twice
                     await me.claim(stage)
                     async with running_service(network, config, me, ServiceOptions(device="cpu")) as service:
@@ -217,17 +223,27 @@ def test_a_peer_can_leave_its_stage_service_and_serve_another_stage_in_the_same_
                         # service (hop 2 of order [stage, other] expects `other`: a refusal naming `stage`)
                         client = peers[0].service.transport
                         other = 3 - stage
-                        message = client.message(MessageKind.FORWARD, {
-                            "order": [stage, other], "path": ["x", peers[0].me.peer_id], "hop": 2,
-                            "origin": "x", "microbatch_id": 1}, {"hidden": torch.zeros(1, 4, 64)})
+                        message = client.message(
+                            MessageKind.FORWARD,
+                            {
+                                "order": [stage, other],
+                                "path": ["x", peers[0].me.peer_id],
+                                "hop": 2,
+                                "origin": "x",
+                                "microbatch_id": 1,
+                            },
+                            {"hidden": torch.zeros(1, 4, 64)},
+                        )
                         with pytest.raises(TransportError, match=f"serves stage {stage} "):
                             await client.request(network.peer_id, "forward", message, timeout=10)
+
                 # without the scope's cleanup, the same protocol cannot be registered twice
                 async def noop(*_):
                     return None
+
                 name = "/pipeswarm/test/dup"
                 await network.p2p.add_binary_stream_handler(name, noop)
-                with pytest.raises(Exception):
+                with pytest.raises(Exception):  # noqa: B017 - p2pd reports it as a generic error
                     await network.p2p.add_binary_stream_handler(name, noop)
                 await network.p2p.remove_binary_stream_handler(name)
             finally:
@@ -263,8 +279,9 @@ checkpoint_dir = "checkpoints"
 PEER_FLAGS = ("--threads", "1", "--quiet", "--join-jitter", "0.5")
 
 
-def start_training_swarm(swarm: Swarm, num_stages: int, stages: list[int], strategy: str = "checkfree",
-                         min_steps: int = 6) -> list[NodeProcess]:
+def start_training_swarm(
+    swarm: Swarm, num_stages: int, stages: list[int], strategy: str = "checkfree", min_steps: int = 6
+) -> list[NodeProcess]:
     """Bootstrap + one peer per entry of `stages`, trained until every stage took `min_steps` steps.
     Rebuilding peers dump their inputs under <workdir>/debug (PIPESWARM_DEBUG_DIR)."""
     swarm.env["PIPESWARM_DEBUG_DIR"] = str(swarm.workdir / "debug")
@@ -275,7 +292,9 @@ def start_training_swarm(swarm: Swarm, num_stages: int, stages: list[int], strat
 
     def trained():
         snap = swarm.observe()
-        steps = [min((p["inner_step"] for p in s["peers"] if p["state"] == "online"), default=0) for s in snap["stages"]]
+        steps = [
+            min((p["inner_step"] for p in s["peers"] if p["state"] == "online"), default=0) for s in snap["stages"]
+        ]
         return snap if min(steps) >= min_steps and mean_loss(snap) is not None else None
 
     wait_for(trained, 150, lambda: "swarm did not train:\n" + "\n".join(n.log()[-1500:] for n in nodes))
@@ -306,8 +325,11 @@ def kill_stage(swarm: Swarm, victims: list[NodeProcess]) -> float:
 
 
 def wait_status(swarm: Swarm, stage: int, status: str, timeout: float = 40) -> dict:
-    return wait_for(lambda: (s := swarm.observe()) and s["stages"][stage]["status"] == status and s, timeout,
-                    lambda: f"stage {stage} never became {status}: {[st['status'] for st in swarm.observe()['stages']]}")
+    return wait_for(
+        lambda: (s := swarm.observe()) and s["stages"][stage]["status"] == status and s,
+        timeout,
+        lambda: f"stage {stage} never became {status}: {[st['status'] for st in swarm.observe()['stages']]}",
+    )
 
 
 def rebuild_dump(swarm: Swarm, stage: int, timeout: float = 90) -> dict:
@@ -315,20 +337,29 @@ def rebuild_dump(swarm: Swarm, stage: int, timeout: float = 90) -> dict:
         paths = sorted(glob.glob(str(swarm.workdir / "debug" / f"rebuild-stage{stage}-*.pt")))
         return paths[-1] if paths else None
 
-    path = wait_for(find, timeout, lambda: f"no rebuild of stage {stage}:\n" + "\n".join(n.log()[-2000:] for n in swarm.nodes[-2:]))
+    path = wait_for(
+        find, timeout, lambda: f"no rebuild of stage {stage}:\n" + "\n".join(n.log()[-2000:] for n in swarm.nodes[-2:])
+    )
     time.sleep(0.5)  # torch.save finished writing (the dump is written before the peer goes online)
     return torch.load(path, weights_only=True)
 
 
 def recovery_seconds(node: NodeProcess, stage: int, killed_at: float, timeout: float = 60) -> float:
     pattern = re.compile(rf"RECOVERED stage {stage}: first microbatch through the rebuilt stage at ([0-9.]+)")
-    match = wait_for(lambda: pattern.search(node.log()), timeout, lambda: f"no microbatch through rebuilt stage {stage}:\n{node.log()[-3000:]}")
+    match = wait_for(
+        lambda: pattern.search(node.log()),
+        timeout,
+        lambda: f"no microbatch through rebuilt stage {stage}:\n{node.log()[-3000:]}",
+    )
     return float(match.group(1)) - killed_at
 
 
 def loss_falls_below(swarm: Swarm, target: float, timeout: float = 90) -> float:
-    snap = wait_for(lambda: (s := swarm.observe()) and (loss := mean_loss(s)) is not None and loss < target and s,
-                    timeout, lambda: f"stage-0 loss did not fall below {target:.3f} (now {mean_loss(swarm.observe())})")
+    snap = wait_for(
+        lambda: (s := swarm.observe()) and (loss := mean_loss(s)) is not None and loss < target and s,
+        timeout,
+        lambda: f"stage-0 loss did not fall below {target:.3f} (now {mean_loss(swarm.observe())})",
+    )
     return mean_loss(snap)
 
 
@@ -364,7 +395,9 @@ def test_a_killed_middle_stage_is_rebuilt_by_a_joiner_as_the_gradient_weighted_a
     snap = swarm.observe()
     assert [s["status"] for s in snap["stages"]][2] in ("single", "ok")
     rebuilds = [e for e in snap["events"] if e["kind"] == "rebuild" and e["stage"] == 2]
-    assert rebuilds and re.match(r"stage 2 by checkfree from stages 1 \(\|g\|=[0-9.e-]+\) and 3 \(\|g\|=", rebuilds[-1]["detail"])
+    assert rebuilds and re.match(
+        r"stage 2 by checkfree from stages 1 \(\|g\|=[0-9.e-]+\) and 3 \(\|g\|=", rebuilds[-1]["detail"]
+    )
     final = loss_falls_below(swarm, loss_at_kill - 0.15)
     print(f"middle stage rebuilt by average: recovery {seconds:.1f} s; loss {loss_at_kill:.3f} at kill -> {final:.3f}")
 
@@ -389,12 +422,16 @@ def test_with_checkfree_plus_a_lost_stage_1_is_rebuilt_by_a_peer_moving_from_the
     assert "moving there from stage 2" in moved.log()
     seconds = recovery_seconds(moved, 1, killed_at)
     final = loss_falls_below(swarm, loss_at_kill - 0.15)
-    print(f"stage 1 rebuilt by a moving peer (copy of stage 2): recovery {seconds:.1f} s; "
-          f"loss {loss_at_kill:.3f} -> {final:.3f}")
+    print(
+        f"stage 1 rebuilt by a moving peer (copy of stage 2): recovery {seconds:.1f} s; "
+        f"loss {loss_at_kill:.3f} -> {final:.3f}"
+    )
 
 
 @pytest.mark.timeout(300)
-def test_with_checkfree_plus_a_lost_stage_0_comes_back_from_edge_copies_then_two_adjacent_losses_stop_training(swarm: Swarm):
+def test_with_checkfree_plus_a_lost_stage_0_comes_back_from_edge_copies_then_two_adjacent_losses_stop_training(
+    swarm: Swarm,
+):
     nodes = start_training_swarm(swarm, 3, [0, 1, 2])
     loss_at_kill = mean_loss(swarm.observe())
     killed_at = kill_stage(swarm, [nodes[0]])
@@ -413,8 +450,11 @@ def test_with_checkfree_plus_a_lost_stage_0_comes_back_from_edge_copies_then_two
 
     # every peer of stages 1 and 2 at once: each is the other's source, nothing can rebuild them
     kill_stage(swarm, [nodes[1], nodes[2]])
-    snap = wait_for(lambda: (s := swarm.observe()) and s["unrecoverable"] and s, 40,
-                    lambda: f"not reported unrecoverable: {swarm.observe()['stages']}")
+    snap = wait_for(
+        lambda: (s := swarm.observe()) and s["unrecoverable"] and s,
+        40,
+        lambda: f"not reported unrecoverable: {swarm.observe()['stages']}",
+    )
     assert [s["status"] for s in snap["stages"]] == ["single", "unrecoverable", "unrecoverable"]
     assert "lost at the same time" in snap["unrecoverable"]
     assert any(e["kind"] == "unrecoverable" for e in snap["events"])

@@ -32,14 +32,20 @@ def total_steps(snap: dict, stage: int = 0) -> int:
 def test_three_by_two_swarm_trains_and_survives_a_killed_peer(swarm: Swarm):
     swarm.bootstrap("--num-stages", "3", "--heartbeat-period", "1", "--heartbeat-ttl", "5")
     nodes = [swarm.join(f"peer{i}", "--stage", str(i % 3), "--threads", "1", "--quiet") for i in range(6)]
-    wait_for(lambda: sum(map(len, peers_by_stage(swarm.observe()).values())) == 6, 120,
-             lambda: "peers never came online:\n" + "\n".join(n.log()[-1500:] for n in nodes))
+    wait_for(
+        lambda: sum(map(len, peers_by_stage(swarm.observe()).values())) == 6,
+        120,
+        lambda: "peers never came online:\n" + "\n".join(n.log()[-1500:] for n in nodes),
+    )
 
     first = wait_for(lambda: (s := swarm.observe()) and mean_loss(s) is not None and s, 60, "no loss reported")
     initial_loss = mean_loss(first)
     ln_vocab = math.log(256)
-    wait_for(lambda: (loss := mean_loss(swarm.observe())) is not None and loss < 2.2, 150,
-             lambda: f"loss did not fall below 2.2 (started at {initial_loss:.3f})")
+    wait_for(
+        lambda: (loss := mean_loss(swarm.observe())) is not None and loss < 2.2,
+        150,
+        lambda: f"loss did not fall below 2.2 (started at {initial_loss:.3f})",
+    )
     trained = swarm.observe()
     loss_before_kill = mean_loss(trained)
     print(f"stage-0 loss: first report {initial_loss:.3f}, then {loss_before_kill:.3f} (ln V = {ln_vocab:.3f})")
@@ -52,8 +58,11 @@ def test_three_by_two_swarm_trains_and_survives_a_killed_peer(swarm: Swarm):
     victim.process.wait()
     steps_at_kill = total_steps(trained)
     time.sleep(8)
-    later = wait_for(lambda: (s := swarm.observe()) and total_steps(s) >= steps_at_kill + 20 and s, 90,
-                     "training stalled after a peer was killed")
+    later = wait_for(
+        lambda: (s := swarm.observe()) and total_steps(s) >= steps_at_kill + 20 and s,
+        90,
+        "training stalled after a peer was killed",
+    )
     loss_after = mean_loss(later)
     print(f"after kill: stage-0 steps {steps_at_kill} -> {total_steps(later)}, loss {loss_after:.3f}")
     assert loss_after is not None and loss_after < 2.5

@@ -79,7 +79,14 @@ def test_average_keeps_dtype_and_rejects_mismatches():
 
 # ------------------------------------------------------------------ CheckFree+ order
 
-EXPECTED_ODD = {1: [[1]], 2: [[2, 1]], 3: [[2, 1, 3], [1, 3, 2]], 4: [[2, 1, 4, 3]], 5: [[2, 1, 3, 5, 4]], 6: [[2, 1, 3, 4, 6, 5]]}
+EXPECTED_ODD = {
+    1: [[1]],
+    2: [[2, 1]],
+    3: [[2, 1, 3], [1, 3, 2]],
+    4: [[2, 1, 4, 3]],
+    5: [[2, 1, 3, 5, 4]],
+    6: [[2, 1, 3, 4, 6, 5]],
+}
 
 
 @pytest.mark.parametrize("S", range(1, 7))
@@ -123,7 +130,13 @@ def test_plan_checkfree(plus):
     plans = {i: plan_rebuild(i, S5, "checkfree", plus) for i in range(S5)}
     for i in (2, 3, 4):
         p = plans[i]
-        assert (p.action, p.sources, p.fetch, p.scale_lr, p.fresh_optimizer) == ("average", (i - 1, i + 1), "weights", True, True)
+        assert (p.action, p.sources, p.fetch, p.scale_lr, p.fresh_optimizer) == (
+            "average",
+            (i - 1, i + 1),
+            "weights",
+            True,
+            True,
+        )
     if plus:
         assert (plans[1].action, plans[1].sources) == ("copy", (2,))
         assert (plans[5].action, plans[5].sources) == ("copy", (4,))
@@ -166,7 +179,10 @@ def test_unrecoverable_cases():
     assert ok([2, 4], plus=False)
     assert not ok([1], n=2) and ok([0], n=2) and not ok([0, 1], n=2)
     assert ok([1, 3], n=4) and not ok([1, 2], n=4)  # S = 3: stages 1 and 3 both copy stage 2
-    assert unrecoverable({3, 4}, S5, "checkfree", True) == "stage 3: it is rebuilt from stage(s) [4], lost at the same time"
+    assert (
+        unrecoverable({3, 4}, S5, "checkfree", True)
+        == "stage 3: it is rebuilt from stage(s) [4], lost at the same time"
+    )
     assert "copies are held by stage(s) [1]" in unrecoverable({0, 1}, S5, "checkfree", True)
     # copy: i copies i+1, so {i, i+1} fails but {i-1, i+1} works
     assert not ok([2, 3], "copy") and ok([2, 4], "copy") and not ok([0], "copy", plus=False)
@@ -201,7 +217,9 @@ def test_execute_checkfree_average_and_copy():
         execute_rebuild(plan_rebuild(1, S5, "checkfree", False), {2: fetched[2]}, None, None)
     # a neighbour serving the wrong module or NaN weights is caught
     with pytest.raises(ValueError, match="missing"):
-        execute_rebuild(plan_rebuild(1, S5, "copy", True), {2: ({"x": torch.zeros(1)}, 0.1)}, lambda: block_state(0), None)
+        execute_rebuild(
+            plan_rebuild(1, S5, "copy", True), {2: ({"x": torch.zeros(1)}, 0.1)}, lambda: block_state(0), None
+        )
     poisoned = {**states[4], "layers.0.norm.weight": torch.full((4,), float("nan"))}
     with pytest.raises(ValueError, match="NaN"):
         execute_rebuild(plan_rebuild(3, S5, "copy", True), {4: (poisoned, 0.1)}, None, None)

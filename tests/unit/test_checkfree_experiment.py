@@ -35,10 +35,10 @@ import numpy as np
 import pytest
 import torch
 
-from node.recovery.checkfree import execute_rebuild, plan_rebuild, recovered_lr_scale
 from node.config import RecoveryStrategy, load_config
 from node.model.llama import build_stage
 from node.pipeline.stage_worker import StageWorker
+from node.recovery.checkfree import execute_rebuild, plan_rebuild, recovered_lr_scale
 
 TRAIN_STEPS = 300
 RECOVERY_STEPS = 20
@@ -71,13 +71,26 @@ class SecondOrderMarkov:
 
 
 def experiment_config(seed: int):
-    return load_config(None, swarm_id="checkfree-experiment", seed=seed, num_stages=NUM_STAGES, **{
-        "model.vocab_size": 32, "model.hidden_size": 64, "model.intermediate_size": 128,
-        "model.num_attention_heads": 4, "model.num_key_value_heads": 4,
-        "training.microbatch_size": BATCH, "training.sequence_length": SEQ, "training.microbatches_per_step": 1,
-        "training.learning_rate": 3e-3, "training.warmup_steps": 20, "training.total_steps": 2000,
-        "recovery.checkfree_plus": False,  # a middle stage: plain CheckFree, normal pipeline order
-    })
+    return load_config(
+        None,
+        swarm_id="checkfree-experiment",
+        seed=seed,
+        num_stages=NUM_STAGES,
+        **{
+            "model.vocab_size": 32,
+            "model.hidden_size": 64,
+            "model.intermediate_size": 128,
+            "model.num_attention_heads": 4,
+            "model.num_key_value_heads": 4,
+            "training.microbatch_size": BATCH,
+            "training.sequence_length": SEQ,
+            "training.microbatches_per_step": 1,
+            "training.learning_rate": 3e-3,
+            "training.warmup_steps": 20,
+            "training.total_steps": 2000,
+            "recovery.checkfree_plus": False,  # a middle stage: plain CheckFree, normal pipeline order
+        },
+    )
 
 
 class Pipeline:
@@ -137,7 +150,9 @@ def run_experiment(seed: int) -> dict[str, float]:
                 worker.optimizer.load_state_dict(copy.deepcopy(opt))
                 worker.inner_step = TRAIN_STEPS
             plan = plan_rebuild(LOST, NUM_STAGES, strategy, checkfree_plus=False)
-            rebuilt = execute_rebuild(plan, fetched, lambda: build_stage(config, LOST, init_seed=seed + 1000).state_dict(), None)
+            rebuilt = execute_rebuild(
+                plan, fetched, lambda: build_stage(config, LOST, init_seed=seed + 1000).state_dict(), None
+            )
             pipe.workers[LOST].load_state_dict(rebuilt, fresh_optimizer=True)
             pipe.workers[LOST].set_lr_scale(recovered_lr_scale(config.recovery.lr_scale, plan))
             results[strategy] = pipe.eval_loss(eval_batches)
@@ -156,8 +171,11 @@ def test_checkfree_average_beats_copy_and_random_is_a_skipped_stage():
     torch.set_num_threads(1)
     start = time.perf_counter()
     r = run_experiment(seed=0)
-    print("\ncheckfree experiment (nats):", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()},
-          f"{time.perf_counter() - start:.1f} s")
+    print(
+        "\ncheckfree experiment (nats):",
+        {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()},
+        f"{time.perf_counter() - start:.1f} s",
+    )
 
     # the setting is meaningful: stage 2 carries real function, training converged past the ln V start
     assert r["no_failure"] < np.log(32) - 1.0
@@ -188,13 +206,27 @@ MARGIN_DAMAGE = 0.006
 
 
 def repeated_config(seed: int, hidden: int, layers: int, block_stages: int, total_steps: int):
-    return load_config(None, swarm_id="checkfree-repeated", seed=seed, num_stages=block_stages + 1, **{
-        "model.vocab_size": 32, "model.hidden_size": hidden, "model.intermediate_size": 2 * hidden,
-        "model.num_attention_heads": 4, "model.num_key_value_heads": 4, "model.layers_per_stage": layers,
-        "training.microbatch_size": BATCH, "training.sequence_length": SEQ, "training.microbatches_per_step": 1,
-        "training.learning_rate": 3e-3, "training.warmup_steps": 20, "training.total_steps": total_steps,
-        "recovery.checkfree_plus": False,
-    })
+    return load_config(
+        None,
+        swarm_id="checkfree-repeated",
+        seed=seed,
+        num_stages=block_stages + 1,
+        **{
+            "model.vocab_size": 32,
+            "model.hidden_size": hidden,
+            "model.intermediate_size": 2 * hidden,
+            "model.num_attention_heads": 4,
+            "model.num_key_value_heads": 4,
+            "model.layers_per_stage": layers,
+            "training.microbatch_size": BATCH,
+            "training.sequence_length": SEQ,
+            "training.microbatches_per_step": 1,
+            "training.learning_rate": 3e-3,
+            "training.warmup_steps": 20,
+            "training.total_steps": total_steps,
+            "recovery.checkfree_plus": False,
+        },
+    )
 
 
 def failure_schedule(seed: int, steps: int, fail_prob: float, block_stages: int) -> list[tuple[int, int]]:
@@ -206,8 +238,15 @@ def failure_schedule(seed: int, steps: int, fail_prob: float, block_stages: int)
     return [(t, int(stages[t])) for t in range(steps) if fails[t]]
 
 
-def run_repeated_failures(seed: int, hidden: int = 64, layers: int = 1, block_stages: int = 4,
-                          pretrain: int = 200, steps: int = 200, fail_prob: float = 0.03) -> dict:
+def run_repeated_failures(
+    seed: int,
+    hidden: int = 64,
+    layers: int = 1,
+    block_stages: int = 4,
+    pretrain: int = 200,
+    steps: int = 200,
+    fail_prob: float = 0.03,
+) -> dict:
     """Pretrain `pretrain` steps (shared), then `steps` more per strategy under the failure schedule.
 
     Returns per strategy: `after` (loss right after each rebuild), `before` (loss just before each
@@ -227,7 +266,7 @@ def run_repeated_failures(seed: int, hidden: int = 64, layers: int = 1, block_st
         weights = [w.state_dict() for w in pipe.workers]
         optimizers = [copy.deepcopy(w.optimizer.state_dict()) for w in pipe.workers]
         results: dict = {"pretrained": pipe.eval_loss(eval_batches), "schedule": schedule}
-        for strategy in (None,) + STRATEGIES:
+        for strategy in (None, *STRATEGIES):
             for worker, sd, opt in zip(pipe.workers, weights, optimizers):  # every run starts from the same point
                 worker.load_state_dict(sd, fresh_optimizer=False)
                 worker.optimizer.load_state_dict(copy.deepcopy(opt))
@@ -240,10 +279,14 @@ def run_repeated_failures(seed: int, hidden: int = 64, layers: int = 1, block_st
                 lost = failures.get(step)
                 if lost is not None:
                     before.append(pipe.eval_loss(eval_batches))
-                    fetched = {s: (pipe.workers[s].state_dict(), pipe.workers[s].last_grad_norm) for s in (lost - 1, lost + 1)}
+                    fetched = {
+                        s: (pipe.workers[s].state_dict(), pipe.workers[s].last_grad_norm) for s in (lost - 1, lost + 1)
+                    }
                     plan = plan_rebuild(lost, num_stages, strategy, checkfree_plus=False)
                     init_seed = seed + 1000 + rebuilds
-                    rebuilt = execute_rebuild(plan, fetched, lambda: build_stage(config, lost, init_seed=init_seed).state_dict(), None)
+                    rebuilt = execute_rebuild(
+                        plan, fetched, lambda: build_stage(config, lost, init_seed=init_seed).state_dict(), None
+                    )
                     pipe.workers[lost].load_state_dict(rebuilt, fresh_optimizer=True)
                     pipe.workers[lost].set_lr_scale(recovered_lr_scale(config.recovery.lr_scale, plan))
                     after.append(pipe.eval_loss(eval_batches))
@@ -276,8 +319,11 @@ def test_repeated_failures_checkfree_rebuild_hurts_less_than_copy():
     after = {s: float(np.mean(r[s]["after"])) for s in STRATEGIES}
     damage = {s: float(np.mean(np.subtract(r[s]["after"], r[s]["before"]))) for s in STRATEGIES}
     final = {s: r[s]["final"] for s in STRATEGIES}
-    print(f"\nrepeated failures (nats), {len(r['schedule'])} failures, no_failure {r['no_failure']:.4f}:",
-          {"after": after, "damage": damage, "final": final}, f"{time.process_time() - start:.1f} s CPU")
+    print(
+        f"\nrepeated failures (nats), {len(r['schedule'])} failures, no_failure {r['no_failure']:.4f}:",
+        {"after": after, "damage": damage, "final": final},
+        f"{time.process_time() - start:.1f} s CPU",
+    )
 
     assert len(r["schedule"]) >= 5
     assert r["no_failure"] < r["pretrained"] - 0.3  # the phase trains: failures interrupt real learning

@@ -75,8 +75,9 @@ def test_the_default_config_hash_is_unchanged_so_older_peers_still_agree():
 
 def test_the_hash_is_sha256_of_the_canonical_json_with_the_protocol_version():
     config = SwarmConfig()
-    canonical = json.dumps({"protocol_version": PROTOCOL_VERSION, **config.to_dict()}, sort_keys=True,
-                           separators=(",", ":"))
+    canonical = json.dumps(
+        {"protocol_version": PROTOCOL_VERSION, **config.to_dict()}, sort_keys=True, separators=(",", ":")
+    )
     assert config.config_hash() == hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
@@ -89,7 +90,9 @@ def test_enum_fields_hold_members_of_their_enums_and_travel_as_plain_strings():
     config = SwarmConfig()
     assert type(config.gossip.mode) is GossipMode and config.gossip.mode is GossipMode.NOLOCO
     assert type(config.recovery.strategy) is RecoveryStrategy and config.recovery.strategy is RecoveryStrategy.CHECKFREE
-    assert type(config.training.wire_compression) is Compression and config.training.wire_compression is Compression.FP16
+    assert (
+        type(config.training.wire_compression) is Compression and config.training.wire_compression is Compression.FP16
+    )
     raw = config.to_dict()
     for value in (raw["gossip"]["mode"], raw["recovery"]["strategy"], raw["training"]["wire_compression"]):
         assert type(value) is str
@@ -123,8 +126,10 @@ def test_the_hash_does_not_depend_on_key_order_or_on_a_transport_round_trip():
 
 
 def test_an_integer_written_for_a_float_hashes_like_the_float():
-    assert SwarmConfig.from_dict({"training": {"learning_rate": 1}}).config_hash() == \
-        SwarmConfig.from_dict({"training": {"learning_rate": 1.0}}).config_hash()
+    assert (
+        SwarmConfig.from_dict({"training": {"learning_rate": 1}}).config_hash()
+        == SwarmConfig.from_dict({"training": {"learning_rate": 1.0}}).config_hash()
+    )
 
 
 def other_value(key: str, value: Any) -> Any:
@@ -225,46 +230,57 @@ def test_a_section_or_the_config_must_be_a_table():
         SwarmConfig.from_dict([("seed", 1)])  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("raw, message", [
-    ({"num_stages": "3"}, "num_stages: expected int, got str"),
-    ({"num_stages": 3.0}, "num_stages: expected int, got float"),
-    ({"swarm_id": 5}, "swarm_id: expected str, got int"),
-    ({"training": {"learning_rate": "fast"}}, "training.learning_rate: expected float, got str"),
-    ({"recovery": {"checkfree_plus": 1}}, "recovery.checkfree_plus: expected bool, got int"),
-    ({"recovery": {"checkfree_plus": "yes"}}, "recovery.checkfree_plus: expected bool, got str"),
-    ({"gossip": {"pull": "half"}}, "gossip.pull: expected float, got str"),
-    ({"model": {"vocab_size": [256]}}, "model.vocab_size: expected int, got list"),
-])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"num_stages": "3"}, "num_stages: expected int, got str"),
+        ({"num_stages": 3.0}, "num_stages: expected int, got float"),
+        ({"swarm_id": 5}, "swarm_id: expected str, got int"),
+        ({"training": {"learning_rate": "fast"}}, "training.learning_rate: expected float, got str"),
+        ({"recovery": {"checkfree_plus": 1}}, "recovery.checkfree_plus: expected bool, got int"),
+        ({"recovery": {"checkfree_plus": "yes"}}, "recovery.checkfree_plus: expected bool, got str"),
+        ({"gossip": {"pull": "half"}}, "gossip.pull: expected float, got str"),
+        ({"model": {"vocab_size": [256]}}, "model.vocab_size: expected int, got list"),
+    ],
+)
 def test_wrong_types_are_refused_with_the_key_and_both_types(raw, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         SwarmConfig.from_dict(raw)
 
 
-@pytest.mark.parametrize("raw, message", [
-    ({"seed": True}, "seed: expected int, got bool"),
-    ({"model": {"layers_per_stage": False}}, "model.layers_per_stage: expected int, got bool"),
-    ({"heartbeat": {"period": True}}, "heartbeat.period: expected float, got bool"),
-    ({"gossip": {"pull": False}}, "gossip.pull: expected float, got bool"),
-])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"seed": True}, "seed: expected int, got bool"),
+        ({"model": {"layers_per_stage": False}}, "model.layers_per_stage: expected int, got bool"),
+        ({"heartbeat": {"period": True}}, "heartbeat.period: expected float, got bool"),
+        ({"gossip": {"pull": False}}, "gossip.pull: expected float, got bool"),
+    ],
+)
 def test_a_bool_is_never_taken_for_a_number(raw, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         SwarmConfig.from_dict(raw)
 
 
 def test_numbers_accepted_where_a_float_or_an_optional_float_is_expected():
-    config = SwarmConfig.from_dict({"training": {"learning_rate": 1}, "gossip": {"pull": 0}, "recovery": {"checkfree_plus": False}})
+    config = SwarmConfig.from_dict(
+        {"training": {"learning_rate": 1}, "gossip": {"pull": 0}, "recovery": {"checkfree_plus": False}}
+    )
     assert config.training.learning_rate == 1.0 and type(config.training.learning_rate) is float
     assert config.gossip.pull == 0.0 and type(config.gossip.pull) is float and config.gossip.pull_coefficient == 0.0
     assert config.recovery.checkfree_plus is False
     assert SwarmConfig.from_dict({"gossip": {"pull": None}}).gossip.pull is None
 
 
-@pytest.mark.parametrize("key, bad, choices", [
-    ("gossip.mode", "gossip", "noloco, diloco, none"),
-    ("recovery.strategy", "CheckFree", "checkfree, copy, random, checkpoint"),
-    ("training.wire_compression", "zstd", "none, fp16, bf16, int8"),
-    ("gossip.mode", 1, "noloco, diloco, none"),
-])
+@pytest.mark.parametrize(
+    "key, bad, choices",
+    [
+        ("gossip.mode", "gossip", "noloco, diloco, none"),
+        ("recovery.strategy", "CheckFree", "checkfree, copy, random, checkpoint"),
+        ("training.wire_compression", "zstd", "none, fp16, bf16, int8"),
+        ("gossip.mode", 1, "noloco, diloco, none"),
+    ],
+)
 def test_an_invalid_enum_value_names_the_key_and_lists_the_choices(key, bad, choices):
     with pytest.raises(ConfigError, match=re.escape(f"{key}: {bad!r} is not one of {choices}")):
         with_value(key, bad)
@@ -306,7 +322,9 @@ def test_load_config_layers_defaults_then_the_toml_file_then_overrides(tmp_path)
     assert from_file.gossip.inner_steps == GossipConfig().inner_steps
     assert from_file.swarm_id == SwarmConfig().swarm_id and from_file.model == ModelConfig()
 
-    flagged = load_config(path, num_stages=5, swarm_id="other", **{"training.learning_rate": 0.02, "heartbeat.ttl": 30.0})
+    flagged = load_config(
+        path, num_stages=5, swarm_id="other", **{"training.learning_rate": 0.02, "heartbeat.ttl": 30.0}
+    )
     assert (flagged.num_stages, flagged.swarm_id, flagged.seed) == (5, "other", 7)
     assert flagged.training.learning_rate == 0.02 and flagged.training.wire_compression is Compression.INT8
     assert flagged.heartbeat == HeartbeatConfig(period=5.0, ttl=30.0)
@@ -316,7 +334,9 @@ def test_load_config_layers_defaults_then_the_toml_file_then_overrides(tmp_path)
 def test_none_overrides_are_ignored_like_flags_left_out(tmp_path):
     path = tmp_path / "swarm.toml"
     path.write_text(TOML)
-    assert load_config(path, num_stages=None, seed=None, **{"heartbeat.ttl": None, "training.learning_rate": None}) == load_config(path)
+    assert load_config(
+        path, num_stages=None, seed=None, **{"heartbeat.ttl": None, "training.learning_rate": None}
+    ) == load_config(path)
     assert load_config(None, swarm_id=None, **{"heartbeat.period": None}) == SwarmConfig()
 
 
@@ -387,13 +407,20 @@ def test_docs_config_md_is_the_generated_reference():
     expected = render_reference()
     actual = REFERENCE.read_text(encoding="utf-8") if REFERENCE.exists() else ""
     if actual != expected:
-        diff = "".join(list(difflib.unified_diff(
-            actual.splitlines(keepends=True), expected.splitlines(keepends=True), "docs/config.md", "generated"))[:60])
+        diff = "".join(
+            list(
+                difflib.unified_diff(
+                    actual.splitlines(keepends=True), expected.splitlines(keepends=True), "docs/config.md", "generated"
+                )
+            )[:60]
+        )
         pytest.fail(f"docs/config.md is out of date; regenerate it with `{REGENERATE}`\n{diff}")
 
 
 def test_the_documented_regeneration_command_prints_the_reference():
-    result = subprocess.run([sys.executable, "-m", "node.config"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "node.config"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout == render_reference()
 

@@ -53,9 +53,14 @@ def peer(key: str, stage: int, *, loss=None, throughput=10.0, updated=T0 - 3, ve
 
 def snapshot(time: float = T0, *, drop: tuple[str, ...] = (), loss_a: float = 3.5) -> dict:
     """3 stages: stage 0 with peers a, b; stage 1 with only c (single); stage 2 empty."""
-    stage0 = [p for p in (peer("a", 0, loss=loss_a, throughput=30.0),
-                          peer("b", 0, loss=loss_a + 0.2, throughput=20.0, updated=time - 20, version="0.0.9"))
-              if p["name"][-1] not in drop]
+    stage0 = [
+        p
+        for p in (
+            peer("a", 0, loss=loss_a, throughput=30.0),
+            peer("b", 0, loss=loss_a + 0.2, throughput=20.0, updated=time - 20, version="0.0.9"),
+        )
+        if p["name"][-1] not in drop
+    ]
     stage1 = [p for p in (peer("c", 1, throughput=12.5),) if p["name"][-1] not in drop]
     return {
         "time": time,
@@ -66,14 +71,24 @@ def snapshot(time: float = T0, *, drop: tuple[str, ...] = (), loss_a: float = 3.
         "model_parameters": 1_234_567,
         "loss_floor": 2.125,
         "stages": [
-            {"stage": 0, "status": "ok" if len(stage0) > 1 else "single",
-             "throughput": sum(p["throughput"] for p in stage0), "peers": stage0},
+            {
+                "stage": 0,
+                "status": "ok" if len(stage0) > 1 else "single",
+                "throughput": sum(p["throughput"] for p in stage0),
+                "peers": stage0,
+            },
             {"stage": 1, "status": "single", "throughput": 12.5, "peers": stage1},
             {"stage": 2, "status": "empty", "throughput": 0.0, "peers": []},
         ],
         "events": [
             {"time": T0 - 60, "kind": "ban", "peer_id": IDS["d"], "stage": 2, "detail": "sent a NaN gradient"},
-            {"time": T0 - 30, "kind": "gossip_failure", "peer_id": IDS["b"], "stage": 0, "detail": "timeout to CCCCccc3"},
+            {
+                "time": T0 - 30,
+                "kind": "gossip_failure",
+                "peer_id": IDS["b"],
+                "stage": 0,
+                "detail": "timeout to CCCCccc3",
+            },
         ],
         "software_version": "0.1.0",
     }
@@ -154,8 +169,9 @@ def test_live_frame_fits_the_screen():
     snap = snapshot()
     many = [peer("a", 0, loss=3.0, peer_id=PREFIX + f"X{i:07d}", name=f"h{i}") for i in range(60)]
     snap["stages"][0]["peers"] = many
-    snap["events"] = [{"time": T0 - i, "kind": "join", "peer_id": None, "stage": 0, "detail": f"e{i}"}
-                      for i in range(100)]
+    snap["events"] = [
+        {"time": T0 - i, "kind": "join", "peer_id": None, "stage": 0, "detail": f"e{i}"} for i in range(100)
+    ]
     state = state_of(snap)
     for width, height in ((140, 40), (70, 30), (50, 24), (40, 16)):
         out = text_of(render(state, width, height), width, height)
@@ -214,8 +230,7 @@ def test_state_derives_join_leave_and_lost():
 
 
 def test_a_peer_that_leaves_twice_is_two_leave_events():
-    state = state_of(snapshot(T0), snapshot(T0 + 10, drop=("b",)), snapshot(T0 + 20),
-                     snapshot(T0 + 30, drop=("b",)))
+    state = state_of(snapshot(T0), snapshot(T0 + 10, drop=("b",)), snapshot(T0 + 20), snapshot(T0 + 30, drop=("b",)))
     derived = [(e["kind"], e["time"]) for e in state.events if e.get("derived") and e.get("peer_id") == IDS["b"]]
     assert derived == [("leave", T0 + 10), ("join", T0 + 20), ("leave", T0 + 30)]
 
@@ -256,7 +271,10 @@ def test_loss_history_tracks_stage0_mean():
 
 def test_sort_and_filter():
     state = state_of(snapshot())
-    order = lambda: [p["name"] for p in state.visible_peers()]
+
+    def order() -> list[str]:
+        return [p["name"] for p in state.visible_peers()]
+
     assert state.sort_key == "stage" and order() == ["host-a", "host-b", "host-c"]
     assert state.cycle_sort() == "throughput" and order() == ["host-a", "host-b", "host-c"]
     state.snapshot["stages"][1]["peers"][0]["throughput"] = 99.0

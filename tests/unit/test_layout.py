@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ast
+import itertools
 import subprocess
 from pathlib import Path
 
@@ -137,7 +138,7 @@ def find_cycles(graph: Graph) -> list[list[str]]:
 
 
 def describe(cycle: list[str], graph: Graph) -> str:
-    hops = [cycle[0]] + [f"-> {b} ({', '.join(graph[a][b])})" for a, b in zip(cycle, cycle[1:])]
+    hops = [cycle[0]] + [f"-> {b} ({', '.join(graph[a][b])})" for a, b in itertools.pairwise(cycle)]
     return "  " + " ".join(hops)
 
 
@@ -148,7 +149,9 @@ def graph() -> Graph:
 
 def test_no_module_imports_a_module_that_imports_it_back(graph):
     cycles = find_cycles(graph)
-    assert not cycles, "import cycles (module -> imported module (where)):\n" + "\n".join(describe(c, graph) for c in cycles)
+    assert not cycles, "import cycles (module -> imported module (where)):\n" + "\n".join(
+        describe(c, graph) for c in cycles
+    )
 
 
 def layer_violations(graph: Graph) -> list[str]:
@@ -162,7 +165,9 @@ def layer_violations(graph: Graph) -> list[str]:
 
 def test_lower_layers_import_nothing_from_higher_ones(graph):
     offenders = layer_violations(graph)
-    assert not offenders, "protocol/ must not import dht/ or node/, dht/ must not import node/:\n" + "\n".join(offenders)
+    assert not offenders, "protocol/ must not import dht/ or node/, dht/ must not import node/:\n" + "\n".join(
+        offenders
+    )
 
 
 # node/'s subpackages in dependency order (docs/architecture.md): each may import the ones before it
@@ -236,8 +241,13 @@ def test_no_class_is_over_300_lines():
 def _scan_for(needle: str) -> list[str]:
     """`git grep` over tracked and untracked (not ignored) files; a plain scan without git."""
     try:
-        result = subprocess.run(["git", "grep", "-n", "-F", "--untracked", "-e", needle], cwd=ROOT,
-                                capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            ["git", "grep", "-n", "-F", "--untracked", "-e", needle],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if result.returncode in (0, 1):
             return result.stdout.splitlines()
     except (OSError, subprocess.SubprocessError):
@@ -289,8 +299,10 @@ def test_the_import_walker_sees_every_kind_of_import_and_finds_cycles(tmp_path):
     assert set(graph["node.c"]) == {"node.sub", "dht.records"}
     cycles = find_cycles(graph)
     assert cycles == [["dht.records", "protocol.wire", "dht.records"], ["node.sub.a", "node.sub.b", "node.sub.a"]]
-    assert describe(cycles[0], graph) == \
-        "  dht.records -> protocol.wire (dht/records.py:1) -> dht.records (protocol/wire.py:3)"
+    assert (
+        describe(cycles[0], graph)
+        == "  dht.records -> protocol.wire (dht/records.py:1) -> dht.records (protocol/wire.py:3)"
+    )
     assert layer_violations(graph) == ["  protocol.wire imports dht.records (protocol/wire.py:3)"]
 
 

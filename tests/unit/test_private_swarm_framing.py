@@ -25,8 +25,14 @@ class _Pipe:
 
 
 def _message() -> Message:
-    return Message(MessageKind.FORWARD, "s", 0, 7, {"microbatch_id": 1, "origin": "o", "path": ["o"], "order": [1], "hop": 1},
-                   {"hidden": torch.ones(1, 2, 4)})
+    return Message(
+        MessageKind.FORWARD,
+        "s",
+        0,
+        7,
+        {"microbatch_id": 1, "origin": "o", "path": ["o"], "order": [1], "hop": 1},
+        {"hidden": torch.ones(1, 2, 4)},
+    )
 
 
 async def _roundtrip(send_key: bytes | None, recv_key: bytes | None, tamper: bool = False) -> Message:
@@ -46,7 +52,7 @@ def test_same_key_passes_and_every_other_combination_is_refused_before_decoding(
     got = asyncio.run(_roundtrip(key, key))
     assert got.meta["microbatch_id"] == 1 and torch.equal(got.tensors["hidden"], torch.ones(1, 2, 4))
     for send_key, recv_key in ((other, key), (None, key)):
-        with pytest.raises(ProtocolError, match="authentication|MAC"):
+        with pytest.raises(ProtocolError, match=r"authentication|MAC"):
             asyncio.run(_roundtrip(send_key, recv_key))
     with pytest.raises(ProtocolError, match="authentication"):
         asyncio.run(_roundtrip(key, key, tamper=True))

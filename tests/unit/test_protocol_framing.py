@@ -48,6 +48,7 @@ def test_oversized_declared_length_rejected_without_reading() -> None:
         with pytest.raises(ProtocolError, match="max_frame_bytes"):
             await read_frame(reader)
         assert await reader.read(3) == b"abc"  # nothing past the header was consumed
+
     run(go())
 
 
@@ -57,14 +58,18 @@ def test_limit_is_inclusive() -> None:
         assert await read_frame(reader_with(header(100) + b"x" * 100), limits) == b"x" * 100
         with pytest.raises(ProtocolError, match="max_frame_bytes"):
             await read_frame(reader_with(header(101) + b"x" * 101), limits)
+
     run(go())
 
 
-@pytest.mark.parametrize("data", [header(10) + b"12345", header(10), b"\x00\x00\x00"], ids=["payload", "no-payload", "header"])
+@pytest.mark.parametrize(
+    "data", [header(10) + b"12345", header(10), b"\x00\x00\x00"], ids=["payload", "no-payload", "header"]
+)
 def test_truncated_frame_is_protocol_error(data: bytes) -> None:
     async def go() -> None:
         with pytest.raises(ProtocolError, match="stream closed mid-frame"):
             await read_frame(reader_with(data))
+
     run(go())
 
 
@@ -77,6 +82,7 @@ def test_eof_at_frame_boundary_is_eoferror() -> None:
             await read_frame(reader)
         with pytest.raises(EOFError):
             await recv_message(reader_with(b""))
+
     run(go())
 
 
@@ -84,15 +90,27 @@ def test_garbage_frame_is_protocol_error() -> None:
     async def go() -> None:
         with pytest.raises(ProtocolError):
             await recv_message(reader_with(header(4) + b"\xc1\xc1\xc1\xc1"))
+
     run(go())
 
 
 def sample_messages() -> list[tuple[Message, str]]:
-    fwd = Message(MessageKind.FORWARD, SWARM, 0, 1,
-                  {"microbatch_id": 0, "origin": "p0", "path": ["p0"], "order": [0, 1], "hop": 0},
-                  {"hidden": torch.randn(4, 8, 16), "targets": torch.randint(0, 256, (4, 8))})
-    chunk = Message(MessageKind.GOSSIP_CHUNK, SWARM, 1, 2**64 - 1, {"round": 3, "index": 0, "offset": 0},
-                    {"chunk": torch.randn(300_000)})  # > 1 MiB: exercises drain and multi-read
+    fwd = Message(
+        MessageKind.FORWARD,
+        SWARM,
+        0,
+        1,
+        {"microbatch_id": 0, "origin": "p0", "path": ["p0"], "order": [0, 1], "hop": 0},
+        {"hidden": torch.randn(4, 8, 16), "targets": torch.randint(0, 256, (4, 8))},
+    )
+    chunk = Message(
+        MessageKind.GOSSIP_CHUNK,
+        SWARM,
+        1,
+        2**64 - 1,
+        {"round": 3, "index": 0, "offset": 0},
+        {"chunk": torch.randn(300_000)},
+    )  # > 1 MiB: exercises drain and multi-read
     return [(fwd, c) for c in COMPRESSIONS] + [(chunk, "none"), (Message(MessageKind.PING, SWARM, -1, 9), "none")]
 
 
@@ -142,6 +160,7 @@ def test_loopback_tcp_round_trip() -> None:
                     assert torch.equal(got.tensors[name], t)
                 else:
                     assert torch.allclose(got.tensors[name], t, atol=0.1, rtol=0.02)
+
     run(go(), timeout=20)
 
 

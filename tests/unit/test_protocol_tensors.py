@@ -24,7 +24,8 @@ shapes = array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=6)
 
 
 @st.composite
-def tensors(draw, dtypes=tuple(DTYPES.values())) -> torch.Tensor:
+def tensors(draw, dtypes: tuple[torch.dtype, ...] = ()) -> torch.Tensor:
+    dtypes = dtypes or tuple(DTYPES.values())
     dtype = draw(st.sampled_from(dtypes))
     shape = draw(shapes)
     if dtype in FLOATS:
@@ -53,7 +54,7 @@ def assert_codec_bounds(orig: torch.Tensor, dec: torch.Tensor, compression: str,
     else:
         absmax = torch.zeros_like(x)
         for start in range(0, x.numel(), block):
-            absmax[start:start + block] = x[start:start + block].abs().max()
+            absmax[start : start + block] = x[start : start + block].abs().max()
         # + 2**-142: a block whose absmax is float32-subnormal (< 127 * 2**-150) gets a scale that
         # underflows to 0, so its values decode as 0: an error below 2**-142
         bound = absmax / 127 * (1 + 1e-6) + x.abs() * out_eps + 2.0**-142
@@ -171,7 +172,8 @@ BAD_INT8 = [
 
 
 @pytest.mark.parametrize(
-    "int8,mutate", [(False, m) for _, m in BAD_TENSORS] + [(True, m) for _, m in BAD_INT8],
+    "int8,mutate",
+    [(False, m) for _, m in BAD_TENSORS] + [(True, m) for _, m in BAD_INT8],
     ids=[n for n, _ in BAD_TENSORS + BAD_INT8],
 )
 def test_rejects_malformed_tensor(int8: bool, mutate) -> None:
@@ -204,7 +206,11 @@ def test_huge_int8_block_does_not_pad() -> None:
 
 
 msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
     | st.binary(max_size=64),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
     max_leaves=12,
@@ -212,8 +218,12 @@ msgpack_values = st.recursive(
 
 
 @FUZZ
-@given(key=st.sampled_from(["dtype", "codec", "shape", "data", "block", "scales", "junk"]), value=msgpack_values,
-       int8=st.booleans(), drop=st.booleans())
+@given(
+    key=st.sampled_from(["dtype", "codec", "shape", "data", "block", "scales", "junk"]),
+    value=msgpack_values,
+    int8=st.booleans(),
+    drop=st.booleans(),
+)
 def test_fuzzed_fields_only_raise_protocol_error(key: str, value, int8: bool, drop: bool) -> None:
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     enc = _valid_int8() if int8 else _valid()

@@ -76,15 +76,24 @@ def test_nothing_moves_while_the_swarm_is_unrecoverable_whatever_else_holds():
 
 def test_only_online_peers_make_a_donor_and_one_must_stay_behind():
     # stage 2: one online peer and two joining ones; stage 3: one online and one rebuilding
-    swarm = {0: online(0, "a"), 1: [], 2: [peer("b", 2), peer("j1", 2, PeerState.JOINING), peer("j2", 2, PeerState.JOINING)],
-             3: [peer("d", 3), peer("r", 3, PeerState.REBUILDING)]}
+    swarm = {
+        0: online(0, "a"),
+        1: [],
+        2: [peer("b", 2), peer("j1", 2, PeerState.JOINING), peer("j2", 2, PeerState.JOINING)],
+        3: [peer("d", 3), peer("r", 3, PeerState.REBUILDING)],
+    }
     assert plan(swarm, {1: 9.0}) is None
     swarm[0] = online(0, "a", "a2")
     assert plan(swarm, {1: 9.0}) == Move(1, 0, "a")
 
 
 def test_the_most_populated_stage_gives_even_against_more_throughput():
-    swarm = {0: online(0, "a", "b", throughput=10.0), 1: [], 2: online(2, "c", "d", "e", throughput=0.1), 3: online(3, "f")}
+    swarm = {
+        0: online(0, "a", "b", throughput=10.0),
+        1: [],
+        2: online(2, "c", "d", "e", throughput=0.1),
+        3: online(3, "f"),
+    }
     assert plan(swarm, {1: 9.0}) == Move(1, 2, "c")
 
 
@@ -94,8 +103,11 @@ def test_a_tie_in_peers_and_throughput_goes_to_the_lower_stage():
 
 
 def test_the_mover_is_the_online_peer_with_the_lowest_id_of_the_donor():
-    swarm = {0: [peer("m", 0), peer("k", 0), peer("a", 0, PeerState.JOINING), peer("b", 0, PeerState.LEAVING)],
-             1: [], 2: online(2, "x")}
+    swarm = {
+        0: [peer("m", 0), peer("k", 0), peer("a", 0, PeerState.JOINING), peer("b", 0, PeerState.LEAVING)],
+        1: [],
+        2: online(2, "x"),
+    }
     assert plan(swarm, {1: 9.0}, num_stages=3) == Move(1, 0, "k")
 
 

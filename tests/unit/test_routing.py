@@ -114,7 +114,7 @@ def test_new_peer_enters_at_current_minimum():
 
 
 def test_new_peer_without_announced_throughput_uses_stage_median_then_its_announcement():
-    router, clock = make([rec("a", 2.0), rec("b", 4.0), rec("c", 6.0)])
+    router, _ = make([rec("a", 2.0), rec("b", 4.0), rec("c", 6.0)])
     router.update_peers([rec("a", 2.0), rec("b", 4.0), rec("c", 6.0), rec("d", 0.0)])
     assert router.throughput("d") == pytest.approx(4.0)
     router.update_peers([rec("a", 2.0), rec("b", 4.0), rec("c", 6.0), rec("d", 0.0)])
@@ -138,7 +138,7 @@ def test_vanished_and_non_online_peers_are_removed():
 
 
 def test_exclude_retries_elsewhere():
-    router, clock = make([rec("a", 1.0), rec("b", 5.0), rec("c", 2.0)])
+    router, _ = make([rec("a", 1.0), rec("b", 5.0), rec("c", 2.0)])
     assert router.choose() == "b"
     assert router.choose(exclude={"b"}) == "c"
     assert router.choose(exclude=["b", "c"]) == "a"
@@ -188,8 +188,13 @@ def test_router_refresh_filters_and_shares_bans():
     router = Router(random.Random(1), num_stages=3, clock=clock, dht_clock=dht_time)
     router.refresh(
         {
-            1: [rec("p1", stage=1), rec("j1", stage=1, state="joining"), rec("x2", stage=2),
-                rec("old", stage=1, expires=400.0), rec("live", stage=1, expires=600.0)],
+            1: [
+                rec("p1", stage=1),
+                rec("j1", stage=1, state="joining"),
+                rec("x2", stage=2),
+                rec("old", stage=1, expires=400.0),
+                rec("live", stage=1, expires=600.0),
+            ],
             2: [rec("p2", stage=2)],
             7: [rec("ignored", stage=7)],
         }

@@ -11,8 +11,9 @@ from dht.records import PeerRecord, PeerState
 from node.server.stage_choice import StageLoad, choose_stage, should_move, stage_loads
 
 
-def peer(pid: str, stage: int, state: PeerState = PeerState.JOINING, throughput: float = 1.0,
-         updated: float = 0.0) -> PeerRecord:
+def peer(
+    pid: str, stage: int, state: PeerState = PeerState.JOINING, throughput: float = 1.0, updated: float = 0.0
+) -> PeerRecord:
     return PeerRecord(peer_id=pid, stage=stage, state=state, throughput=throughput, updated=updated)
 
 
@@ -90,7 +91,10 @@ def test_joiners_announced_at_the_same_moment_are_ranked_by_peer_id():
 
 def test_the_gap_is_counted_in_peers_of_my_own_throughput():
     # one fast joiner (4.0) beside a slow online peer (1.0); stage 1 holds 0.5
-    swarm = {0: [peer("slow", 0, PeerState.ONLINE, 1.0), peer("fast", 0, throughput=4.0)], 1: [peer("x", 1, PeerState.ONLINE, 0.5)]}
+    swarm = {
+        0: [peer("slow", 0, PeerState.ONLINE, 1.0), peer("fast", 0, throughput=4.0)],
+        1: [peer("x", 1, PeerState.ONLINE, 0.5)],
+    }
     assert should_move(swarm, 2, swarm[0][1], random.Random(0)) == 1  # 5.0 - 4.0 = 1.0 > 0.5
     # the same joiner beside a faster stage 1: leaving would make my stage the weaker one
     swarm[1] = [peer("x", 1, PeerState.ONLINE, 1.0)]
@@ -105,7 +109,10 @@ def test_no_move_when_it_would_not_help(mine, other):
 
 
 def test_online_peers_never_move_only_joiners_do():
-    swarm = {0: [*(peer(f"o{i}", 0, PeerState.ONLINE, updated=200.0 + i) for i in range(3)), peer("me", 0, updated=1.0)], 1: []}
+    swarm = {
+        0: [*(peer(f"o{i}", 0, PeerState.ONLINE, updated=200.0 + i) for i in range(3)), peer("me", 0, updated=1.0)],
+        1: [],
+    }
     # gap = 2, but the only joining peer is me, though the oldest announcement: I move, nobody else
     assert movers(swarm, 2, 0) == {"me": 1}
     for online in swarm[0][:3]:

@@ -4,6 +4,7 @@ bad inputs, activation bookkeeping, lr schedule, staleness across a step, execut
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 
 import pytest
@@ -302,7 +303,7 @@ def test_lr_schedule_and_scale() -> None:
     assert lr_at(config, 110) == pytest.approx(1e-3)
     assert lr_at(config, 10_000) == pytest.approx(1e-3)  # flat afterwards
     values = [lr_at(config, s) for s in range(10, 111)]
-    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(values))
 
     w = StageWorker(config, 1, lr_scale=1.1)
     try:

@@ -45,22 +45,37 @@ def derive_events(previous: dict, current: dict) -> list[dict]:
         name = safe_text(peer.get("name"), 40)
         if key not in before:
             events.append(
-                {"time": now, "kind": DerivedEventKind.JOIN, "peer_id": peer.get("peer_id"),
-                 "stage": as_int(peer.get("stage")), "detail": f"{name} appeared" if name != "-" else "appeared"}
+                {
+                    "time": now,
+                    "kind": DerivedEventKind.JOIN,
+                    "peer_id": peer.get("peer_id"),
+                    "stage": as_int(peer.get("stage")),
+                    "detail": f"{name} appeared" if name != "-" else "appeared",
+                }
             )
         else:
             old_stage, new_stage = as_int(before[key].get("stage")), as_int(peer.get("stage"))
             if old_stage is not None and new_stage is not None and old_stage != new_stage:
                 events.append(
-                    {"time": now, "kind": DerivedEventKind.MOVE, "peer_id": peer.get("peer_id"), "stage": new_stage,
-                     "detail": f"stage {old_stage} -> {new_stage}"}
+                    {
+                        "time": now,
+                        "kind": DerivedEventKind.MOVE,
+                        "peer_id": peer.get("peer_id"),
+                        "stage": new_stage,
+                        "detail": f"stage {old_stage} -> {new_stage}",
+                    }
                 )
     for key, peer in before.items():
         if key not in after:
             name = safe_text(peer.get("name"), 40)
             events.append(
-                {"time": now, "kind": DerivedEventKind.LEAVE, "peer_id": peer.get("peer_id"),
-                 "stage": as_int(peer.get("stage")), "detail": f"{name} disappeared" if name != "-" else "disappeared"}
+                {
+                    "time": now,
+                    "kind": DerivedEventKind.LEAVE,
+                    "peer_id": peer.get("peer_id"),
+                    "stage": as_int(peer.get("stage")),
+                    "detail": f"{name} disappeared" if name != "-" else "disappeared",
+                }
             )
     old_status = {
         as_int(as_dict(e).get("stage")): stage_entry_status(as_dict(e)) for e in as_list(previous.get("stages"))
@@ -72,11 +87,25 @@ def derive_events(previous: dict, current: dict) -> list[dict]:
             continue
         was, status = old_status[stage], stage_entry_status(entry)
         if status in _GONE and was not in _GONE:
-            events.append({"time": now, "kind": EventKind.LOST, "peer_id": None, "stage": stage,
-                           "detail": f"stage {stage} is {status} (was {was or '-'})"})
+            events.append(
+                {
+                    "time": now,
+                    "kind": EventKind.LOST,
+                    "peer_id": None,
+                    "stage": stage,
+                    "detail": f"stage {stage} is {status} (was {was or '-'})",
+                }
+            )
         elif status == StageStatus.UNRECOVERABLE and was != StageStatus.UNRECOVERABLE:
-            events.append({"time": now, "kind": EventKind.UNRECOVERABLE, "peer_id": None, "stage": stage,
-                           "detail": f"stage {stage} is unrecoverable"})
+            events.append(
+                {
+                    "time": now,
+                    "kind": EventKind.UNRECOVERABLE,
+                    "peer_id": None,
+                    "stage": stage,
+                    "detail": f"stage {stage} is unrecoverable",
+                }
+            )
     return events
 
 

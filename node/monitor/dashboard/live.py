@@ -103,17 +103,20 @@ async def run_live(
         try:
             return render(state, size.width, size.height)
         except Exception as exc:  # a snapshot we failed to foresee: say so, keep running
-            return Panel(Text(f"cannot render this snapshot: {type(exc).__name__}: {safe_text(str(exc), 200)}\n"
-                              "q quits", style="bold red"), title="pipeswarm dashboard")
+            return Panel(
+                Text(
+                    f"cannot render this snapshot: {type(exc).__name__}: {safe_text(str(exc), 200)}\nq quits",
+                    style="bold red",
+                ),
+                title="pipeswarm dashboard",
+            )
 
     fd = _stdin_tty_fd()
     tasks = BackgroundTasks()
     with contextlib.ExitStack() as stack:
         if fd is not None:
             stack.enter_context(_cbreak(fd))
-        live = stack.enter_context(
-            Live(frame(), console=console, screen=True, auto_refresh=False, transient=False)
-        )
+        live = stack.enter_context(Live(frame(), console=console, screen=True, auto_refresh=False, transient=False))
         if fd is not None:
             loop.add_reader(fd, on_keys, fd)
             stack.callback(loop.remove_reader, fd)

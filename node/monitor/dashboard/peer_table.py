@@ -55,21 +55,35 @@ WIDE_COLUMNS = list(PeerColumn)
 DROP_ORDER = (C.VERSION, C.DIVERGENCE, C.PARTNER, C.LAST_SEEN, C.INNER_STEP, C.OUTER_ROUND, C.THROUGHPUT, C.NAME)
 
 HEADERS = {
-    C.PEER_ID: "peer", C.NAME: "name", C.STAGE: "stage", C.STATE: "state", C.THROUGHPUT: "thr",
-    C.INNER_STEP: "inner", C.OUTER_ROUND: "outer", C.PARTNER: "partner", C.DIVERGENCE: "diverg",
-    C.LOSS: "loss", C.VERSION: "version", C.LAST_SEEN: "seen",
+    C.PEER_ID: "peer",
+    C.NAME: "name",
+    C.STAGE: "stage",
+    C.STATE: "state",
+    C.THROUGHPUT: "thr",
+    C.INNER_STEP: "inner",
+    C.OUTER_ROUND: "outer",
+    C.PARTNER: "partner",
+    C.DIVERGENCE: "diverg",
+    C.LOSS: "loss",
+    C.VERSION: "version",
+    C.LAST_SEEN: "seen",
 }
 NUMERIC_COLUMNS = {C.STAGE, C.THROUGHPUT, C.INNER_STEP, C.OUTER_ROUND, C.DIVERGENCE, C.LOSS, C.LAST_SEEN}
 SORTED_COLUMN = {
-    PeerSortKey.STAGE: C.STAGE, PeerSortKey.THROUGHPUT: C.THROUGHPUT,
-    PeerSortKey.LOSS: C.LOSS, PeerSortKey.LAST_SEEN: C.LAST_SEEN,
+    PeerSortKey.STAGE: C.STAGE,
+    PeerSortKey.THROUGHPUT: C.THROUGHPUT,
+    PeerSortKey.LOSS: C.LOSS,
+    PeerSortKey.LAST_SEEN: C.LAST_SEEN,
 }
 DESCENDING = {PeerSortKey.THROUGHPUT, PeerSortKey.LAST_SEEN}
 MIN_WIDTH = {C.PEER_ID: 8}
 MAX_WIDTH = {C.NAME: 20}
 
 STATE_STYLES = {
-    PeerState.ONLINE: "green", PeerState.JOINING: "cyan", PeerState.LEAVING: "yellow", PeerState.REBUILDING: "magenta",
+    PeerState.ONLINE: "green",
+    PeerState.JOINING: "cyan",
+    PeerState.LEAVING: "yellow",
+    PeerState.REBUILDING: "magenta",
 }
 
 
@@ -136,8 +150,12 @@ def _grid(state: DashboardState, columns: list[PeerColumn], rows: list[list[Text
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), expand=False)
     for col, header in zip(columns, _headers(state, columns)):
         table.add_column(
-            header, justify="right" if col in NUMERIC_COLUMNS else "left", no_wrap=True, overflow="ellipsis",
-            min_width=MIN_WIDTH.get(col), max_width=MAX_WIDTH.get(col),
+            header,
+            justify="right" if col in NUMERIC_COLUMNS else "left",
+            no_wrap=True,
+            overflow="ellipsis",
+            min_width=MIN_WIDTH.get(col),
+            max_width=MAX_WIDTH.get(col),
         )
     for row in rows:
         table.add_row(*row)
@@ -185,6 +203,7 @@ def peer_table(state: DashboardState, width: int, max_rows: int | None = None) -
     table = _grid(state, columns, [[row[col] for col in columns] for row in rows])
     section = titled_section(title, table)
     if hidden:
-        section.renderables.append(Text(f"… {hidden} more (/ to filter)", style="dim", no_wrap=True,
-                                        overflow="ellipsis"))
+        section.renderables.append(
+            Text(f"… {hidden} more (/ to filter)", style="dim", no_wrap=True, overflow="ellipsis")
+        )
     return section

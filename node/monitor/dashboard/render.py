@@ -79,14 +79,23 @@ def _header(state: DashboardState, width: int, compact: bool = False) -> Rendera
     params = snapshot.get("model_parameters")
     throughput_text = human_count(total) if total is not None else "-"
     line1 = Text.assemble(
-        ("" if compact else "swarm ", "dim"), (safe_text(snapshot.get("swarm_id"), 48), "bold cyan"), sep,
+        ("" if compact else "swarm ", "dim"),
+        (safe_text(snapshot.get("swarm_id"), 48), "bold cyan"),
+        sep,
         ("" if compact else "model ", "dim"),
-        (human_count(params, "params") if as_float(params) is not None else "- params", "bold"), sep,
-        ("" if compact else "stages ", "dim"), (format_int(num_stages), "bold"), (" stages" if compact else "", "dim"),
+        (human_count(params, "params") if as_float(params) is not None else "- params", "bold"),
+        sep,
+        ("" if compact else "stages ", "dim"),
+        (format_int(num_stages), "bold"),
+        (" stages" if compact else "", "dim"),
     )
     peers_line = Text.assemble(
-        ("peers ", "dim"), (f"{online} online", "bold green" if online else "bold red"),
-        (f" / {len(peers)}", "dim"), sep, ("thr " if compact else "throughput ", "dim"), (throughput_text, "bold"),
+        ("peers ", "dim"),
+        (f"{online} online", "bold green" if online else "bold red"),
+        (f" / {len(peers)}", "dim"),
+        sep,
+        ("thr " if compact else "throughput ", "dim"),
+        (throughput_text, "bold"),
     )
     if compact:
         lines_top = [line1, peers_line]
@@ -108,22 +117,39 @@ def _header(state: DashboardState, width: int, compact: bool = False) -> Rendera
     if floor is not None and loss is not None and not compact:
         line2.append(f" (gap {loss - floor:+.3f})", style="dim")
     line3 = Text.assemble(
-        ("config ", "dim"), (safe_text(snapshot.get("config_hash"), 12)[:12], ""), sep,
-        ("protocol ", "dim"), (format_int(snapshot.get("protocol_version")), ""), sep,
-        ("observer ", "dim"), (safe_text(snapshot.get("software_version"), 24), ""), sep,
-        ("snapshot ", "dim"), (format_clock(snapshot.get("time")), ""),
+        ("config ", "dim"),
+        (safe_text(snapshot.get("config_hash"), 12)[:12], ""),
+        sep,
+        ("protocol ", "dim"),
+        (format_int(snapshot.get("protocol_version")), ""),
+        sep,
+        ("observer ", "dim"),
+        (safe_text(snapshot.get("software_version"), 24), ""),
+        sep,
+        ("snapshot ", "dim"),
+        (format_clock(snapshot.get("time")), ""),
     )
     lines: list[RenderableType] = [*lines_top, line2] + ([] if compact else [line3])
     if snapshot.get("unrecoverable"):
-        lines.append(Text(f"✗✗ UNRECOVERABLE without a checkpoint: {safe_text(snapshot.get('unrecoverable'))} "
-                          "(stage-0 peers have paused training)", style="bold white on red"))
+        lines.append(
+            Text(
+                f"✗✗ UNRECOVERABLE without a checkpoint: {safe_text(snapshot.get('unrecoverable'))} "
+                "(stage-0 peers have paused training)",
+                style="bold white on red",
+            )
+        )
     if state.error is not None:
         age = "" if state.updated_at is None else f" (last data {format_age(time.time() - state.updated_at)})"
         lines.append(Text(f"⟳ reconnecting: {state.error}{age}", style="bold red"))
     elif state.snapshot is None:
         lines.append(Text("waiting for the first snapshot…", style="yellow"))
-    return Panel(Group(*lines), title=Text("pipeswarm dashboard", style="bold"), title_align="left",
-                 box=box.ROUNDED, padding=(0, 1))
+    return Panel(
+        Group(*lines),
+        title=Text("pipeswarm dashboard", style="bold"),
+        title_align="left",
+        box=box.ROUNDED,
+        padding=(0, 1),
+    )
 
 
 def _stage_rows(snapshot: dict) -> list[tuple[int | None, dict | None]]:
@@ -180,12 +206,18 @@ def _stage_map(state: DashboardState, width: int, max_rows: int | None = None) -
     table.add_column("thr" if not show_bar else "", justify="right", no_wrap=True)
     table.add_column("status", no_wrap=True, overflow="ellipsis")
     if not rows:
-        table.add_row(Text("-", style="dim"), "-", *([""] if show_bar else []), "-",
-                      Text("no stages reported", style="dim"))
+        table.add_row(
+            Text("-", style="dim"), "-", *([""] if show_bar else []), "-", Text("no stages reported", style="dim")
+        )
     for stage, entry, throughput, status in rows:
         if entry is None:
-            table.add_row(str(stage), Text("-", style="dim"), *([Text("")] if show_bar else []),
-                          Text("-", style="dim"), Text("? no report", style="dim"))
+            table.add_row(
+                str(stage),
+                Text("-", style="dim"),
+                *([Text("")] if show_bar else []),
+                Text("-", style="dim"),
+                Text("? no report", style="dim"),
+            )
             continue
         peers = entry.get("peers")
         count = str(len(peers)) if isinstance(peers, list) else "-"
@@ -205,8 +237,9 @@ def _stage_map(state: DashboardState, width: int, max_rows: int | None = None) -
         table.add_row(*cells, cell(human_count(throughput)), Text(mark, style=style))
     section = titled_section(Text("stages", style="bold"), table)
     if hidden:
-        section.renderables.append(Text(f"… {hidden} more stages ({hidden_ok} ok)", style="dim", no_wrap=True,
-                                        overflow="ellipsis"))
+        section.renderables.append(
+            Text(f"… {hidden} more stages ({hidden_ok} ok)", style="dim", no_wrap=True, overflow="ellipsis")
+        )
     return section
 
 
@@ -242,7 +275,9 @@ def _events_table(state: DashboardState, width: int, max_rows: int | None = None
 def _footer(state: DashboardState) -> Text:
     if state.editing_filter:
         return Text.assemble(
-            ("filter: ", "bold yellow"), (state.filter_buffer, "bold"), ("▌", "blink"),
+            ("filter: ", "bold yellow"),
+            (state.filter_buffer, "bold"),
+            ("▌", "blink"),
             ("   Enter keep  Esc cancel  (id, name, or a stage number)", "dim"),
         )
     keys = [("q", "quit"), ("s", "sort"), ("/", "filter"), ("c", "clear filter")]
@@ -268,8 +303,15 @@ def render(state: DashboardState, width: int, height: int | None = None) -> Rend
     header = _header(state, width, compact=height is not None and height < COMPACT_HEIGHT)
     footer = _footer(state)
     if height is None:
-        return Group(header, _stage_map(state, width), Text(""), peer_table(state, width), Text(""),
-                     _events_table(state, width), footer)
+        return Group(
+            header,
+            _stage_map(state, width),
+            Text(""),
+            peer_table(state, width),
+            Text(""),
+            _events_table(state, width),
+            footer,
+        )
     height = max(int(height), 1)
     header_h, footer_h = _height(header, width), _height(footer, width)
     stage_map = _stage_map(state, width, max_rows=max(height // 4, 3))
@@ -290,8 +332,15 @@ def render(state: DashboardState, width: int, height: int | None = None) -> Rend
             peer_rows = n_peers
         event_rows = max(min(event_rows, n_events), 1)
         gap = [Text("")] if spacers else []
-        return Group(header, stage_map, *gap, peer_table(state, width, max_rows=peer_rows), *gap,
-                     _events_table(state, width, max_rows=event_rows), footer)
+        return Group(
+            header,
+            stage_map,
+            *gap,
+            peer_table(state, width, max_rows=peer_rows),
+            *gap,
+            _events_table(state, width, max_rows=event_rows),
+            footer,
+        )
     # a short screen: no events pane; the peers if they fit, else at least the stage map
     parts: list[RenderableType] = [header]
     if room >= peer_overhead + 2:

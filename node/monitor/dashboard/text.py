@@ -102,7 +102,7 @@ def format_float(value: Any, digits: int = 3) -> str:
     v = as_float(value)
     if v is None:
         return "-"
-    if v != 0 and (abs(v) >= 1e5 or abs(v) < 10 ** -digits):
+    if v != 0 and (abs(v) >= 1e5 or abs(v) < 10**-digits):
         return f"{v:.2e}"
     return f"{v:.{digits}f}"
 
@@ -140,7 +140,7 @@ def format_clock(timestamp: Any) -> str:
 
 def sparkline(values: Iterable[float], width: int) -> str:
     """A unicode sparkline of the last `width` values, scaled between their min and max."""
-    vals = [v for v in values if as_float(v) is not None][-max(width, 0):] if width > 0 else []
+    vals = [v for v in values if as_float(v) is not None][-max(width, 0) :] if width > 0 else []
     if not vals:
         return ""
     lo, hi = min(vals), max(vals)
