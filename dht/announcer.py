@@ -8,6 +8,10 @@ A peer that dies stops re-announcing and its record expires within the TTL; a pe
 cleanly overwrites its record with state `leaving`. The DHT never accepts an entry that expires
 earlier than the one it holds, so the farewell keeps the last expiration (plus a hair) and readers
 simply treat `leaving` peers as gone.
+
+The registry signs every announcement, expiration included, with this peer's identity key
+(dht/signing.py): only this peer can write, overwrite or expire its record, and no announcement may
+expire more than the swarm's TTL (+ clock slack) ahead, which `announce_now` never asks for.
 """
 
 from __future__ import annotations
@@ -103,7 +107,13 @@ class PeerAnnouncer:
         await self._announce_leaving()
         record = self._record
         record.stage, record.state = stage, PeerState.JOINING
-        record.inner_step, record.loss, record.grad_norm, record.divergence, record.last_partner = 0, None, None, None, None
+        record.inner_step, record.loss, record.grad_norm, record.divergence, record.last_partner = (
+            0,
+            None,
+            None,
+            None,
+            None,
+        )
         await self.announce_now()
         logger.info(f"moved from stage {old} to stage {stage}")
 

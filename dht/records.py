@@ -1,21 +1,25 @@
 """What peers publish in the DHT, and the strict reading of what strangers published.
 
-Two record kinds live under a swarm's keys:
-- the swarm config record (one, written by the bootstrapper): the config dict, its hash and the
-  protocol version;
+Three record kinds live under a swarm's keys:
+- the swarm config record (written by the swarm's founder, the bootstrapper, and re-published
+  verbatim by every peer): the config dict, its hash and the protocol version;
 - one peer record per peer, stored under its stage's key with the peer id as subkey, re-announced
-  by the heartbeat with an expiration of now + TTL, so a dead peer disappears on its own.
+  by the heartbeat with an expiration of now + TTL, so a dead peer disappears on its own;
+- swarm events (rebuilds, bans, lost stages), one subkey per event.
 
-Anything read from the DHT was written by someone we do not trust: `PeerRecord.from_wire` and
-`ConfigRecord.from_wire` check every field and raise `RecordError`; readers log and skip.
+Each is stored inside an envelope signed by the peer that wrote it (dht/signing.py); this module
+is the records' content. Anything read from the DHT was written by someone we do not trust:
+`PeerRecord.from_wire` and `ConfigRecord.from_wire` check every field and raise `RecordError`;
+readers log and skip.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
-from typing import Any, Mapping
+from typing import Any
 
 from protocol.plain import plain_dict
 
@@ -45,6 +49,7 @@ def short_peer_id(peer_id: Any, n: int = 8) -> str:
     if peer_id is None:
         return "-"
     return str(peer_id)[-n:]
+
 
 MAX_ID_CHARS = 128
 MAX_NAME_CHARS = 64
@@ -137,7 +142,7 @@ class PeerRecord:
         return wire
 
     @classmethod
-    def from_wire(cls, raw: Any, *, subkey: Any = None, stage: int | None = None, expires: float = 0.0) -> "PeerRecord":
+    def from_wire(cls, raw: Any, *, subkey: Any = None, stage: int | None = None, expires: float = 0.0) -> PeerRecord:
         """Validate a record read from the DHT. `subkey` and `stage` are where it was stored: a
         record must describe the peer and stage it is filed under, or someone is impersonating."""
         if not isinstance(raw, Mapping):
@@ -180,18 +185,24 @@ class PeerRecord:
 
 @dataclass(frozen=True)
 class ConfigRecord:
-    """The swarm config as published by the bootstrapper."""
+    """The swarm config as published by its founder (the bootstrapper)."""
 
     protocol_version: int
     config_hash: str
     config: dict[str, Any]
     software_version: str
+    # filled in by the reader from the DHT entry, never sent: who signed this config, and the signed
+    # envelope itself, which other peers re-publish verbatim (dht/signing.py)
+    founder: str = field(default="", compare=False)
+    envelope: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def to_wire(self) -> dict[str, Any]:
-        return asdict(self, dict_factory=plain_dict)
+        wire = asdict(self, dict_factory=plain_dict)
+        del wire["founder"], wire["envelope"]
+        return wire
 
     @classmethod
-    def from_wire(cls, raw: Any) -> "ConfigRecord":
+    def from_wire(cls, raw: Any, *, founder: str = "", envelope: dict[str, Any] | None = None) -> ConfigRecord:
         if not isinstance(raw, Mapping):
             raise RecordError(f"config record: expected a map, got {type(raw).__name__}")
         missing = {"protocol_version", "config_hash", "config"} - set(raw)
@@ -204,6 +215,8 @@ class ConfigRecord:
             config_hash=_check_str(raw["config_hash"], "config_hash", 64),
             config=dict(raw["config"]),
             software_version=_check_str(raw.get("software_version", ""), "software_version", 32),
+            founder=founder,
+            envelope=envelope,
         )
 
 
@@ -216,19 +229,23 @@ def _check_event_kind(value: Any) -> EventKind:
 
 @dataclass(frozen=True)
 class SwarmEvent:
-    """Something peers want the dashboard to list: a rebuild, a ban, a failed gossip round."""
+    """Something peers want the dashboard to list: a rebuild, a ban, a failed gossip round.
+
+    `peer_id` is the peer the event is about (a banned peer, a rebuilt stage's new owner);
+    `reporter` is the peer that published it and signed it, filled in by the registry."""
 
     time: float
     kind: EventKind
     peer_id: str
     stage: int | None
     detail: str
+    reporter: str = ""
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self, dict_factory=plain_dict)
 
     @classmethod
-    def from_wire(cls, raw: Any) -> "SwarmEvent":
+    def from_wire(cls, raw: Any) -> SwarmEvent:
         if not isinstance(raw, Mapping):
             raise RecordError(f"event: expected a map, got {type(raw).__name__}")
         stage = raw.get("stage")
@@ -238,4 +255,5 @@ class SwarmEvent:
             peer_id=_check_str(raw.get("peer_id", ""), "peer_id", MAX_ID_CHARS),
             stage=None if stage is None else _check_int(stage, "stage", 0, 1024),
             detail=_check_str(raw.get("detail", ""), "detail", 512),
+            reporter=_check_str(raw.get("reporter", ""), "reporter", MAX_ID_CHARS),
         )

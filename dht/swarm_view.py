@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from hivemind.utils import get_dht_time
 
@@ -57,8 +57,9 @@ class SwarmView:
         return None
 
     async def refresh(self) -> None:
-        self.peers_by_stage = merge_reads(self.peers_by_stage, await self.registry.all_peers(self.num_stages),
-                                          get_dht_time())
+        self.peers_by_stage = merge_reads(
+            self.peers_by_stage, await self.registry.all_peers(self.num_stages), get_dht_time()
+        )
         for listener in self._listeners:
             listener(self.peers_by_stage)
         self.refreshed.set()

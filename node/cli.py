@@ -8,12 +8,13 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")  # before hivemind is imported: its logs are noisy
 
-from node import __version__  # noqa: E402
-from node.config import ConfigError, load_config  # noqa: E402
+from node import __version__
+from node.config import ConfigError, load_config
 
 logger = logging.getLogger("node")
 
@@ -22,15 +23,36 @@ def add_network_flags(parser: argparse.ArgumentParser, listening: bool = True) -
     if listening:
         parser.add_argument("--host", default="0.0.0.0", help="listen address (default: all interfaces)")
         parser.add_argument("--port", type=int, default=0, help="listen port (default: any free port)")
-        parser.add_argument("--identity", dest="identity_path", help="private key file: keeps the peer id across restarts")
-        parser.add_argument("--announce", dest="announce_maddrs", nargs="*", default=[],
-                            help="multiaddrs to announce instead of the listen ones (behind NAT)")
+        parser.add_argument(
+            "--identity", dest="identity_path", help="private key file: keeps the peer id across restarts"
+        )
+        parser.add_argument(
+            "--announce",
+            dest="announce_maddrs",
+            nargs="*",
+            default=[],
+            help="multiaddrs to announce instead of the listen ones (behind NAT)",
+        )
 
 
-def add_initial_peers(parser: argparse.ArgumentParser, required: bool = True) -> None:
-    parser.add_argument("--initial-peers", nargs="+", required=required, default=[], metavar="MADDR",
-                        help="multiaddr(s) of peers already in the swarm, as printed by `node bootstrap`")
+def add_initial_peers(parser: argparse.ArgumentParser, required: bool = True, founder: bool = True) -> None:
+    parser.add_argument(
+        "--initial-peers",
+        nargs="+",
+        required=required,
+        default=[],
+        metavar="MADDR",
+        help="multiaddr(s) of peers already in the swarm, as printed by `node bootstrap`",
+    )
     parser.add_argument("--swarm", dest="swarm_id", help="swarm id, when several swarms share one DHT")
+    if founder:
+        parser.add_argument(
+            "--swarm-founder",
+            metavar="PEER_ID",
+            help="peer id of the swarm's founder (its bootstrapper), whose signed config is the "
+            "only one trusted; default: the peer id in --initial-peers (needed when those name "
+            "another peer, or several)",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument("--seed", type=int, help="swarm seed: initial weights and synthetic data derive from it")
     boot.add_argument("--heartbeat-period", type=float, help="seconds between peer record announcements")
     boot.add_argument("--heartbeat-ttl", type=float, help="seconds a peer record lives without a heartbeat")
-    add_initial_peers(boot, required=False)
+    add_initial_peers(boot, required=False, founder=False)
 
     join = commands.add_parser("join", help="join a swarm and serve a stage")
     add_network_flags(join)
@@ -56,13 +78,26 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--name", default="", help="public name shown to other peers")
     join.add_argument("--throughput", type=float, default=1.0, help="initial throughput estimate before measuring")
     join.add_argument("--join-jitter", type=float, default=2.0, help="max random delay before choosing a stage (s)")
+    join.add_argument(
+        "--find-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to wait for the founder's swarm config to show up in the DHT",
+    )
     join.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:N")
-    join.add_argument("--data", dest="data_path", help="stage 0 data: UTF-8 text file or uint16 token .bin file "
-                      "(default: the swarm's synthetic source)")
+    join.add_argument(
+        "--data",
+        dest="data_path",
+        help="stage 0 data: UTF-8 text file or uint16 token .bin file (default: the swarm's synthetic source)",
+    )
     join.add_argument("--threads", type=int, help="torch CPU threads for this peer")
     join.add_argument("--quiet", action="store_true", help="logs only, no live status panel")
-    join.add_argument("--no-train", dest="train", action="store_false",
-                      help="hold a place in the registry without serving a stage (for DHT tests)")
+    join.add_argument(
+        "--no-train",
+        dest="train",
+        action="store_false",
+        help="hold a place in the registry without serving a stage (for DHT tests)",
+    )
 
     status = commands.add_parser("status", help="print a snapshot of the swarm")
     add_initial_peers(status)
@@ -89,6 +124,12 @@ def print_bootstrap_addresses(maddrs: list[str]) -> None:
     print("swarm is up; other peers join with:", flush=True)
     for maddr in maddrs:
         print(f"  node join --initial-peers {maddr}", flush=True)
+    founder = maddrs[0].rsplit("/p2p/", 1)[-1] if maddrs else "?"
+    print(
+        f"(joining through any other peer: add --swarm-founder {founder}; keep this founder's key with "
+        "--identity FILE to restart it)",
+        flush=True,
+    )
     print(f"INITIAL_PEERS {' '.join(maddrs)}", flush=True)
 
 
@@ -106,6 +147,14 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     except ConfigError as e:
         logger.error(f"bad config: {e}")
         return 2
+    from dht.signing import MAX_RECORD_TTL
+
+    if config.heartbeat.ttl > MAX_RECORD_TTL:
+        logger.error(
+            f"bad config: heartbeat ttl {config.heartbeat.ttl:g} s is longer than a signed record may live "
+            f"({MAX_RECORD_TTL:g} s)"
+        )
+        return 2
     logger.info(f"starting swarm {config.swarm_id}: {config.num_stages} stages, config {config.config_hash()}")
     return daemon.run(daemon.bootstrap(config, node_options(args), print_bootstrap_addresses))
 
@@ -114,7 +163,18 @@ def node_options(args: argparse.Namespace) -> Any:
     from node.server.daemon import NodeOptions
 
     options = NodeOptions(initial_peers=list(args.initial_peers), swarm_id=args.swarm_id)
-    for name in ("host", "port", "identity_path", "announce_maddrs", "name", "stage", "throughput", "join_jitter"):
+    for name in (
+        "host",
+        "port",
+        "identity_path",
+        "announce_maddrs",
+        "name",
+        "stage",
+        "throughput",
+        "join_jitter",
+        "swarm_founder",
+        "find_timeout",
+    ):
         if hasattr(args, name):
             setattr(options, name, getattr(args, name))
     return options
@@ -138,14 +198,14 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from node.server import daemon
     from node.monitor.observer import observe_once
     from node.monitor.status import format_table
+    from node.server import daemon
 
     result: dict[str, Any] = {}
 
     async def collect() -> int:
-        result.update(await observe_once(args.initial_peers, args.swarm_id))
+        result.update(await observe_once(args.initial_peers, args.swarm_id, founder=args.swarm_founder))
         return 0
 
     code = daemon.run(collect())
@@ -157,11 +217,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_dashboard(args: argparse.Namespace) -> int:
     import shutil
 
-    from node.server import daemon
     from node.monitor.dashboard import render_once, run_live
     from node.monitor.observer import ReconnectingObserver
+    from node.server import daemon
 
-    observer = ReconnectingObserver(args.initial_peers, args.swarm_id)
+    observer = ReconnectingObserver(args.initial_peers, args.swarm_id, founder=args.swarm_founder)
 
     async def once() -> int:
         for attempt in range(3):

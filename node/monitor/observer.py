@@ -4,19 +4,22 @@ training. Used by `node status` and `node dashboard`."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from typing import Any
 
 from dht.records import ConfigRecord
 from dht.registry import SwarmRegistry
 from node.config import SwarmConfig
-from node.server.daemon import check_compatible, find_swarm
-from node.p2p.network import Network, start_network
 from node.monitor.status import collect_snapshot
+from node.p2p.network import Network, start_network
+from node.server.daemon import check_compatible, find_swarm
 
 
 @dataclass
 class Observer:
+    """A connected observer; `snapshot()` reads the swarm once (see node/monitor/status.py)."""
+
     network: Network
     registry: SwarmRegistry
     record: ConfigRecord
@@ -27,10 +30,12 @@ class Observer:
 
 
 @contextlib.asynccontextmanager
-async def observe(initial_peers: Sequence[str], swarm_id: str | None, find_timeout: float = 20.0) -> AsyncIterator[Observer]:
+async def observe(
+    initial_peers: Sequence[str], swarm_id: str | None, find_timeout: float = 20.0, founder: str | None = None
+) -> AsyncIterator[Observer]:
     network = await start_network(initial_peers=initial_peers, client_mode=True)
     try:
-        record = await find_swarm(network, swarm_id, find_timeout)
+        record = await find_swarm(network, swarm_id, find_timeout, founder)
         config = check_compatible(record)
         yield Observer(network, SwarmRegistry(network.dht, config.swarm_id), record, config)
     finally:
@@ -41,10 +46,13 @@ class ReconnectingObserver:
     """An observer that (re)connects on demand: `snapshot()` raises while the swarm is unreachable
     and connects again on the next call, so a live view can show "reconnecting" and carry on."""
 
-    def __init__(self, initial_peers: Sequence[str], swarm_id: str | None, find_timeout: float = 10.0):
+    def __init__(
+        self, initial_peers: Sequence[str], swarm_id: str | None, find_timeout: float = 10.0, founder: str | None = None
+    ) -> None:
         self.initial_peers = list(initial_peers)
         self.swarm_id = swarm_id
         self.find_timeout = find_timeout
+        self.founder = founder
         self._stack: contextlib.AsyncExitStack | None = None
         self._observer: Observer | None = None
 
@@ -53,7 +61,7 @@ class ReconnectingObserver:
             stack = contextlib.AsyncExitStack()
             try:
                 self._observer = await stack.enter_async_context(
-                    observe(self.initial_peers, self.swarm_id, self.find_timeout)
+                    observe(self.initial_peers, self.swarm_id, self.find_timeout, self.founder)
                 )
             except BaseException:
                 await stack.aclose()
@@ -71,6 +79,9 @@ class ReconnectingObserver:
             await stack.aclose()
 
 
-async def observe_once(initial_peers: Sequence[str], swarm_id: str | None) -> dict[str, Any]:
-    async with observe(initial_peers, swarm_id) as observer:
+async def observe_once(
+    initial_peers: Sequence[str], swarm_id: str | None, founder: str | None = None
+) -> dict[str, Any]:
+    """Connect, read one snapshot, disconnect: `node status`."""
+    async with observe(initial_peers, swarm_id, founder=founder) as observer:
         return await observer.snapshot()

@@ -2,17 +2,29 @@
 
 Both run inside the node's own event loop (DHTNode over an in-process P2P handle) rather than in
 hivemind.DHT's extra process: one loop per process, and p2pd is the only child to clean up.
+
+The peer's identity key is always held here, not only by p2pd: records are signed with it
+(dht/signing.py), and the peer id p2pd announces is derived from it, so anyone can check that a
+record comes from the peer it describes. With `--identity FILE` the key is read from (or created
+in) that file; otherwise a fresh key is written to a private temporary file for p2pd to read at
+start-up, and that file is removed as soon as p2pd runs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
-from typing import Awaitable, Callable, Sequence, TypeVar
+import os
+import shutil
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
+from multiaddr import Multiaddr
+
+from dht.signing import Identity, SignedRecordValidator
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -26,10 +38,17 @@ class NetworkError(RuntimeError):
 class Network:
     p2p: P2P
     dht: DHTNode
+    identity: Identity
+    # the multiaddrs this peer entered the DHT through: whose config to trust unless told otherwise
+    initial_peers: list[str] = field(default_factory=list)
 
     @property
     def peer_id(self) -> str:
         return self.p2p.peer_id.to_base58()
+
+    @property
+    def validator(self) -> SignedRecordValidator:
+        return self.dht.protocol.record_validator  # type: ignore[return-value]
 
     async def visible_maddrs(self) -> list[str]:
         return [str(addr) for addr in await self.p2p.get_visible_maddrs()]
@@ -46,6 +65,9 @@ class Network:
             await self.p2p.shutdown()
 
 
+_CLEANUPS: set[asyncio.Future] = set()
+
+
 async def _finish_or_clean_up(creation: Awaitable[T], shutdown: Callable[[T], Awaitable[None]]) -> T:
     """Await `creation`; if we are cancelled meanwhile (a caller's timeout), let it finish in the
     background and shut the result down, instead of leaking a p2pd that nobody owns."""
@@ -53,12 +75,47 @@ async def _finish_or_clean_up(creation: Awaitable[T], shutdown: Callable[[T], Aw
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
+
         def clean_up(finished: asyncio.Future) -> None:
             if not finished.cancelled() and finished.exception() is None:
-                asyncio.ensure_future(shutdown(finished.result()))
+                cleanup = asyncio.ensure_future(shutdown(finished.result()))
+                _CLEANUPS.add(cleanup)  # held until done: asyncio keeps only weak references
+                cleanup.add_done_callback(_CLEANUPS.discard)
 
         task.add_done_callback(clean_up)
         raise
+
+
+def peer_id_of_maddr(maddr: str) -> str | None:
+    """The peer id in a multiaddr's /p2p/ part (None if it has none or does not parse)."""
+    try:
+        return Multiaddr(maddr).value_for_protocol("p2p")
+    except Exception:  # multiaddr raises its own errors for unknown protocols and a missing /p2p/
+        return None
+
+
+def load_identity(identity_path: str | None) -> tuple[Identity, str, str | None, bool]:
+    """(identity, key file for p2pd, temporary directory to remove once p2pd runs or None, whether
+    the key is new).
+
+    A file given by the user is read, or created there if it does not exist yet; without one the
+    key is fresh and lives on disk only until p2pd has read it."""
+    if identity_path is not None:
+        if os.path.exists(identity_path):
+            try:
+                return Identity.from_file(identity_path), identity_path, None, False
+            except (OSError, ValueError) as e:
+                raise NetworkError(f"cannot use identity file {identity_path}: {e}") from None
+        identity = Identity.generate()
+        try:
+            identity.save(identity_path)
+        except OSError as e:
+            raise NetworkError(f"cannot write identity file {identity_path}: {e}") from None
+        logger.info(f"new identity {identity.peer_id} saved to {identity_path}")
+        return identity, identity_path, None, True
+    identity = Identity.generate()
+    directory, path = identity.save_temporary()
+    return identity, path, directory, True
 
 
 def listen_maddr(host: str, port: int) -> str:
@@ -76,34 +133,55 @@ async def start_network(
     announce_maddrs: Sequence[str] = (),
     startup_timeout: float = 30.0,
 ) -> Network:
-    """Start p2pd and a DHT node joined to `initial_peers` (none: this peer starts a new DHT)."""
+    """Start p2pd and a DHT node joined to `initial_peers` (none: this peer starts a new DHT). The DHT
+    node accepts only signed pipeswarm records (dht/signing.py) and signs with this peer's identity."""
+    identity, key_file, temporary, fresh = load_identity(identity_path)
     try:
-        p2p = await _finish_or_clean_up(P2P.create(
-            initial_peers=list(initial_peers),
-            host_maddrs=[] if client_mode else [listen_maddr(host, port)],
-            announce_maddrs=list(announce_maddrs) or None,
-            identity_path=identity_path,
-            dht_mode="client" if client_mode else "server",
-            startup_timeout=startup_timeout,
-            # a stranger's LAN gateway is none of our business; tests run on loopback
-            nat_port_map=False,
-            no_listen=client_mode,
-        ), P2P.shutdown)
+        p2p = await _finish_or_clean_up(
+            P2P.create(
+                initial_peers=list(initial_peers),
+                host_maddrs=[] if client_mode else [listen_maddr(host, port)],
+                announce_maddrs=list(announce_maddrs) or None,
+                identity_path=key_file,
+                # a key we just generated cannot be in use elsewhere: skip hivemind's check, which
+                # starts a second p2pd to look for it
+                check_if_identity_free=not fresh,
+                dht_mode="client" if client_mode else "server",
+                startup_timeout=startup_timeout,
+                # a stranger's LAN gateway is none of our business; tests run on loopback
+                nat_port_map=False,
+                no_listen=client_mode,
+            ),
+            P2P.shutdown,
+        )
     except Exception as e:
         raise NetworkError(f"could not start the libp2p daemon: {e}") from e
+    finally:
+        if temporary is not None:
+            shutil.rmtree(temporary, ignore_errors=True)
+    if p2p.peer_id.to_base58() != identity.peer_id:
+        await asyncio.shield(p2p.shutdown())
+        raise NetworkError(
+            f"p2pd runs as {p2p.peer_id.to_base58()}, not as the identity {identity.peer_id} "
+            "it was given: records could not be signed"
+        )
     try:
-        dht = await _finish_or_clean_up(DHTNode.create(
-            p2p=p2p,
-            initial_peers=list(initial_peers),
-            client_mode=client_mode,
-            num_workers=4,
-            wait_timeout=5.0,
-            cache_locally=False,
-        ), DHTNode.shutdown)
+        dht = await _finish_or_clean_up(
+            DHTNode.create(
+                p2p=p2p,
+                initial_peers=list(initial_peers),
+                client_mode=client_mode,
+                num_workers=4,
+                wait_timeout=5.0,
+                cache_locally=False,
+                record_validator=SignedRecordValidator(identity),
+            ),
+            DHTNode.shutdown,
+        )
     except BaseException as e:
         await asyncio.shield(p2p.shutdown())
         if not isinstance(e, Exception):
             raise
         where = ", ".join(initial_peers) or "(none)"
         raise NetworkError(f"could not join the DHT through initial peers {where}: {e}") from e
-    return Network(p2p=p2p, dht=dht)
+    return Network(p2p=p2p, dht=dht, identity=identity, initial_peers=list(initial_peers))

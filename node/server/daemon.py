@@ -1,7 +1,11 @@
 """The life of a peer process: start networking, find the swarm, claim a stage, serve, leave.
 
-`bootstrap` starts a swarm and stays up as its DHT anchor; `join` reads the swarm config from the
-DHT, refuses a mismatching protocol or config, claims a stage and keeps its record alive. Both
+`bootstrap` starts a swarm and stays up as its DHT anchor; its identity is the swarm's *founder*,
+the one key whose signature makes a swarm config genuine (`--identity FILE` keeps it across
+restarts). `join` reads the config signed by the founder it was pointed at (the peer id in the
+bootstrap multiaddr, or `--swarm-founder`), ignores any other config under that swarm id, refuses a
+mismatching protocol or config, claims a stage and keeps its record alive. Every serving peer
+re-publishes the founder's signed config verbatim, so the swarm outlives its bootstrapper. Both
 leave cleanly on SIGINT/SIGTERM: the record is overwritten as `leaving`, then the DHT node and the
 libp2p daemon are shut down (p2pd is this process's only child).
 """
@@ -13,16 +17,18 @@ import contextlib
 import logging
 import signal
 import sys
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
 
+import base58
 
 from dht.announcer import PeerAnnouncer
 from dht.records import ConfigRecord, PeerRecord, PeerState
-from dht.registry import SwarmRegistry, list_swarms
+from dht.registry import SwarmRegistry, list_swarm_configs
+from dht.signing import MAX_RECORD_TTL
 from node import __version__
 from node.config import ConfigError, SwarmConfig
-from node.p2p.network import Network, NetworkError, start_network
+from node.p2p.network import Network, NetworkError, peer_id_of_maddr, start_network
 from node.server.stage_claim import StageOutOfRange, claim_stage
 from protocol.version import PROTOCOL_VERSION
 
@@ -44,6 +50,7 @@ class NodeOptions:
     announce_maddrs: list[str] = field(default_factory=list)
     name: str = ""
     swarm_id: str | None = None
+    swarm_founder: str | None = None  # peer id whose signed config to trust (default: the initial peer's)
     stage: str = "auto"
     throughput: float = 1.0
     join_jitter: float = 2.0
@@ -87,12 +94,47 @@ async def start_peer_network(options: NodeOptions) -> Network:
     )
 
 
+def is_peer_id(text: str) -> bool:
+    """Whether `text` reads as a libp2p peer id (base58 of a sha2-256 or identity multihash)."""
+    if not 20 <= len(text) <= 128:
+        return False
+    try:
+        raw = base58.b58decode(text)
+    except ValueError:
+        return False
+    return (len(raw) == 34 and raw[:2] == b"\x12\x20") or (len(raw) >= 2 and raw[0] == 0 and raw[1] == len(raw) - 2)
+
+
+def expected_founder(initial_peers: Sequence[str], swarm_founder: str | None = None) -> str:
+    """The peer id whose signature a joiner accepts on the swarm config: `--swarm-founder` when
+    given, else the one peer named by the initial multiaddrs (joining through the bootstrapper)."""
+    if swarm_founder is not None:
+        if not is_peer_id(swarm_founder):
+            raise JoinRefused(f"--swarm-founder {swarm_founder[:80]!r} is not a peer id")
+        return swarm_founder
+    ids = {peer_id_of_maddr(maddr) for maddr in initial_peers}
+    if None in ids:
+        raise JoinRefused(
+            "an initial peer's multiaddr has no /p2p/<peer id> part: cannot tell whose swarm "
+            "config to trust (give the full address printed by `node bootstrap`, or --swarm-founder)"
+        )
+    if len(ids) != 1:
+        raise JoinRefused(
+            f"the initial peers are {len(ids)} different peers: name the swarm's founder with "
+            "--swarm-founder PEER_ID (printed by `node bootstrap`)"
+        )
+    return ids.pop()  # type: ignore[return-value]
+
+
 async def bootstrap(config: SwarmConfig, options: NodeOptions, announce: Callable[[list[str]], None]) -> int:
     stop = install_stop_signals()
     network = await start_peer_network(options)
     try:
+        network.validator.learn_swarm_ttl(config.swarm_id, config.heartbeat.ttl)
         registry = SwarmRegistry(network.dht, config.swarm_id)
+        # sealed with this peer's identity: it is the swarm's founder
         record = ConfigRecord(PROTOCOL_VERSION, config.config_hash(), config.to_dict(), __version__)
+        logger.info(f"swarm {config.swarm_id} founded by {network.peer_id}")
         publisher = asyncio.create_task(keep_config_published(registry, record))
         announce(await network.visible_maddrs())
         await stop.wait()
@@ -102,21 +144,64 @@ async def bootstrap(config: SwarmConfig, options: NodeOptions, announce: Callabl
     return 0
 
 
-async def find_swarm(network: Network, swarm_id: str | None, timeout: float) -> ConfigRecord:
-    """The config of the swarm to join; waits for it to show up in the DHT for up to `timeout`."""
+async def find_swarm(
+    network: Network, swarm_id: str | None, timeout: float, founder: str | None = None
+) -> ConfigRecord:
+    """The config of the swarm to join, signed by `founder` (default: the peer named by the initial
+    peers this network joined through); waits for it to show up in the DHT for up to `timeout`.
+    Configs under the same swarm id signed by anyone else are ignored, with a log line."""
+    founder = founder or expected_founder(network.initial_peers)
     deadline = asyncio.get_running_loop().time() + timeout
+    ignored: dict[tuple[str, str], ConfigRecord] = {}  # (swarm id, signer) -> a config not signed by the founder
     while True:
-        swarms = await list_swarms(network.dht)
-        if swarm_id is not None and swarm_id in swarms:
-            return swarms[swarm_id]
-        if swarm_id is None and len(swarms) == 1:
-            return next(iter(swarms.values()))
-        if swarm_id is None and len(swarms) > 1:
-            raise JoinRefused(f"several swarms share this DHT ({', '.join(sorted(swarms))}): choose one with --swarm")
+        by_swarm: dict[str, ConfigRecord] = {}
+        for record in await list_swarm_configs(network.dht):
+            record_swarm = record.config["swarm_id"]
+            if swarm_id is not None and record_swarm != swarm_id:
+                continue
+            if record.founder == founder:
+                by_swarm[record_swarm] = record
+            elif (record_swarm, record.founder) not in ignored:
+                ignored[(record_swarm, record.founder)] = record
+                logger.warning(
+                    f"ignoring a config for swarm {record_swarm} signed by {record.founder}: "
+                    f"not the swarm's founder {founder}"
+                )
+        chosen: ConfigRecord | None = None
+        if swarm_id is not None:
+            chosen = by_swarm.get(swarm_id)
+        elif len(by_swarm) == 1:
+            chosen = next(iter(by_swarm.values()))
+        elif len(by_swarm) > 1:
+            raise JoinRefused(
+                f"{founder} founded several swarms in this DHT ({', '.join(sorted(by_swarm))}): choose one with --swarm"
+            )
+        if chosen is not None:
+            learn_swarm_ttl(network, chosen)
+            return chosen
         if asyncio.get_running_loop().time() > deadline:
-            what = f"the config of swarm {swarm_id!r}" if swarm_id else "a swarm config"
-            raise JoinRefused(f"found {what} nowhere in the DHT within {timeout:.0f} s: is the bootstrap peer up?")
+            seen_swarms = {seen_swarm for seen_swarm, _ in ignored}
+            shown = swarm_id or (next(iter(seen_swarms)) if len(seen_swarms) == 1 else None)
+            what = f"swarm {shown}" if shown else "any swarm"
+            others = sorted({signer for _, signer in ignored})
+            found = (
+                f"; found {'one' if len(ignored) == 1 else len(ignored)} signed by {', '.join(others)} (ignored)"
+                if others
+                else ": is the bootstrap peer up?"
+            )
+            raise JoinRefused(
+                f"no config for {what} signed by founder {founder} in the DHT within {timeout:.0f} s{found}"
+            )
         await asyncio.sleep(1.0)
+
+
+def learn_swarm_ttl(network: Network, record: ConfigRecord) -> None:
+    """Hold this swarm's peer records to its heartbeat TTL, in the DHT node and in readers."""
+    try:
+        ttl = SwarmConfig.from_dict(record.config).heartbeat.ttl
+    except (ConfigError, TypeError, ValueError, AttributeError):
+        return  # check_compatible refuses this config with a proper message
+    network.validator.learn_swarm_ttl(record.config["swarm_id"], ttl)
 
 
 def check_compatible(record: ConfigRecord) -> SwarmConfig:
@@ -135,6 +220,11 @@ def check_compatible(record: ConfigRecord) -> SwarmConfig:
             f"config hash mismatch: the swarm announces {record.config_hash}, this node computes "
             f"{config.config_hash()} from the same config (different software version?)"
         )
+    if config.heartbeat.ttl > MAX_RECORD_TTL:
+        raise JoinRefused(
+            f"the swarm's heartbeat TTL ({config.heartbeat.ttl:.0f} s) is longer than a signed "
+            f"record may live ({MAX_RECORD_TTL:.0f} s): its peer records would be refused"
+        )
     return config
 
 
@@ -145,21 +235,32 @@ async def join(options: NodeOptions, serve: StageService | None = None) -> int:
     """Join a swarm and serve a stage until stopped. `serve` runs the stage's work (the training
     runtime); without it the peer only holds its place in the registry."""
     stop = install_stop_signals()
+    founder = expected_founder(options.initial_peers, options.swarm_founder)  # before starting anything
     network = await start_peer_network(options)
     tasks: list[asyncio.Task] = []
     me: PeerAnnouncer | None = None
     try:
-        config_record = await find_swarm(network, options.swarm_id, options.find_timeout)
+        config_record = await find_swarm(network, options.swarm_id, options.find_timeout, founder)
         config = check_compatible(config_record)
         registry = SwarmRegistry(network.dht, config.swarm_id)
         record = PeerRecord(
-            peer_id=network.peer_id, stage=0, state=PeerState.JOINING, throughput=options.throughput,
-            version=__version__, name=options.name,
+            peer_id=network.peer_id,
+            stage=0,
+            state=PeerState.JOINING,
+            throughput=options.throughput,
+            version=__version__,
+            name=options.name,
         )
         me = PeerAnnouncer(registry, record, config.heartbeat.period, config.heartbeat.ttl)
         try:
-            await claim_stage(me, registry, config.num_stages, options.stage, jitter=options.join_jitter,
-                              settle=max(1.0, config.heartbeat.period / 4))
+            await claim_stage(
+                me,
+                registry,
+                config.num_stages,
+                options.stage,
+                jitter=options.join_jitter,
+                settle=max(1.0, config.heartbeat.period / 4),
+            )
         except StageOutOfRange as e:
             raise JoinRefused(str(e)) from None
         logger.info(f"peer {me.peer_id} serves stage {me.stage} of swarm {config.swarm_id}")

@@ -1,0 +1,487 @@
+"""Signed DHT records: who wrote a record, checked from the peer id alone.
+
+Every value pipeswarm stores in the DHT is an *envelope* (a msgpack map):
+
+    {"v": 1, "key": <the DHT key, as text>, "body": <msgpack of the record>,
+     "pk": <the signer's libp2p public key, protobuf>, "sig": <signature>}
+
+signed with the signer's libp2p identity key (the key p2pd runs with). A libp2p peer id is the
+multihash of that public key, so "the signer is the peer the record describes" is checked from the
+record's peer id alone: no key directory, no trust in whoever relayed the record.
+
+The signature covers a domain tag, the key, the subkey, the body bytes and, for peer records and
+events, the expiration time. A signed record therefore cannot be moved to another key or subkey
+(replayed as someone else's, or as another stage's), altered, or given a later expiration. The
+swarm config is the exception: its signature leaves the expiration out, so that every peer can
+re-publish the founder's config verbatim with a fresh expiration (the swarm outlives its
+founder) while nobody but the founder can change it.
+
+Three kinds of records, told apart by their key:
+
+- `PEER`   pipeswarm/<swarm>/stage/<k>, subkey = the signer's peer id, body["peer_id"] = signer;
+- `EVENT`  pipeswarm/<swarm>/events,    subkey = "<signer>:<time>",    body["reporter"] = signer;
+- `CONFIG` pipeswarm/swarms,            subkey = "<swarm id>@<signer>" (the founder).
+
+`SignedRecordValidator` applies the same checks inside every DHT node we run (hivemind calls it for
+every store it is asked to do and every value another node returns), so a forged store is refused
+by the honest nodes themselves and cannot displace an honest record; readers (dht/registry.py)
+check again, with the swarm's own TTL, and log what they drop. See docs/security.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import re
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import base58
+import msgpack
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.proto import crypto_pb2
+from hivemind.utils import get_dht_time
+
+from dht.records import SWARMS_KEY
+
+logger = logging.getLogger(__name__)
+
+ENVELOPE_VERSION = 1
+SIGNATURE_DOMAIN = b"pipeswarm-record"  # so that a record signature can never pass for another libp2p signature
+
+# No record may expire further ahead than this (DHT nodes refuse it, readers ignore it): bounds how
+# long anyone, the owner included, can pin a record. Readers apply the swarm's own TTL on top.
+MAX_RECORD_TTL = 900.0
+# Peers' clocks disagree a little (the DHT runs on wall-clock time); this much is tolerated.
+CLOCK_SLACK = 30.0
+
+MAX_KEY_CHARS = 256
+MAX_SUBKEY_CHARS = 256
+MAX_BODY_BYTES = 16 * 1024  # a swarm config is ~1 KB, a peer record ~0.5 KB
+MAX_PUBLIC_KEY_BYTES = 1024  # an RSA-4096 key in libp2p's protobuf is ~550 bytes
+MAX_SIGNATURE_BYTES = 1024
+MAX_ENVELOPE_BYTES = MAX_BODY_BYTES + MAX_PUBLIC_KEY_BYTES + MAX_SIGNATURE_BYTES + 1024
+# Bounds the cost of a verification a stranger can make us do (RSA verify grows with the modulus).
+RSA_KEY_BITS = (2048, 4096)
+
+_PADDING = padding.PKCS1v15()  # what libp2p's RSA keys sign with
+_HASH = hashes.SHA256()
+
+_STAGE_KEY_RE = re.compile(r"pipeswarm/([A-Za-z0-9._-]{1,64})/stage/(\d{1,4})")
+_EVENTS_KEY_RE = re.compile(r"pipeswarm/([A-Za-z0-9._-]{1,64})/events")
+
+
+class SignatureError(ValueError):
+    """A DHT value is not a well-formed envelope validly signed by the peer it claims to be from."""
+
+
+class RecordKind(StrEnum):
+    """What a signed record is, as told by its key."""
+
+    PEER = "peer"
+    EVENT = "event"
+    CONFIG = "config"
+
+
+def kind_of_key(key: str) -> RecordKind:
+    """The kind of record stored under `key`; SignatureError for a key pipeswarm never writes."""
+    if key == SWARMS_KEY:
+        return RecordKind.CONFIG
+    if _STAGE_KEY_RE.fullmatch(key):
+        return RecordKind.PEER
+    if _EVENTS_KEY_RE.fullmatch(key):
+        return RecordKind.EVENT
+    raise SignatureError(f"{key[:80]!r} is not a pipeswarm key")
+
+
+def stage_of_key(key: str) -> int | None:
+    match = _STAGE_KEY_RE.fullmatch(key)
+    return None if match is None else int(match.group(2))
+
+
+def config_subkey(swarm_id: str, founder: str) -> str:
+    """Where a founder's config for `swarm_id` lives under SWARMS_KEY: one entry per (swarm, founder),
+    so a stranger's config for the same swarm id sits beside the founder's and never replaces it."""
+    return f"{swarm_id}@{founder}"
+
+
+def split_config_subkey(subkey: str) -> tuple[str, str]:
+    """(swarm id, founder peer id) of a config subkey."""
+    swarm_id, at, founder = subkey.rpartition("@")
+    if not at or not swarm_id or not founder:
+        raise SignatureError(f"config subkey {subkey[:80]!r} is not '<swarm id>@<founder>'")
+    return swarm_id, founder
+
+
+# -- keys ----------------------------------------------------------------------------------------
+
+
+def peer_id_from_public_key(public_key: bytes) -> str:
+    """The libp2p peer id (base58) of a protobuf-encoded public key: the identity multihash of keys
+    of up to 42 bytes, the sha2-256 multihash of longer ones (every RSA key)."""
+    if len(public_key) <= 42:
+        digest = b"\x00" + bytes([len(public_key)]) + public_key
+    else:
+        digest = b"\x12\x20" + hashlib.sha256(public_key).digest()
+    return base58.b58encode(digest).decode()
+
+
+class _PublicKeyCache:
+    """Parsed public keys by their bytes: a swarm has few signers and parsing is per record otherwise."""
+
+    def __init__(self, size: int = 1024):
+        self.size = size
+        self._keys: OrderedDict[bytes, tuple[rsa.RSAPublicKey, str]] = OrderedDict()
+        self._lock = threading.Lock()  # hivemind may validate from more than one thread
+
+    def get(self, public_key: bytes) -> tuple[rsa.RSAPublicKey, str]:
+        with self._lock:
+            if public_key in self._keys:
+                self._keys.move_to_end(public_key)
+                return self._keys[public_key]
+        parsed = (_parse_public_key(public_key), peer_id_from_public_key(public_key))
+        with self._lock:
+            self._keys[public_key] = parsed
+            while len(self._keys) > self.size:
+                self._keys.popitem(last=False)
+        return parsed
+
+
+def _parse_public_key(public_key: bytes) -> rsa.RSAPublicKey:
+    try:
+        message = crypto_pb2.PublicKey.FromString(public_key)
+        if message.key_type != crypto_pb2.KeyType.RSA:
+            raise SignatureError(f"signer key type {message.key_type} is not RSA")
+        key = serialization.load_der_public_key(message.data)
+    except SignatureError:
+        raise
+    except Exception as e:  # protobuf and DER parsers raise a variety of errors on garbage
+        raise SignatureError(f"signer public key does not parse: {type(e).__name__}") from None
+    if not isinstance(key, rsa.RSAPublicKey):
+        raise SignatureError("signer public key is not an RSA key")
+    if not RSA_KEY_BITS[0] <= key.key_size <= RSA_KEY_BITS[1]:
+        raise SignatureError(f"signer RSA key has {key.key_size} bits, outside {RSA_KEY_BITS}")
+    return key
+
+
+_public_keys = _PublicKeyCache()
+
+
+class Identity:
+    """This peer's libp2p identity key. p2pd runs with the same key, so the peer id it announces is
+    the one records signed here verify against."""
+
+    def __init__(self, private_key: rsa.RSAPrivateKey):
+        if not isinstance(private_key, rsa.RSAPrivateKey):
+            raise TypeError("only RSA identities are supported")
+        self._private_key = private_key
+        der = private_key.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        # the exact serialization p2pd hashes into the peer id (hivemind's PeerID.from_identity)
+        self.public_key = crypto_pb2.PublicKey(key_type=crypto_pb2.KeyType.RSA, data=der).SerializeToString()
+        self.peer_id = peer_id_from_public_key(self.public_key)
+
+    @classmethod
+    def generate(cls) -> Identity:
+        return cls(rsa.generate_private_key(public_exponent=65537, key_size=2048))
+
+    @classmethod
+    def from_file(cls, path: str) -> Identity:
+        """Read a libp2p private key file (what `P2P.generate_identity` and `--identity` write)."""
+        with open(path, "rb") as f:
+            raw = f.read(64 * 1024)
+        try:
+            message = crypto_pb2.PrivateKey.FromString(raw)
+        except Exception as e:
+            raise ValueError(f"{path} is not a libp2p private key file ({type(e).__name__})") from None
+        if message.key_type != crypto_pb2.KeyType.RSA:
+            raise ValueError(
+                f"{path} holds a {crypto_pb2.KeyType.Name(message.key_type)} key; "
+                "pipeswarm signs records with RSA identities only (delete it to get a new one)"
+            )
+        try:
+            key = serialization.load_der_private_key(message.data, password=None)
+        except Exception as e:
+            raise ValueError(f"{path}: the RSA key does not parse ({type(e).__name__})") from None
+        return cls(key)  # type: ignore[arg-type]
+
+    def save(self, path: str) -> None:
+        """Write the key as a libp2p private key file readable by its owner only."""
+        der = self._private_key.private_bytes(
+            serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
+        )
+        raw = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=der).SerializeToString()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+
+    def save_temporary(self) -> tuple[str, str]:
+        """Write the key into a fresh private directory: (directory, file) for p2pd to read once."""
+        directory = tempfile.mkdtemp(prefix="pipeswarm-identity-")
+        path = os.path.join(directory, "identity.key")
+        self.save(path)
+        return directory, path
+
+    def sign(self, data: bytes) -> bytes:
+        return self._private_key.sign(data, _PADDING, _HASH)
+
+
+# -- envelopes -----------------------------------------------------------------------------------
+
+
+def _signed_bytes(key: str, subkey: str, body: bytes, expiration: float | None) -> bytes:
+    return msgpack.packb([SIGNATURE_DOMAIN, ENVELOPE_VERSION, key, subkey, body, expiration], use_bin_type=True)
+
+
+def _signs_expiration(kind: RecordKind) -> bool:
+    # the founder's config is re-published by everyone with fresh expirations (see module doc)
+    return kind != RecordKind.CONFIG
+
+
+def seal(identity: Identity, key: str, subkey: str, body: Mapping[str, Any], expiration: float) -> dict[str, Any]:
+    """The signed envelope of `body` stored under (`key`, `subkey`) until `expiration`."""
+    kind = kind_of_key(key)
+    body_bytes = msgpack.packb(dict(body), use_bin_type=True)
+    if len(body_bytes) > MAX_BODY_BYTES:
+        raise ValueError(f"record body is {len(body_bytes)} bytes, more than {MAX_BODY_BYTES}")
+    check_binding(kind, subkey, body, identity.peer_id)  # our own bug, not the network's: fail loudly
+    # a float, as hivemind hands it back (msgpack packs 5 and 5.0 differently)
+    signed_expiration = float(expiration) if _signs_expiration(kind) else None
+    signature = identity.sign(_signed_bytes(key, subkey, body_bytes, signed_expiration))
+    return {"v": ENVELOPE_VERSION, "key": key, "body": body_bytes, "pk": identity.public_key, "sig": signature}
+
+
+def check_binding(kind: RecordKind, subkey: str, body: Mapping[str, Any], signer: str) -> None:
+    """The record must be filed under, and speak for, the peer that signed it."""
+    _check_subkey(kind, subkey, signer)
+    if kind == RecordKind.PEER and body.get("peer_id") != signer:
+        raise SignatureError(f"peer record for {str(body.get('peer_id'))[:80]!r} is signed by {signer}")
+    if kind == RecordKind.EVENT and body.get("reporter") != signer:
+        raise SignatureError(f"event reported by {str(body.get('reporter'))[:80]!r} is signed by {signer}")
+
+
+def _check_subkey(kind: RecordKind, subkey: str, signer: str) -> None:
+    if kind == RecordKind.PEER:
+        filed_under_signer = subkey == signer
+    elif kind == RecordKind.EVENT:
+        filed_under_signer = subkey.startswith(signer + ":")
+    else:
+        filed_under_signer = split_config_subkey(subkey)[1] == signer
+    if not filed_under_signer:
+        raise SignatureError(f"{kind} record signed by {signer} is filed under subkey {subkey[:80]!r}")
+
+
+@dataclass(frozen=True)
+class OpenedRecord:
+    """A verified envelope: `body` was signed by `signer` for this key and subkey."""
+
+    kind: RecordKind
+    key: str
+    subkey: str
+    signer: str
+    body: dict[str, Any]
+    envelope: dict[str, Any]  # as received: a config is re-published verbatim
+
+
+class _VerifiedCache:
+    """Signatures already verified, by a digest of everything they cover: readers re-read the same
+    records several times a heartbeat period, and hivemind validates them again on each response."""
+
+    def __init__(self, size: int = 4096):
+        self.size = size
+        self._seen: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __contains__(self, digest: bytes) -> bool:
+        with self._lock:
+            if digest in self._seen:
+                self._seen.move_to_end(digest)
+                return True
+            return False
+
+    def add(self, digest: bytes) -> None:
+        with self._lock:
+            self._seen[digest] = None
+            while len(self._seen) > self.size:
+                self._seen.popitem(last=False)
+
+
+_verified = _VerifiedCache()
+
+
+def _unpack(data: bytes, what: str) -> Any:
+    # unpackb bounds every string, list and map by the buffer's length, so the size check is enough
+    if not isinstance(data, bytes) or len(data) > MAX_ENVELOPE_BYTES:
+        raise SignatureError(f"{what} is not at most {MAX_ENVELOPE_BYTES} bytes")
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, ext_hook=_refuse_ext)
+    except Exception as e:
+        raise SignatureError(f"{what} is not plain msgpack ({type(e).__name__})") from None
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code} in a record")
+
+
+def open_envelope(
+    raw: Any,
+    *,
+    key: str,
+    subkey: Any,
+    expiration: float,
+    max_ttl: float = MAX_RECORD_TTL,
+    now: float | None = None,
+) -> OpenedRecord:
+    """Verify an envelope read from (or offered to) the DHT under (`key`, `subkey`, `expiration`).
+
+    Raises SignatureError unless: it is a well-formed envelope for `key`, its signature verifies
+    with the public key it carries, that key's peer id is the peer the record is filed under and
+    speaks for, and it does not expire more than `max_ttl` (+ clock slack) from now."""
+    if not isinstance(raw, Mapping):
+        raise SignatureError(f"expected a signed envelope, got {type(raw).__name__}")
+    if raw.get("v") != ENVELOPE_VERSION:
+        raise SignatureError(f"envelope version {str(raw.get('v'))[:16]!r} is not {ENVELOPE_VERSION}")
+    if not isinstance(subkey, str) or len(subkey) > MAX_SUBKEY_CHARS:
+        raise SignatureError("subkey is not a short string")
+    body_bytes, public_key, signature = raw.get("body"), raw.get("pk"), raw.get("sig")
+    for name, value, limit in (
+        ("body", body_bytes, MAX_BODY_BYTES),
+        ("pk", public_key, MAX_PUBLIC_KEY_BYTES),
+        ("sig", signature, MAX_SIGNATURE_BYTES),
+    ):
+        if not isinstance(value, bytes) or len(value) > limit:
+            raise SignatureError(f"envelope field {name}: expected at most {limit} bytes")
+    if raw.get("key") != key:
+        raise SignatureError(f"envelope for key {str(raw.get('key'))[:80]!r} is stored under {key[:80]!r}")
+    if isinstance(expiration, bool) or not isinstance(expiration, (int, float)) or not math.isfinite(expiration):
+        raise SignatureError("expiration is not a finite number")
+    now = get_dht_time() if now is None else now
+    if expiration > now + max_ttl + CLOCK_SLACK:
+        raise SignatureError(
+            f"expires {expiration - now:.0f} s from now, more than the {max_ttl:.0f} s a record may live"
+        )
+    kind = kind_of_key(key)
+    signed = _signed_bytes(key, subkey, body_bytes, float(expiration) if _signs_expiration(kind) else None)
+    verifying_key, signer = _public_keys.get(public_key)  # type: ignore[arg-type]
+    _check_subkey(kind, subkey, signer)  # before the costly part: junk under someone else's subkey
+    digest = hashlib.sha256(b"%d:%b%d:%b" % (len(public_key), public_key, len(signature), signature) + signed).digest()
+    if digest not in _verified:
+        try:
+            verifying_key.verify(signature, signed, _PADDING, _HASH)  # type: ignore[arg-type]
+        except (InvalidSignature, ValueError):
+            raise SignatureError(f"signature of {signer} does not verify") from None
+        _verified.add(digest)
+    body = _unpack(body_bytes, "record body")  # type: ignore[arg-type]
+    if not isinstance(body, dict):
+        raise SignatureError("record body is not a map")
+    check_binding(kind, subkey, body, signer)
+    return OpenedRecord(kind, key, subkey, signer, body, dict(raw))
+
+
+# -- inside the DHT nodes ------------------------------------------------------------------------
+
+_NUMBERS = re.compile(r"\d+(\.\d+)?")
+
+
+class RateLimitedLog:
+    """One warning per (what, whom) per `period`: a forger retrying every second must not flood logs."""
+
+    def __init__(self, log: logging.Logger, period: float = 60.0, size: int = 256):
+        self.log, self.period, self.size = log, period, size
+        self._last: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def warning(self, what: str, whom: str, message: str) -> None:
+        whom = _NUMBERS.sub("#", whom)  # "expires 3599 s from now" and "3598 s" are the same complaint
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get((what, whom))
+            if last is not None and now - last < self.period:
+                return
+            self._last[(what, whom)] = now
+            self._last.move_to_end((what, whom))
+            while len(self._last) > self.size:
+                self._last.popitem(last=False)
+        self.log.warning(message)
+
+
+class SignedRecordValidator(RecordValidatorBase):
+    """hivemind's hook into every DHT store and every value another DHT node returns: only
+    well-formed, validly signed pipeswarm envelopes get in. A refused store is refused by the
+    honest node itself, so it can neither replace nor pin an honest record there.
+
+    Every DHT node applies the same rule, MAX_RECORD_TTL for every record: if honest nodes disagreed
+    on what is valid, a record one of them accepted would make hivemind drop that node's whole
+    answer at the others (it validates a returned dictionary as a whole). The swarm's own, shorter
+    TTL is a reader's rule: `swarm_ttls` (filled by `learn_swarm_ttl` once the config is known) is
+    where this node's readers (dht/registry.py) find it. `identity` is this node's signing key
+    (None: it only reads)."""
+
+    def __init__(self, identity: Identity | None = None):
+        self.identity = identity
+        self.swarm_ttls: dict[str, float] = {}
+        self.rejected = 0  # forged or malformed records refused so far (tests and logs)
+        self._log = RateLimitedLog(logger)
+
+    def learn_swarm_ttl(self, swarm_id: str, ttl: float) -> None:
+        self.swarm_ttls[swarm_id] = min(float(ttl), MAX_RECORD_TTL)
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            self.open(record)
+            return True
+        except SignatureError as e:
+            self.rejected += 1
+            self._log.warning("dht", str(e)[:60], f"DHT record refused: {e}")
+            return False
+
+    def open(self, record: DHTRecord) -> OpenedRecord:
+        """The verified record behind a hivemind DHTRecord (key as hash, subkey and value as msgpack)."""
+        if len(record.value) > MAX_ENVELOPE_BYTES or len(record.subkey) > MAX_SUBKEY_CHARS + 8:
+            raise SignatureError("record too large")
+        subkey = _unpack(record.subkey, "subkey")
+        if subkey is None:  # hivemind's marker of a value stored without a subkey
+            raise SignatureError("every pipeswarm record is stored under a subkey; refusing a plain value")
+        envelope = _unpack(record.value, "value")
+        key = envelope.get("key") if isinstance(envelope, dict) else None
+        if not isinstance(key, str) or len(key) > MAX_KEY_CHARS:
+            raise SignatureError("value is not a signed envelope")
+        kind_of_key(key)
+        # the DHT only knows the key's hash: the envelope names the key, and must name this one
+        if DHTID.generate(source=key).to_bytes() != record.key:
+            raise SignatureError(f"envelope names key {key[:80]!r} but is stored under another key")
+        return open_envelope(envelope, key=key, subkey=subkey, expiration=record.expiration_time)
+
+    # records are signed explicitly by the registry (seal), not by hivemind on the way out
+    def sign_value(self, record: DHTRecord) -> bytes:
+        return record.value
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        return record.value
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return isinstance(other, SignedRecordValidator)
+
+
+def validator_of(dht: Any) -> SignedRecordValidator | None:
+    """The SignedRecordValidator a DHTNode was created with (node/p2p/network.py installs one)."""
+    validator = getattr(getattr(dht, "protocol", None), "record_validator", None)
+    return validator if isinstance(validator, SignedRecordValidator) else None
+
+
+def identity_of(dht: Any) -> Identity | None:
+    validator = validator_of(dht)
+    return None if validator is None else validator.identity
