@@ -38,6 +38,12 @@ from dht.signing import (
     validator_of,
 )
 
+
+def swarm_key_of(dht: DHTNode) -> bytes | None:
+    validator = validator_of(dht)
+    return None if validator is None else validator.swarm_key
+
+
 logger = logging.getLogger(__name__)
 # the swarm view re-reads every record several times a period: one line per record and reason a minute
 _dropped = RateLimitedLog(logger)
@@ -63,6 +69,7 @@ async def list_swarm_configs(dht: DHTNode) -> list[ConfigRecord]:
                 subkey=subkey,
                 expiration=getattr(entry, "expiration_time", None),
                 now=now,
+                swarm_key=swarm_key_of(dht),
             )  # type: ignore[arg-type]
             record = ConfigRecord.from_wire(opened.body, founder=opened.signer, envelope=opened.envelope)
             swarm_id, _ = split_config_subkey(subkey)
@@ -103,6 +110,11 @@ class SwarmRegistry:
             raise RuntimeError("this DHT node has no signing identity (start it with node.p2p.network.start_network)")
         return identity
 
+    @property
+    def swarm_key(self) -> bytes | None:
+        """This node's private-swarm key (None: an open swarm); see node/p2p/swarm_key.py."""
+        return swarm_key_of(self.dht)
+
     def peer_ttl(self) -> float:
         """The longest a peer record of this swarm may live ahead: its heartbeat TTL once known."""
         validator = validator_of(self.dht)
@@ -122,7 +134,12 @@ class SwarmRegistry:
         else:
             founder = self.identity.peer_id
             envelope = seal(
-                self.identity, SWARMS_KEY, config_subkey(self.swarm_id, founder), record.to_wire(), expiration
+                self.identity,
+                SWARMS_KEY,
+                config_subkey(self.swarm_id, founder),
+                record.to_wire(),
+                expiration,
+                self.swarm_key,
             )
         return await self._store(SWARMS_KEY, config_subkey(self.swarm_id, founder), envelope, expiration)
 
@@ -136,7 +153,10 @@ class SwarmRegistry:
         record.updated = get_dht_time()
         key = stage_key(self.swarm_id, record.stage)
         return await self._store(
-            key, record.peer_id, seal(identity, key, record.peer_id, record.to_wire(), expiration_time), expiration_time
+            key,
+            record.peer_id,
+            seal(identity, key, record.peer_id, record.to_wire(), expiration_time, self.swarm_key),
+            expiration_time,
         )
 
     async def stage_peers(self, stage: int) -> list[PeerRecord]:
@@ -155,7 +175,9 @@ class SwarmRegistry:
         event = SwarmEvent(event.time, event.kind, event.peer_id, event.stage, event.detail, reporter=identity.peer_id)
         key, subkey = events_key(self.swarm_id), f"{identity.peer_id}:{event.time:.6f}"
         expiration = get_dht_time() + ttl
-        return await self._store(key, subkey, seal(identity, key, subkey, event.to_wire(), expiration), expiration)
+        return await self._store(
+            key, subkey, seal(identity, key, subkey, event.to_wire(), expiration, self.swarm_key), expiration
+        )
 
     async def fetch_events(self) -> list[SwarmEvent]:
         key = events_key(self.swarm_id)
@@ -173,6 +195,7 @@ class SwarmRegistry:
                     max_ttl=EVENT_TTL,
                     expiration=getattr(entry, "expiration_time", None),
                     now=now,
+                    swarm_key=self.swarm_key,
                 )  # type: ignore[arg-type]
                 events.append(SwarmEvent.from_wire(opened.body))
             except (SignatureError, RecordError) as e:
@@ -194,7 +217,15 @@ class SwarmRegistry:
             if not isinstance(expiration, (int, float)) or expiration < now:
                 continue
             try:
-                opened = open_envelope(entry.value, key=key, subkey=subkey, expiration=expiration, max_ttl=ttl, now=now)
+                opened = open_envelope(
+                    entry.value,
+                    key=key,
+                    subkey=subkey,
+                    expiration=expiration,
+                    max_ttl=ttl,
+                    now=now,
+                    swarm_key=self.swarm_key,
+                )
                 records.append(PeerRecord.from_wire(opened.body, subkey=subkey, stage=stage, expires=float(expiration)))
             except (SignatureError, RecordError) as e:
                 where = short_peer_id(subkey, 64)

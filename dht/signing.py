@@ -31,6 +31,7 @@ check again, with the swarm's own TTL, and log what they drop. See docs/security
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import math
 import os
@@ -251,8 +252,21 @@ def _signs_expiration(kind: RecordKind) -> bool:
     return kind != RecordKind.CONFIG
 
 
-def seal(identity: Identity, key: str, subkey: str, body: Mapping[str, Any], expiration: float) -> dict[str, Any]:
-    """The signed envelope of `body` stored under (`key`, `subkey`) until `expiration`."""
+def record_mac(swarm_key: bytes, signed: bytes, signature: bytes) -> bytes:
+    """A private swarm's MAC over a signed record: only holders of the swarm key can make one."""
+    return hmac.new(swarm_key, b"pipeswarm-record-mac" + signed + signature, hashlib.sha256).digest()
+
+
+def seal(
+    identity: Identity,
+    key: str,
+    subkey: str,
+    body: Mapping[str, Any],
+    expiration: float,
+    swarm_key: bytes | None = None,
+) -> dict[str, Any]:
+    """The signed envelope of `body` stored under (`key`, `subkey`) until `expiration`; in a private
+    swarm (`swarm_key`) it also carries a MAC under the key."""
     kind = kind_of_key(key)
     body_bytes = msgpack.packb(dict(body), use_bin_type=True)
     if len(body_bytes) > MAX_BODY_BYTES:
@@ -260,8 +274,12 @@ def seal(identity: Identity, key: str, subkey: str, body: Mapping[str, Any], exp
     check_binding(kind, subkey, body, identity.peer_id)  # our own bug, not the network's: fail loudly
     # a float, as hivemind hands it back (msgpack packs 5 and 5.0 differently)
     signed_expiration = float(expiration) if _signs_expiration(kind) else None
-    signature = identity.sign(_signed_bytes(key, subkey, body_bytes, signed_expiration))
-    return {"v": ENVELOPE_VERSION, "key": key, "body": body_bytes, "pk": identity.public_key, "sig": signature}
+    signed = _signed_bytes(key, subkey, body_bytes, signed_expiration)
+    signature = identity.sign(signed)
+    envelope = {"v": ENVELOPE_VERSION, "key": key, "body": body_bytes, "pk": identity.public_key, "sig": signature}
+    if swarm_key is not None:
+        envelope["mac"] = record_mac(swarm_key, signed, signature)
+    return envelope
 
 
 def check_binding(kind: RecordKind, subkey: str, body: Mapping[str, Any], signer: str) -> None:
@@ -344,6 +362,7 @@ def open_envelope(
     expiration: float,
     max_ttl: float = MAX_RECORD_TTL,
     now: float | None = None,
+    swarm_key: bytes | None = None,
 ) -> OpenedRecord:
     """Verify an envelope read from (or offered to) the DHT under (`key`, `subkey`, `expiration`).
 
@@ -375,6 +394,10 @@ def open_envelope(
         )
     kind = kind_of_key(key)
     signed = _signed_bytes(key, subkey, body_bytes, float(expiration) if _signs_expiration(kind) else None)
+    if swarm_key is not None:  # a private swarm: nothing without the key's MAC gets further
+        mac = raw.get("mac")
+        if not isinstance(mac, bytes) or not hmac.compare_digest(mac, record_mac(swarm_key, signed, signature)):
+            raise SignatureError("record MAC does not verify: written without this private swarm's key")
     verifying_key, signer = _public_keys.get(public_key)  # type: ignore[arg-type]
     _check_subkey(kind, subkey, signer)  # before the costly part: junk under someone else's subkey
     digest = hashlib.sha256(b"%d:%b%d:%b" % (len(public_key), public_key, len(signature), signature) + signed).digest()
@@ -430,8 +453,9 @@ class SignedRecordValidator(RecordValidatorBase):
     where this node's readers (dht/registry.py) find it. `identity` is this node's signing key
     (None: it only reads)."""
 
-    def __init__(self, identity: Identity | None = None):
+    def __init__(self, identity: Identity | None = None, swarm_key: bytes | None = None):
         self.identity = identity
+        self.swarm_key = swarm_key  # a private swarm: records must carry a MAC under it
         self.swarm_ttls: dict[str, float] = {}
         self.rejected = 0  # forged or malformed records refused so far (tests and logs)
         self._log = RateLimitedLog(logger)
@@ -463,7 +487,9 @@ class SignedRecordValidator(RecordValidatorBase):
         # the DHT only knows the key's hash: the envelope names the key, and must name this one
         if DHTID.generate(source=key).to_bytes() != record.key:
             raise SignatureError(f"envelope names key {key[:80]!r} but is stored under another key")
-        return open_envelope(envelope, key=key, subkey=subkey, expiration=record.expiration_time)
+        return open_envelope(
+            envelope, key=key, subkey=subkey, expiration=record.expiration_time, swarm_key=self.swarm_key
+        )
 
     # records are signed explicitly by the registry (seal), not by hivemind on the way out
     def sign_value(self, record: DHTRecord) -> bytes:

@@ -27,6 +27,13 @@ def add_network_flags(parser: argparse.ArgumentParser, listening: bool = True) -
             "--identity", dest="identity_path", help="private key file: keeps the peer id across restarts"
         )
         parser.add_argument(
+            "--swarm-key",
+            dest="swarm_key_path",
+            metavar="FILE",
+            help="private swarm: the shared key file (`node keygen --swarm-key FILE`); "
+            "default: $PIPESWARM_SWARM_KEY_FILE, else an open swarm",
+        )
+        parser.add_argument(
             "--announce",
             dest="announce_maddrs",
             nargs="*",
@@ -98,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="hold a place in the registry without serving a stage (for DHT tests)",
     )
+
+    keygen = commands.add_parser("keygen", help="write a new random key for a private swarm")
+    keygen.add_argument("--swarm-key", dest="swarm_key_path", required=True, metavar="FILE", help="where to write it")
 
     status = commands.add_parser("status", help="print a snapshot of the swarm")
     add_initial_peers(status)
@@ -177,7 +187,23 @@ def node_options(args: argparse.Namespace) -> Any:
     ):
         if hasattr(args, name):
             setattr(options, name, getattr(args, name))
+    if hasattr(args, "swarm_key_path"):
+        from node.p2p.swarm_key import load_swarm_key
+
+        options.swarm_key = load_swarm_key(args.swarm_key_path)  # SwarmKeyError: one line in main()
     return options
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from node.p2p.swarm_key import generate_swarm_key, key_fingerprint
+
+    key = generate_swarm_key(args.swarm_key_path)
+    print(
+        f"wrote a new swarm key to {args.swarm_key_path} (fingerprint {key_fingerprint(key)}); "
+        "give it to every member over a private channel",
+        flush=True,
+    )
+    return 0
 
 
 def cmd_join(args: argparse.Namespace) -> int:
@@ -250,13 +276,25 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     return daemon.run(once() if args.once else live())
 
 
-COMMANDS = {"bootstrap": cmd_bootstrap, "join": cmd_join, "status": cmd_status, "dashboard": cmd_dashboard}
+COMMANDS = {
+    "bootstrap": cmd_bootstrap,
+    "join": cmd_join,
+    "status": cmd_status,
+    "dashboard": cmd_dashboard,
+    "keygen": cmd_keygen,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
-    return COMMANDS[args.command](args)
+    from node.p2p.swarm_key import SwarmKeyError
+
+    try:
+        return COMMANDS[args.command](args)
+    except SwarmKeyError as e:
+        logger.error(f"refusing to start: {e}")
+        return 2
 
 
 if __name__ == "__main__":

@@ -132,6 +132,7 @@ async def start_network(
     client_mode: bool = False,
     announce_maddrs: Sequence[str] = (),
     startup_timeout: float = 30.0,
+    swarm_key: bytes | None = None,
 ) -> Network:
     """Start p2pd and a DHT node joined to `initial_peers` (none: this peer starts a new DHT). The DHT
     node accepts only signed pipeswarm records (dht/signing.py) and signs with this peer's identity."""
@@ -174,7 +175,7 @@ async def start_network(
                 num_workers=4,
                 wait_timeout=5.0,
                 cache_locally=False,
-                record_validator=SignedRecordValidator(identity),
+                record_validator=SignedRecordValidator(identity, swarm_key),
             ),
             DHTNode.shutdown,
         )

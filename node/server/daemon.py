@@ -24,11 +24,12 @@ import base58
 
 from dht.announcer import PeerAnnouncer
 from dht.records import ConfigRecord, PeerRecord, PeerState
-from dht.registry import SwarmRegistry, list_swarm_configs
+from dht.registry import SwarmRegistry, list_swarm_configs, swarm_key_of
 from dht.signing import MAX_RECORD_TTL
 from node import __version__
 from node.config import ConfigError, SwarmConfig
 from node.p2p.network import Network, NetworkError, peer_id_of_maddr, start_network
+from node.p2p.swarm_key import key_fingerprint
 from node.server.stage_claim import StageOutOfRange, claim_stage
 from protocol.version import PROTOCOL_VERSION
 
@@ -47,6 +48,7 @@ class NodeOptions:
     port: int = 0
     initial_peers: list[str] = field(default_factory=list)
     identity_path: str | None = None
+    swarm_key: bytes | None = None  # a private swarm's key (node/p2p/swarm_key.py); None: open
     announce_maddrs: list[str] = field(default_factory=list)
     name: str = ""
     swarm_id: str | None = None
@@ -91,6 +93,7 @@ async def start_peer_network(options: NodeOptions) -> Network:
         initial_peers=options.initial_peers,
         identity_path=options.identity_path,
         announce_maddrs=options.announce_maddrs,
+        swarm_key=options.swarm_key,
     )
 
 
@@ -189,6 +192,11 @@ async def find_swarm(
                 if others
                 else ": is the bootstrap peer up?"
             )
+            if swarm_key_of(network.dht) is not None:
+                found += (
+                    f" (this node uses swarm key {key_fingerprint(swarm_key_of(network.dht))}: a private "
+                    "swarm's records verify only under its own key)"
+                )
             raise JoinRefused(
                 f"no config for {what} signed by founder {founder} in the DHT within {timeout:.0f} s{found}"
             )
@@ -242,6 +250,12 @@ async def join(options: NodeOptions, serve: StageService | None = None) -> int:
     try:
         config_record = await find_swarm(network, options.swarm_id, options.find_timeout, founder)
         config = check_compatible(config_record)
+        if config_record.envelope is not None and "mac" in config_record.envelope and options.swarm_key is None:
+            # observers may read a private swarm; members must hold its key
+            raise JoinRefused(
+                f"swarm {config.swarm_id} is private: its records carry a MAC; "
+                "pass --swarm-key FILE (or set PIPESWARM_SWARM_KEY_FILE) with the swarm's key"
+            )
         registry = SwarmRegistry(network.dht, config.swarm_id)
         record = PeerRecord(
             peer_id=network.peer_id,

@@ -18,7 +18,7 @@ import torch
 
 from dht.announcer import PeerAnnouncer, PeerProgress
 from dht.records import PeerState
-from dht.registry import SwarmRegistry
+from dht.registry import SwarmRegistry, swarm_key_of
 from dht.swarm_view import SwarmView
 from node.averaging.gossip import Gossip
 from node.config import SwarmConfig
@@ -117,7 +117,12 @@ async def build_service(
         ban_until=ban_until, on_ban=lambda peer_id, until, reason: router.bans.ban(peer_id, until, reason)
     )
     transport = Transport(
-        network.p2p, config.swarm_id, me.stage, compression=config.training.wire_compression, conduct=conduct
+        network.p2p,
+        config.swarm_id,
+        me.stage,
+        compression=config.training.wire_compression,
+        conduct=conduct,
+        swarm_key=swarm_key_of(network.dht),  # a private swarm: every message carries a MAC
     )
 
     pipeline = Pipeline(
