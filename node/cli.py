@@ -288,7 +288,12 @@ COMMANDS = {
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
+    from node.p2p.peer_conduct import raise_fd_soft_limit
     from node.p2p.swarm_key import SwarmKeyError
+
+    if args.command in ("bootstrap", "join"):
+        # before p2pd starts, so that it inherits the limit: many peers and streams need many descriptors
+        logger.info(f"open-file limit: {raise_fd_soft_limit()}")
 
     try:
         return COMMANDS[args.command](args)

@@ -1,0 +1,69 @@
+"""Stream admission and bans for bad input (node/p2p/peer_conduct.py), on a fake clock."""
+
+from __future__ import annotations
+
+from node.p2p.peer_conduct import ConductLimits, PeerConduct
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def conduct(**limits: float) -> tuple[PeerConduct, Clock, list]:
+    clock, banned = Clock(), []
+    limits = {"total_streams": 8, **limits}
+    c = PeerConduct(
+        ConductLimits(**limits), ban_until=lambda p: clock.now + 100, on_ban=lambda *a: banned.append(a), clock=clock
+    )
+    return c, clock, banned
+
+
+def test_streams_per_peer_and_in_total_are_capped_and_released():
+    c, _, _ = conduct(streams_per_peer=2)
+    assert c.admit("a") is None and c.admit("a") is None
+    assert c.admit("a") == "too many streams from this peer"
+    for peer in "bcdefg":
+        assert c.admit(peer) is None
+    assert c.open_streams() == 8 and c.admit("h") == "too many open streams"
+    c.release("a")
+    assert c.admit("h") is None and c.refused == 2
+    for _ in range(5):
+        c.release("zzz")  # releasing what was never admitted cannot go negative
+    assert c.open_streams() >= 0
+
+
+def test_request_rate_is_a_token_bucket():
+    c, clock, _ = conduct(requests_per_second=10, request_burst=5, streams_per_peer=100, total_streams=100)
+    results = []
+    for _ in range(7):
+        results.append(c.admit("a"))
+        c.release("a")
+    assert results[:5] == [None] * 5 and results[5:] == ["request rate exceeded"] * 2
+    clock.now += 0.2  # two tokens back
+    assert c.admit("a") is None
+
+
+def test_repeated_bad_input_bans_until_the_record_expires_and_strikes_decay():
+    c, clock, banned = conduct(strikes_to_ban=3, strike_window=60)
+    assert not c.strike("a", "bad frame") and not c.strike("a", "bad frame")
+    clock.now += 61  # the first two strikes are forgotten
+    assert not c.strike("a", "bad frame") and not c.strike("a", "bad frame")
+    assert c.strike("a", "bad frame")
+    assert c.is_banned("a") and banned and banned[0][0] == "a" and banned[0][1] == clock.now + 100
+    assert c.admit("a") == "banned for bad input" and c.admit("b") is None
+    clock.now += 101
+    assert not c.is_banned("a") and c.admit("a") is None
+
+
+def test_a_ban_lasts_at_least_the_minimum_even_for_an_expiring_record():
+    clock = Clock()
+    c = PeerConduct(ConductLimits(strikes_to_ban=1, min_ban_seconds=30), ban_until=lambda p: 0.0, clock=clock)
+    assert c.strike("a", "x")
+    clock.now += 29
+    assert c.is_banned("a")
+    clock.now += 2
+    assert not c.is_banned("a")
