@@ -109,9 +109,9 @@ class Transport:
             await within(send_message(writer, self.error(reason), "none", self.limits, self.swarm_key), 1.0)
         writer.close()
 
-    async def serve_requests(self, service: str, handler: RequestHandler, read_timeout: float = 30.0) -> None:
-        """One request, one reply per stream. The request must arrive within `read_timeout` (a slow
-        sender cannot hold the stream longer); malformed input is a strike against the sender."""
+    def _admitted(self, service: str, body: SessionHandler):
+        """A p2pd stream handler that admits the sender (node/p2p/peer_conduct.py) before `body`
+        reads anything, and releases its slot and closes the stream however `body` ends."""
 
         async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             sender = info.peer_id.to_base58()
@@ -119,6 +119,19 @@ class Transport:
             if refusal is not None:
                 await self._refuse(sender, service, writer, refusal)
                 return
+            try:
+                await body(sender, reader, writer)
+            finally:
+                self.conduct.release(sender)
+                writer.close()
+
+        return on_stream
+
+    async def serve_requests(self, service: str, handler: RequestHandler, read_timeout: float = 30.0) -> None:
+        """One request, one reply per stream. The request must arrive within `read_timeout` (a slow
+        sender cannot hold the stream longer); malformed input is a strike against the sender."""
+
+        async def one_request(sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
                 request = await within(recv_message(reader, self.limits, self.swarm_id, self.swarm_key), read_timeout)
                 try:
@@ -141,21 +154,13 @@ class Transport:
                 logger.exception(f"{service} handler failed on a request from {short_peer_id(sender)}")
                 with contextlib.suppress(Exception):
                     await send_message(writer, self.error("internal error"), "none", self.limits, self.swarm_key)
-            finally:
-                self.conduct.release(sender)
-                writer.close()
 
-        await self._add_handler(service, on_stream)
+        await self._add_handler(service, self._admitted(service, one_request))
 
     async def serve_sessions(self, service: str, handler: SessionHandler) -> None:
         """A handler that owns the whole stream (gossip, state download); it bounds its own reads."""
 
-        async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            sender = info.peer_id.to_base58()
-            refusal = self.conduct.admit(sender)
-            if refusal is not None:
-                await self._refuse(sender, service, writer, refusal)
-                return
+        async def session(sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
                 await handler(sender, reader, writer)
             except ProtocolError as e:
@@ -165,11 +170,8 @@ class Transport:
                 logger.info(f"{service} session with {short_peer_id(sender)} ended: {e!r}")
             except Exception:
                 logger.exception(f"{service} session with {short_peer_id(sender)} failed")
-            finally:
-                self.conduct.release(sender)
-                writer.close()
 
-        await self._add_handler(service, on_stream)
+        await self._add_handler(service, self._admitted(service, session))
 
     async def request(self, peer_id: str, service: str, message: Message, timeout: float) -> Message:
         """Send one message and wait for the reply. Raises TransportError on any failure, including

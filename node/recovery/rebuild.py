@@ -25,16 +25,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from dht.announcer import PeerAnnouncer
 from dht.records import EventKind, PeerRecord, PeerState, SwarmEvent
 from dht.registry import SwarmRegistry
 from dht.swarm_view import SwarmView
-from node.averaging.gossip import Gossip
 from node.config import SwarmConfig
 from node.model.llama import build_stage
 from node.p2p.transport import Transport, TransportError
@@ -49,7 +46,7 @@ from node.recovery.checkfree import (
 )
 from node.recovery.checkpoints import checkpoint_root, load_latest
 from node.recovery.lost_stages import live_peers
-from node.recovery.state_transfer import download_from_any
+from node.recovery.state_transfer import StageParts, download_from_any
 from node.runtime.events import EventPublisher
 from node.runtime.tasks import BackgroundTasks
 from protocol.stage_state import StageState, StatePart
@@ -60,7 +57,6 @@ __all__ = [
     "DEBUG_DIR_ENV",
     "RebuildFailed",
     "RebuildResult",
-    "RebuildingService",
     "rebuild_detail",
     "rebuild_into_service",
     "rebuild_stage",
@@ -249,26 +245,8 @@ def dump_rebuild(
     return path
 
 
-class RebuildingService(Protocol):
-    """What `rebuild_into_service` needs of a stage service (node/server/stage_service.py's
-    StageService has all of it): read-only, so any object with these attributes fits."""
-
-    @property
-    def config(self) -> SwarmConfig: ...
-    @property
-    def me(self) -> PeerAnnouncer: ...
-    @property
-    def worker(self) -> StageWorker: ...
-    @property
-    def transport(self) -> Transport: ...
-    @property
-    def view(self) -> SwarmView: ...
-    @property
-    def gossip(self) -> Gossip | None: ...
-
-
 async def rebuild_into_service(
-    service: RebuildingService, registry: SwarmRegistry, *, retry_every: float = 2.0, attempts: int = 5
+    service: StageParts, registry: SwarmRegistry, *, retry_every: float = 2.0, attempts: int = 5
 ) -> RebuildResult:
     """The rebuild step of a stage service whose stage nobody else holds: state `rebuilding` while
     it runs (the pipeline refuses traffic until `online`), a few attempts (a donor may die, a view

@@ -34,6 +34,7 @@ from dht.announcer import PeerAnnouncer
 from dht.records import PeerRecord, PeerState, short_peer_id
 from dht.swarm_view import SwarmView
 from node.averaging.gossip import Gossip
+from node.config import SwarmConfig
 from node.p2p.tensor_stream import ChunkIndex, Session, TensorStream
 from node.p2p.transport import Transport, TransportError
 from node.pipeline.stage_worker import StageWorker
@@ -335,28 +336,25 @@ async def adopt_state(worker: StageWorker, state: StageState, gossip: Gossip | N
     await worker.compute(load)
 
 
-class JoiningService(Protocol):
-    """What join_live_stage uses of a stage service (StageService, node/server/stage_service.py)."""
+class StageParts(Protocol):
+    """The parts of a running stage service that recovery steps use (node/server/stage_service.py's
+    StageService has all of them): read-only, so any object with these attributes fits."""
 
+    @property
+    def config(self) -> SwarmConfig: ...
     @property
     def me(self) -> PeerAnnouncer: ...
-
     @property
     def worker(self) -> StageWorker: ...
-
     @property
     def transport(self) -> Transport: ...
-
     @property
     def view(self) -> SwarmView: ...
-
     @property
     def gossip(self) -> Gossip | None: ...
 
 
-async def join_live_stage(
-    service: JoiningService, attempts: int = 3, rounds: int = 5, retry_every: float = 2.0
-) -> bool:
+async def join_live_stage(service: StageParts, attempts: int = 3, rounds: int = 5, retry_every: float = 2.0) -> bool:
     """Before a peer of a live stage goes online: download the stage's state from one of its online
     peers and adopt it (its record stays `joining` meanwhile, so nobody routes to it or gossips
     with it). Up to `attempts` donors per round; between rounds the swarm view is refreshed (donors
