@@ -92,7 +92,7 @@ class DilocoRound:
             logger.info(f"diloco round {round_}: no Delta from {short_peer_id(peer)}: {e!r}")
             return None
         # all replicas share phi in diloco: check the partner's Delta against ours
-        reason, _ = await ctx.check_partner(start, start.state.phi, delta)
+        reason, _ = await ctx.check_partner(peer, start, start.state.phi, delta)
         if reason is not None:
             ctx.reject(peer, reason)
             return None

@@ -31,7 +31,7 @@ from dht.registry import SwarmRegistry
 from dht.swarm_view import SwarmView
 from node.averaging.diloco import DilocoRound
 from node.averaging.fingerprint import WeightFingerprint
-from node.averaging.gossip_wire import GOSSIP_SERVICE
+from node.averaging.gossip_wire import GOSSIP_SERVICE, STALL_TIMEOUT, GossipWire
 from node.averaging.noloco import OuterState
 from node.averaging.outer_replica import STEPPED, RoundOutcome
 from node.averaging.round_context import RoundContext
@@ -103,7 +103,10 @@ class Gossip:
         return self.pairwise.exchanging
 
     async def refresh_fingerprint(self) -> None:
+        """Every heartbeat: the fingerprint to publish, and the divergences the stage published
+        (the partner check scales with them)."""
         self.fingerprint = await self.worker.compute(self._fingerprint, self.rounds.replica.params)
+        self.rounds.observe_stage()
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -129,8 +132,10 @@ class Gossip:
                 due_since = due_since or time.monotonic()
                 # bounded wait for a free partner: in time, and in steps (a Delta of many more
                 # steps than the partners' would fail their norm check)
-                alone_ok = (time.monotonic() - due_since > self.settings.round_timeout
-                            or self.steps_since_round >= 2 * self.settings.inner_steps)
+                alone_ok = (
+                    time.monotonic() - due_since > self.settings.round_timeout
+                    or self.steps_since_round >= 2 * self.settings.inner_steps
+                )
                 if self.settings.mode == GossipMode.DILOCO:
                     outcome = await self.diloco.start_round(self.outer_state.round)
                 else:
@@ -152,9 +157,14 @@ class Gossip:
         return await self.pairwise.run(partner, alone_if_busy)
 
     async def _on_session(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        session = self.wire.session(reader, writer)
-        request = await within(session.recv(), self.settings.round_timeout)
-        refusal = self.wire.refusal(request, self.me.stage, self.bans.is_banned(sender))
+        # noloco: every message of the exchange must move within STALL_TIMEOUT (the round's slot
+        # is this peer's only one); diloco serves many at once, each bounded as a whole
+        pairwise = self.settings.mode != GossipMode.DILOCO
+        session = self.wire.session(reader, writer, STALL_TIMEOUT if pairwise else None)
+        request = await GossipWire.recv_within(session, STALL_TIMEOUT)  # sent as soon as the stream opens
+        refusal = self.wire.refusal(
+            request, self.me.stage, self.bans.is_banned(sender), self.rounds.cooling_down(sender)
+        )
         if refusal is not None:
             await session.send(self.transport.error(refusal, request.request_id))
         elif self.settings.mode == GossipMode.DILOCO:

@@ -22,10 +22,30 @@ from node.p2p.tensor_stream import ChunkIndex, Session, TensorStream
 from node.p2p.transport import Transport
 from protocol import Compression, Message, MessageKind
 
-__all__ = ["CHUNK_ELEMENTS", "GOSSIP_CHUNKS", "GOSSIP_COMPRESSION", "GOSSIP_SERVICE", "GossipWire"]
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "COMPUTE_SLACK",
+    "GOSSIP_CHUNKS",
+    "GOSSIP_COMPRESSION",
+    "GOSSIP_SERVICE",
+    "MIN_GOSSIP_BANDWIDTH",
+    "STALL_COOLDOWN",
+    "STALL_LATENCY",
+    "STALL_TIMEOUT",
+    "GossipWire",
+]
 
 GOSSIP_SERVICE = "gossip"
 CHUNK_ELEMENTS = 1 << 20  # 4 MiB of fp32 per GOSSIP_CHUNK
+# A partner that sends nothing for STALL_TIMEOUT seconds while a message is due ends the round
+# (docs/gossip.md, "Timeouts and failures"): the time one chunk takes at the slowest link we
+# serve, plus slack for a loaded event loop. Waits for the partner's compute thread (its capture
+# before ACCEPT, its validation before DONE) get COMPUTE_SLACK x what the same work took us on top.
+MIN_GOSSIP_BANDWIDTH = 4 << 20  # bytes/s (32 Mbit/s), per direction
+STALL_LATENCY = 2.0  # seconds
+STALL_TIMEOUT = STALL_LATENCY + CHUNK_ELEMENTS * 4 / MIN_GOSSIP_BANDWIDTH  # 3 s
+COMPUTE_SLACK = 4.0
+STALL_COOLDOWN = 60.0  # seconds a partner that stalled is neither asked nor answered (not a ban)
 GOSSIP_CHUNKS = TensorStream(MessageKind.GOSSIP_CHUNK, CHUNK_ELEMENTS, ChunkIndex.TENSOR)
 # phi travels uncompressed: replicas' phi differ by far less than fp16's relative 5e-4 rounding,
 # so a compressed phi would swamp the very differences the pull term averages away
@@ -40,27 +60,46 @@ class GossipWire:
         self.settings = settings
         self.replica = replica
 
-    def session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Session:
-        """A session on a stream; no per-message timeout: every round is bounded as a whole."""
-        return Session(self.transport, reader, writer, compression=GOSSIP_COMPRESSION)
+    def session(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stall_timeout: float | None = None
+    ) -> Session:
+        """A session on a stream; each message in or out must move within `stall_timeout` seconds
+        (None: no per-message limit), and every round is bounded as a whole by its caller."""
+        return Session(self.transport, reader, writer, timeout=stall_timeout, compression=GOSSIP_COMPRESSION)
 
     @contextlib.asynccontextmanager
-    async def open(self, peer: str) -> AsyncIterator[Session]:
+    async def open(self, peer: str, stall_timeout: float | None = None) -> AsyncIterator[Session]:
         """A new gossip session with `peer` (TransportError if it cannot be opened)."""
         async with self.transport.session(peer, GOSSIP_SERVICE, self.settings.round_timeout) as (reader, writer):
-            yield self.session(reader, writer)
+            yield self.session(reader, writer, stall_timeout)
+
+    @staticmethod
+    async def recv_within(session: Session, seconds: float | None, kind: MessageKind | None = None) -> Message:
+        """The next message (which must be of `kind` if given, as `Session.expect`) within
+        `seconds` instead of the session's per-message limit: for a reply the partner computes
+        first. Only while nothing else reads or writes the session."""
+        saved, session.timeout = session.timeout, seconds
+        try:
+            return await (session.recv() if kind is None else session.expect(kind))
+        finally:
+            session.timeout = saved
 
     # ---- messages ------------------------------------------------------------------------------
 
     def request_meta(self, round_: int, steps: int = 0) -> dict:
         """`steps`: the inner steps the sender's Delta covers (lets the partner judge ripeness)."""
-        return {"round": round_, "num_tensors": len(self.replica.params), "total_numel": self.replica.total_numel,
-                "mode": str(self.settings.mode), "steps": steps}
+        return {
+            "round": round_,
+            "num_tensors": len(self.replica.params),
+            "total_numel": self.replica.total_numel,
+            "mode": str(self.settings.mode),
+            "steps": steps,
+        }
 
     def request(self, round_: int, steps: int = 0) -> Message:
         return self.transport.message(MessageKind.GOSSIP_REQUEST, self.request_meta(round_, steps))
 
-    def refusal(self, request: Message, stage: int, sender_banned: bool) -> str | None:
+    def refusal(self, request: Message, stage: int, sender_banned: bool, sender_stalled: bool = False) -> str | None:
         """Why a replica of `stage` refuses a request outright (None: it may serve it)."""
         if request.kind != MessageKind.GOSSIP_REQUEST:
             return f"expected gossip_request, got {request.kind.value}"
@@ -70,6 +109,8 @@ class GossipWire:
             return f"this peer serves stage {stage}, not {request.sender_stage}"
         if sender_banned:
             return "banned"
+        if sender_stalled:
+            return "you stalled a recent round: try again later"
         mine = self.request_meta(0)
         for key in ("num_tensors", "total_numel", "mode"):
             if request.meta.get(key) != mine[key]:

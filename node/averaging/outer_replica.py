@@ -23,9 +23,9 @@ from node.averaging.noloco import (
     diloco_outer_step,
     outer_step,
     pseudo_gradient,
-    relative_distance,
     validate_partner_update,
 )
+from node.averaging.plausibility import PartnerMeasures, PlausibilityBounds, implausible, measure
 from node.config import GossipConfig
 
 __all__ = ["STEPPED", "OuterReplica", "RoundOutcome", "RoundStart", "RoundStatus"]
@@ -65,6 +65,7 @@ class RoundStart:
     delta: list[Tensor]
     inner_step: int
     has_progress: bool  # Delta is not all zero
+    capture_seconds: float = 0.0  # how long the capture took, waiting for the compute thread included
 
 
 class OuterReplica:
@@ -72,6 +73,7 @@ class OuterReplica:
 
     def __init__(self, module: torch.nn.Module, settings: GossipConfig):
         self.settings = settings
+        self.bounds = PlausibilityBounds()
         self.params = list(module.parameters())
         self.names = [name for name, _ in module.named_parameters()]
         with torch.no_grad():  # built before the service trains: safe off the compute thread
@@ -96,18 +98,30 @@ class OuterReplica:
         has_progress = any(bool(d.any()) for d in delta)
         return RoundStart(state, theta, delta, inner_step, has_progress)
 
-    def check_partner(self, start: RoundStart, phi: list[Tensor], delta: list[Tensor]) -> tuple[str | None, float | None]:
-        """(why the partner's phi and Delta are unacceptable, None) or (None, relative phi distance)."""
+    def check_partner(
+        self, start: RoundStart, phi: list[Tensor], delta: list[Tensor], distance_limit: float | None = None
+    ) -> tuple[str | None, PartnerMeasures | None]:
+        """(why the partner's phi and Delta are unacceptable, what was measured if it got that far),
+        None as the reason if they may enter the outer step. First their form
+        (`validate_partner_update`), then whether an honest replica could have sent them
+        (plausibility.py); `distance_limit` (None: the bounds' ceiling) caps the relative distance
+        of the partner's phi from ours."""
         reason = validate_partner_update(start.state.phi, start.delta, phi, delta, self.settings.max_norm_factor)
         if reason is not None:
             return reason, None
-        return None, relative_distance(start.state.phi, phi)
+        b = self.bounds
+        measures = measure(start.state.phi, start.delta, phi, delta, b.tensor_norm_floor, b.min_tensor_share)
+        limit = self.bounds.distance_limit(None) if distance_limit is None else distance_limit
+        return implausible(measures, self.bounds, limit), measures
 
-    def pairwise_step(self, start: RoundStart, phis: Sequence[list[Tensor]], deltas: Sequence[list[Tensor]]) -> OuterState:
+    def pairwise_step(
+        self, start: RoundStart, phis: Sequence[list[Tensor]], deltas: Sequence[list[Tensor]]
+    ) -> OuterState:
         """NoLoCo's outer step with these partners (none: the lone step, n = 1)."""
         s = self.settings
-        return outer_step(start.state, start.delta, list(phis), list(deltas), s.outer_momentum, s.outer_lr,
-                          s.pull_coefficient)
+        return outer_step(
+            start.state, start.delta, list(phis), list(deltas), s.outer_momentum, s.outer_lr, s.pull_coefficient
+        )
 
     def group_step(self, start: RoundStart, deltas: Sequence[list[Tensor]]) -> OuterState:
         """DiLoCo's outer step over my Delta and the other replicas' (all share phi)."""
@@ -142,8 +156,10 @@ class OuterReplica:
             raise ValueError(f"round must be an int >= 0, got {round!r}")
         expected = {f"{kind}.{n}" for kind in ("phi", "momentum") for n in self.names}
         if set(tensors) != expected:
-            raise ValueError(f"outer state names differ: missing {sorted(expected - set(tensors))[:3]}, "
-                             f"unexpected {sorted(set(tensors) - expected)[:3]}")
+            raise ValueError(
+                f"outer state names differ: missing {sorted(expected - set(tensors))[:3]}, "
+                f"unexpected {sorted(set(tensors) - expected)[:3]}"
+            )
         columns = {}
         for kind in ("phi", "momentum"):
             column = []

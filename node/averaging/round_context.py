@@ -1,14 +1,16 @@
 """What every gossip round shares, whichever kind it is (NoLoCo pair, DiLoCo group).
 
 The replica and its compute thread, the wire, which partners may be picked, and the record of how
-rounds went: the outcome history, the partner and divergence the DHT record reports, bans and
-dashboard events for partners that sent bad tensors (docs/gossip.md, "Robustness").
+rounds went: the outcome history, the partner and divergence the DHT record reports, the recent
+replica divergences the partner check scales with, bans and dashboard events for partners that
+sent bad tensors, and a cool-down for partners that stalled (docs/gossip.md, "Robustness").
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -17,9 +19,10 @@ from torch import Tensor
 from dht.announcer import PeerAnnouncer
 from dht.records import EventKind, short_peer_id
 from dht.swarm_view import SwarmView
-from node.averaging.gossip_wire import GossipWire
+from node.averaging.gossip_wire import STALL_COOLDOWN, GossipWire
 from node.averaging.noloco import OuterState
 from node.averaging.outer_replica import STEPPED, OuterReplica, RoundOutcome, RoundStart, RoundStatus
+from node.averaging.plausibility import DivergenceMemory
 from node.config import GossipConfig
 from node.p2p.transport import Transport
 from node.pipeline.routing import BanList
@@ -60,6 +63,8 @@ class RoundContext:
         self.history: deque[RoundOutcome] = deque(maxlen=256)
         self.last_partner: str | None = None
         self.divergence: float | None = None
+        self.divergences = DivergenceMemory()  # recent honest divergences: the partner check scales with them
+        self.stalled: dict[str, float] = {}  # peer -> until when it is neither asked nor answered
 
     @property
     def steps_since_round(self) -> int:
@@ -74,10 +79,38 @@ class RoundContext:
 
     def candidates(self) -> list[str]:
         """The live, unbanned other replicas of this stage, in random order."""
-        peers = [p.peer_id for p in self.view.online(self.me.stage, exclude=self.me.peer_id)
-                 if not self.bans.is_banned(p.peer_id)]
+        peers = [
+            p.peer_id
+            for p in self.view.online(self.me.stage, exclude=self.me.peer_id)
+            if not self.bans.is_banned(p.peer_id) and not self.cooling_down(p.peer_id)
+        ]
         self.rng.shuffle(peers)
         return peers
+
+    def cooling_down(self, peer_id: str) -> bool:
+        """Did `peer_id` stall one of our rounds less than STALL_COOLDOWN seconds ago?"""
+        until = self.stalled.get(peer_id)
+        if until is None:
+            return False
+        if until <= time.monotonic():
+            del self.stalled[peer_id]
+            return False
+        return True
+
+    def stall(self, peer_id: str) -> None:
+        """`peer_id` went silent in an exchange: leave it alone for STALL_COOLDOWN seconds. Not a
+        ban: a frozen or cut-off honest peer looks the same, and a ban would also stop routing."""
+        now = time.monotonic()
+        if len(self.stalled) >= 256:  # strangers with fresh identities: forget the expired ones
+            self.stalled = {peer: until for peer, until in self.stalled.items() if until > now}
+        self.stalled[peer_id] = now + STALL_COOLDOWN
+
+    def observe_stage(self) -> None:
+        """Note the divergences the stage's other peers publish (every heartbeat)."""
+        now = time.monotonic()
+        for record in self.view.online(self.me.stage, exclude=self.me.peer_id):
+            if record.divergence is not None:
+                self.divergences.note_published(record.peer_id, record.divergence, now)
 
     def restart(self) -> None:
         """The outer state was replaced from outside: the next round is due H inner steps from now."""
@@ -87,22 +120,42 @@ class RoundContext:
 
     async def capture_start(self) -> RoundStart:
         worker, replica = self.worker, self.replica
+        began = time.monotonic()
         # the step counter is read on the compute thread too: theta and the step must match
-        return await worker.compute(lambda: replica.capture_start(worker.inner_step))
+        start = await worker.compute(lambda: replica.capture_start(worker.inner_step))
+        start.capture_seconds = time.monotonic() - began
+        return start
 
-    async def check_partner(self, start: RoundStart, phi: list[Tensor], delta: list[Tensor]) -> tuple[str | None, float | None]:
-        return await self.worker.compute(self.replica.check_partner, start, phi, delta)
+    def distance_limit(self, partner: str) -> float:
+        """How far (relative distance) the partner's phi may be from ours: scaled with the largest
+        divergence of the last minutes, not counting what the partner itself published."""
+        bounds = self.replica.bounds
+        reference = self.divergences.reference(time.monotonic(), exclude=partner, min_own=bounds.min_observations)
+        return bounds.distance_limit(reference)
+
+    async def check_partner(
+        self, partner: str, start: RoundStart, phi: list[Tensor], delta: list[Tensor]
+    ) -> tuple[str | None, float | None]:
+        """(why the partner's update is refused, None) or (None, the relative distance of its phi)."""
+        limit = self.distance_limit(partner)
+        reason, measures = await self.worker.compute(self.replica.check_partner, start, phi, delta, limit)
+        if measures is not None:
+            logger.debug(f"partner {short_peer_id(partner)}: {measures.describe()}, distance limit {limit:.3g}")
+        return reason, None if measures is None else measures.distance
 
     async def finish(self, start: RoundStart, new_state: OuterState, outcome: RoundOutcome) -> RoundOutcome:
         """Apply `new_state` (computed from `start`) and record `outcome`, or record an abort if
         the outer state was replaced since the round started."""
         if not await self.worker.compute(self.replica.apply, start, new_state):
-            return self.record(RoundOutcome(RoundStatus.ABORTED, start.state.round, outcome.partners,
-                                            "outer state replaced"))
+            return self.record(
+                RoundOutcome(RoundStatus.ABORTED, start.state.round, outcome.partners, "outer state replaced")
+            )
         self.round_start_step = start.inner_step
         if outcome.partners:
             self.last_partner = outcome.partners[0] if len(outcome.partners) == 1 else self.last_partner
             self.divergence = outcome.divergence
+            if outcome.divergence is not None:
+                self.divergences.note_own(outcome.divergence, time.monotonic())
         return self.record(outcome)
 
     # ---- reporting -----------------------------------------------------------------------------
@@ -121,8 +174,12 @@ class RoundContext:
         """Ban a peer whose tensors failed validation and tell the dashboard."""
         self.bans.ban(peer_id, self.ban_until(peer_id), f"gossip: {reason}")
         logger.warning(f"rejected gossip from {short_peer_id(peer_id)} and banned it: {reason}")
-        self.events.publish(EventKind.BAN, self.me.stage, peer_id=peer_id, detail=(
-            f"gossip from {short_peer_id(peer_id)} rejected by {short_peer_id(self.me.peer_id)}: {reason}"))
+        self.events.publish(
+            EventKind.BAN,
+            self.me.stage,
+            peer_id=peer_id,
+            detail=(f"gossip from {short_peer_id(peer_id)} rejected by {short_peer_id(self.me.peer_id)}: {reason}"),
+        )
 
     def report_failure(self, detail: str) -> None:
         """An exchange this peer started broke off (shown on the dashboard, never acted upon)."""

@@ -8,19 +8,26 @@ On one gossip session (docs/gossip.md, "A round on the wire"):
     A -> B: GOSSIP_DONE{accept, reason};  B -> A: GOSSIP_DONE{accept, reason}
     B applies after sending its DONE, A after receiving it (only when both accepted)
 
-Any failure before that (timeout, disconnect, BUSY, rejection) leaves both peers' weights as they
-were. The one window left: B has sent an accepting DONE and applied, the stream dies before A reads
-it, A does not apply (a one-sided round: B moved toward A, A did not move; harmless, see the doc).
-A replica takes part in one exchange at a time, as initiator or responder.
+Any failure before that (timeout, stall, disconnect, BUSY, rejection) leaves both peers' weights as
+they were. Each message must move within STALL_TIMEOUT (gossip_wire.py; a reply the partner
+computes first gets COMPUTE_SLACK x what the same work took us on top): a silent partner ends the
+round within seconds and is left alone for STALL_COOLDOWN, the whole round is bounded by
+round_timeout. The one window left: B has sent an accepting DONE and applied, the stream dies
+before A reads it, A does not apply (a one-sided round: B moved toward A, A did not move;
+harmless, see the doc). A replica takes part in one exchange at a time, as initiator or responder.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from torch import Tensor
 
 from dht.records import PeerState, short_peer_id
+from node.averaging.gossip_wire import COMPUTE_SLACK, STALL_TIMEOUT, GossipWire
 from node.averaging.outer_replica import RoundOutcome, RoundStart, RoundStatus
 from node.averaging.round_context import RoundContext
 from node.p2p.tensor_stream import Session
@@ -28,7 +35,7 @@ from node.p2p.transport import PEER_FAILURES, TransportError
 from node.runtime.timeouts import within
 from protocol import Message, MessageKind, ProtocolError
 
-__all__ = ["MAX_PARTNER_TRIES", "PairwiseRound", "PartnerBusy", "PartnerRejected", "PartnerUpdate"]
+__all__ = ["MAX_PARTNER_TRIES", "PairwiseRound", "PartnerBusy", "PartnerRejected", "PartnerStalled", "PartnerUpdate"]
 
 MAX_PARTNER_TRIES = 3  # BUSY partners asked per attempt before backing off
 
@@ -39,6 +46,27 @@ class PartnerRejected(Exception):
 
 class PartnerBusy(Exception):
     """The partner is already exchanging (or has nothing to share yet)."""
+
+
+class PartnerStalled(TimeoutError):
+    """The partner let a message's deadline pass mid-exchange: the round ends, it cools down."""
+
+
+@contextlib.contextmanager
+def _silence_is_a_stall(peer: str) -> Iterator[None]:
+    """A per-message deadline that passed inside the exchange is the partner's stall. (The whole
+    round's deadline is enforced around the exchange, so it never surfaces in here as a timeout.)"""
+    try:
+        yield
+    except PartnerStalled:
+        raise
+    except TimeoutError as e:
+        raise PartnerStalled(f"{short_peer_id(peer)} went silent mid-exchange") from e
+
+
+def _after_compute(own_seconds: float) -> float:
+    """The deadline for a reply the partner computes first, given what the same work took us."""
+    return STALL_TIMEOUT + COMPUTE_SLACK * own_seconds
 
 
 @dataclass
@@ -71,7 +99,9 @@ class PairwiseRound:
         try:
             start = await ctx.capture_start()
             if not start.has_progress:
-                return ctx.record(RoundOutcome(RoundStatus.SKIPPED, round_, detail="no inner step since the last round"))
+                return ctx.record(
+                    RoundOutcome(RoundStatus.SKIPPED, round_, detail="no inner step since the last round")
+                )
             candidates = [partner] if partner is not None else ctx.candidates()
             if not candidates:
                 return await self._step_with(start, None)
@@ -83,6 +113,10 @@ class PairwiseRound:
                 except PartnerRejected as e:
                     ctx.reject(peer, str(e))
                     return ctx.record(RoundOutcome(RoundStatus.REJECTED, round_, (peer,), str(e)))
+                except PartnerStalled as e:
+                    ctx.stall(peer)
+                    ctx.report_failure(str(e))
+                    return ctx.record(RoundOutcome(RoundStatus.ABORTED, round_, (peer,), str(e)))
                 except PEER_FAILURES as e:
                     detail = f"exchange with {short_peer_id(peer)} failed: {e!r}"[:300]
                     ctx.report_failure(detail)
@@ -95,19 +129,21 @@ class PairwiseRound:
 
     async def _initiate(self, peer: str, start: RoundStart) -> RoundOutcome:
         ctx = self.ctx
-        async with ctx.wire.open(peer) as session:
-            await session.send(ctx.wire.request(start.state.round, start.inner_step - ctx.round_start_step))
-            reply = await session.recv()
-            if reply.kind == MessageKind.BUSY:
-                raise PartnerBusy()
-            if reply.kind == MessageKind.ERROR:
-                raise TransportError(f"{short_peer_id(peer)} refused: {reply.meta.get('reason')}")
-            if reply.kind != MessageKind.GOSSIP_ACCEPT:
-                raise ProtocolError(f"expected gossip_accept, got {reply.kind.value}")
-            phi, delta = await self._swap(session, start)
-            reason, divergence = await ctx.check_partner(start, phi, delta)
-            await session.send(ctx.wire.done(start.state.round, reason))
-            theirs = await session.expect(MessageKind.GOSSIP_DONE)
+        async with ctx.wire.open(peer, STALL_TIMEOUT) as session:
+            with _silence_is_a_stall(peer):
+                await session.send(ctx.wire.request(start.state.round, start.inner_step - ctx.round_start_step))
+                # the partner captures its start on its compute thread before it answers
+                reply = await GossipWire.recv_within(session, _after_compute(start.capture_seconds))
+                if reply.kind == MessageKind.BUSY:
+                    raise PartnerBusy()
+                if reply.kind == MessageKind.ERROR:
+                    raise TransportError(f"{short_peer_id(peer)} refused: {reply.meta.get('reason')}")
+                if reply.kind != MessageKind.GOSSIP_ACCEPT:
+                    raise ProtocolError(f"expected gossip_accept, got {reply.kind.value}")
+                phi, delta = await self._swap(session, start)
+                reason, divergence, seconds = await self._check(peer, start, phi, delta)
+                await session.send(ctx.wire.done(start.state.round, reason))
+                theirs = await GossipWire.recv_within(session, _after_compute(seconds), MessageKind.GOSSIP_DONE)
         if reason is not None:
             raise PartnerRejected(reason)
         if not theirs.meta.get("accept"):
@@ -130,9 +166,13 @@ class PairwiseRound:
         except PartnerRejected as e:
             ctx.reject(sender, str(e))
             ctx.record(RoundOutcome(RoundStatus.REJECTED, ctx.replica.state.round, (sender,), str(e)))
+        except PartnerStalled as e:
+            ctx.stall(sender)
+            ctx.record(RoundOutcome(RoundStatus.ABORTED, ctx.replica.state.round, (sender,), f"as responder: {e}"))
         except PEER_FAILURES as e:
-            ctx.record(RoundOutcome(RoundStatus.ABORTED, ctx.replica.state.round, (sender,),
-                                    f"as responder: {e!r}"[:300]))
+            ctx.record(
+                RoundOutcome(RoundStatus.ABORTED, ctx.replica.state.round, (sender,), f"as responder: {e!r}"[:300])
+            )
         finally:
             self.exchanging = False
 
@@ -142,11 +182,13 @@ class PairwiseRound:
         if not start.has_progress:
             await session.send(ctx.wire.transport.message(MessageKind.BUSY))
             return
-        await session.send(ctx.wire.accept(start.state.round))
-        phi, delta = await self._swap(session, start)
-        reason, divergence = await ctx.check_partner(start, phi, delta)
-        theirs = await session.expect(MessageKind.GOSSIP_DONE)
-        await session.send(ctx.wire.done(start.state.round, reason))
+        with _silence_is_a_stall(sender):
+            await session.send(ctx.wire.accept(start.state.round))
+            phi, delta = await self._swap(session, start)
+            reason, divergence, seconds = await self._check(sender, start, phi, delta)
+            # the initiator validates ours meanwhile (its DONE comes after that)
+            theirs = await GossipWire.recv_within(session, _after_compute(seconds), MessageKind.GOSSIP_DONE)
+            await session.send(ctx.wire.done(start.state.round, reason))
         if reason is not None:
             raise PartnerRejected(reason)
         if not theirs.meta.get("accept"):
@@ -154,6 +196,14 @@ class PairwiseRound:
         await self._step_with(start, PartnerUpdate(sender, phi, delta, divergence))
 
     # ---- both ----------------------------------------------------------------------------------
+
+    async def _check(
+        self, peer: str, start: RoundStart, phi: list[Tensor], delta: list[Tensor]
+    ) -> tuple[str | None, float | None, float]:
+        """ctx.check_partner, and how long it took (the compute thread's queue included)."""
+        began = time.monotonic()
+        reason, divergence = await self.ctx.check_partner(peer, start, phi, delta)
+        return reason, divergence, time.monotonic() - began
 
     async def _swap(self, session: Session, start: RoundStart) -> tuple[list[Tensor], list[Tensor]]:
         """My phi and Delta out, the partner's in: (phi, Delta) of the partner."""
@@ -168,5 +218,8 @@ class PairwiseRound:
             new_state = await ctx.worker.compute(ctx.replica.pairwise_step, start, [], [])
             return await ctx.finish(start, new_state, RoundOutcome(RoundStatus.LONE, start.state.round))
         new_state = await ctx.worker.compute(ctx.replica.pairwise_step, start, [partner.phi], [partner.delta])
-        return await ctx.finish(start, new_state, RoundOutcome(RoundStatus.APPLIED, start.state.round,
-                                                                 (partner.peer,), divergence=partner.divergence))
+        return await ctx.finish(
+            start,
+            new_state,
+            RoundOutcome(RoundStatus.APPLIED, start.state.round, (partner.peer,), divergence=partner.divergence),
+        )

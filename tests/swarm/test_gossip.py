@@ -88,8 +88,12 @@ def test_exchange_applies_exactly_the_outer_step_on_both_sides():
             # distinct outer weights (as after earlier rounds) so the pull term is exercised
             for gossip, seed in ((a, 1), (b, 2)):
                 gen = torch.Generator().manual_seed(seed)
-                outer = {k: v + 0.02 * torch.randn(v.shape, generator=gen) if k.startswith("phi.")
-                         else 0.01 * torch.randn(v.shape, generator=gen) for k, v in gossip.export_outer().items()}
+                outer = {
+                    k: v + 0.02 * torch.randn(v.shape, generator=gen)
+                    if k.startswith("phi.")
+                    else 0.01 * torch.randn(v.shape, generator=gen)
+                    for k, v in gossip.export_outer().items()
+                }
                 gossip.import_outer(outer, round=3)
             await train_a_little(a, seed=10)
             await train_a_little(b, seed=20)
@@ -100,10 +104,12 @@ def test_exchange_applies_exactly_the_outer_step_on_both_sides():
             assert outcome.status == "applied", outcome
             await wait_until(lambda: b.outer_state.round == 4)
 
-            expected_a = outer_step(state_a, delta_a, [state_b.phi], [delta_b], g.outer_momentum, g.outer_lr,
-                                    g.pull_coefficient)
-            expected_b = outer_step(state_b, delta_b, [state_a.phi], [delta_a], g.outer_momentum, g.outer_lr,
-                                    g.pull_coefficient)
+            expected_a = outer_step(
+                state_a, delta_a, [state_b.phi], [delta_b], g.outer_momentum, g.outer_lr, g.pull_coefficient
+            )
+            expected_b = outer_step(
+                state_b, delta_b, [state_a.phi], [delta_a], g.outer_momentum, g.outer_lr, g.pull_coefficient
+            )
             for gossip, expected, partner in ((a, expected_a, b), (b, expected_b, a)):
                 assert gossip.outer_state.round == expected.round == 4
                 assert_same(gossip.outer_state.phi, expected.phi)

@@ -68,12 +68,24 @@ def test_outer_step_matches_direct_formula_over_rounds(group_size):
         new_states = list(states)
         for group in groups:
             exp_phi, exp_m = direct_noloco(
-                {j: states[j].phi for j in group}, {j: states[j].momentum for j in group}, Deltas, group, ALPHA, BETA, GAMMA
+                {j: states[j].phi for j in group},
+                {j: states[j].momentum for j in group},
+                Deltas,
+                group,
+                ALPHA,
+                BETA,
+                GAMMA,
             )
             for i in group:
                 partners = [j for j in group if j != i]
                 new_states[i] = outer_step(
-                    states[i], Deltas[i], [states[j].phi for j in partners], [Deltas[j] for j in partners], ALPHA, BETA, GAMMA
+                    states[i],
+                    Deltas[i],
+                    [states[j].phi for j in partners],
+                    [Deltas[j] for j in partners],
+                    ALPHA,
+                    BETA,
+                    GAMMA,
                 )
                 assert_close(new_states[i].phi, exp_phi[i])
                 assert_close(new_states[i].momentum, exp_m[i])
@@ -132,8 +144,13 @@ def test_all_replicas_in_group_is_diloco():
         mean_D = [sum(D[k] for D in Deltas) / replicas for k in range(len(SHAPES))]
         states = [
             outer_step(
-                states[i], Deltas[i], [states[j].phi for j in range(replicas) if j != i],
-                [Deltas[j] for j in range(replicas) if j != i], ALPHA, BETA, GAMMA,
+                states[i],
+                Deltas[i],
+                [states[j].phi for j in range(replicas) if j != i],
+                [Deltas[j] for j in range(replicas) if j != i],
+                ALPHA,
+                BETA,
+                GAMMA,
             )
             for i in range(replicas)
         ]

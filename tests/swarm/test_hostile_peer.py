@@ -1,0 +1,276 @@
+"""A hostile peer against a real training swarm (2 stages x 2 peers, each its own process and p2pd).
+
+tests/helpers/hostile_peer.py speaks to the nodes' real stream handlers through py-libp2p, an
+independent libp2p implementation, and sends every kind of bad input in its case table
+(tests/helpers/hostile_cases.py). It runs against a stage-1 peer and a stage-0 peer at once; both
+targets run with `ulimit -n 1024` (what a default Linux account gets), the two other peers are
+honest and keep the pipeline going. Afterwards:
+
+- every input got a clean rejection: an ERROR/BUSY reply, a closed or reset stream, or a later
+  ABORT notice; never acceptance, a handler exception or a hang past the case's deadline;
+- both targets are alive, and no node's log holds a Traceback;
+- each target's RSS grew by less than 64 MiB over the run;
+- the swarm still trains: stage-0 steps keep growing, the stage-0 target's own included.
+
+The default suite runs the hostile peer's --quick mode (about 2 minutes with start-up on an idle
+2-core machine). The long run (floods of 2000, 2000 idle streams, never-finishing senders held past
+the node's 60 s read timeout, a 40 s silent gossip partner) is marked slow:
+
+    .venv/bin/python -m pytest -q -p no:cacheprovider -m slow tests/swarm/test_hostile_peer.py
+
+Each run leaves the hostile peer's JSON reports (one per target) in the test's tmp directory and
+prints their tables (pytest -s shows them).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from node.local_swarm import NodeProcess, Swarm, peers_by_stage, wait_for
+
+SCRIPT = Path(__file__).resolve().parent.parent / "helpers" / "hostile_peer.py"
+NUM_STAGES = 2
+NOFILE = 1024
+# `python -c` instead of `python -m node`: the same CLI, with the descriptor limit of `ulimit -n
+# 1024` set first (p2pd, its child, inherits it)
+LIMITED = [
+    "-c",
+    f"import resource, runpy; resource.setrlimit(resource.RLIMIT_NOFILE, ({NOFILE}, {NOFILE})); "
+    "runpy.run_module('node', run_name='__main__', alter_sys=True)",
+]
+RSS_GROWTH_LIMIT = 64 << 20
+ONLINE_TIMEOUT = 150.0
+
+
+@dataclass
+class Target:
+    node: NodeProcess
+    stage: int
+    port: int
+    peer_id: str = ""
+    rss_before: int = 0
+    rss_after: int = 0
+
+    @property
+    def maddr(self) -> str:
+        return f"/ip4/127.0.0.1/tcp/{self.port}/p2p/{self.peer_id}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def peer_id_of(node: NodeProcess) -> str | None:
+    match = re.search(r"peer (\S+) serves stage", node.log())
+    return match.group(1) if match else None
+
+
+def online(snapshot: dict, stage: int) -> list[dict]:
+    return [p for p in snapshot["stages"][stage]["peers"] if p["state"] == "online"]
+
+
+def stage0_steps(snapshot: dict) -> int:
+    return sum(p["inner_step"] for p in online(snapshot, 0))
+
+
+def own_steps(snapshot: dict, peer_id: str) -> int | None:
+    for stage in snapshot["stages"]:
+        for peer in stage["peers"]:
+            if peer["peer_id"] == peer_id and peer["state"] == "online":
+                return peer["inner_step"]
+    return None
+
+
+def start_swarm(swarm: Swarm, workdir: Path) -> dict[int, Target]:
+    config = workdir / "swarm.toml"
+    # rounds every 4 inner steps: the targets are soon ready to answer a gossip request
+    config.write_text("[gossip]\ninner_steps = 4\n")
+    swarm.bootstrap(
+        "--config",
+        str(config),
+        "--num-stages",
+        str(NUM_STAGES),
+        "--heartbeat-period",
+        "1",
+        "--heartbeat-ttl",
+        "5",
+        timeout=ONLINE_TIMEOUT,
+    )
+    targets = {}
+    for stage in range(NUM_STAGES):
+        port = free_port()
+        node = swarm.join(
+            f"target{stage}",
+            "--stage",
+            str(stage),
+            "--threads",
+            "1",
+            "--quiet",
+            "--port",
+            str(port),
+            "--name",
+            f"target{stage}",
+            python_prefix=LIMITED,
+        )
+        targets[stage] = Target(node, stage, port)
+        swarm.join(f"honest{stage}", "--stage", str(stage), "--threads", "1", "--quiet")
+    wait_for(
+        lambda: sum(map(len, peers_by_stage(swarm.observe()).values())) == 2 * NUM_STAGES,
+        ONLINE_TIMEOUT,
+        lambda: "peers never came online:\n" + "\n".join(n.log()[-1500:] for n in swarm.nodes),
+    )
+    for target in targets.values():
+        node = target.node
+        target.peer_id = wait_for(lambda node=node: peer_id_of(node), 30, f"{node.name} never named its peer id")
+    return targets
+
+
+def run_hostile(targets: dict[int, Target], swarm_id: str, workdir: Path, quick: bool) -> dict[int, dict]:
+    """One hostile peer per target, side by side; their JSON reports by stage."""
+    processes = {}
+    for stage, target in targets.items():
+        report = workdir / f"hostile-stage{stage}.json"
+        command = [
+            sys.executable,
+            str(SCRIPT),
+            "--target",
+            target.maddr,
+            "--swarm-id",
+            swarm_id,
+            "--stage",
+            str(stage),
+            "--num-stages",
+            str(NUM_STAGES),
+            "--target-log",
+            str(target.node.log_path),
+            "--report",
+            str(report),
+            *(["--quick"] if quick else []),
+        ]
+        out = open(workdir / f"hostile-stage{stage}.out", "wb")
+        processes[stage] = (subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=workdir), out, report)
+    limit = 330 if quick else 2100  # the script bounds itself at 240 s / 1800 s
+    deadline = time.monotonic() + limit
+    reports = {}
+    for stage, (process, out, report) in processes.items():
+        try:
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+        out.close()
+        text = (workdir / f"hostile-stage{stage}.out").read_text(errors="replace")
+        print(f"\n--- hostile peer vs target{stage} (exit {process.returncode}) ---\n" + text[-6000:])
+        assert process.returncode in (0, 1), (
+            f"hostile peer vs stage {stage} failed ({process.returncode}):\n{text[-3000:]}"
+        )
+        reports[stage] = json.loads(report.read_text())
+    return reports
+
+
+def describe(stage: int, case: dict) -> str:
+    lines = [f"stage-{stage} target: {case['name']} -> {case['outcome']}: {case.get('detail', '')}"]
+    if case.get("known_bug"):
+        lines.append(f"    known bug: {case['known_bug']}")
+    for tb in case.get("log_tracebacks", [])[:1]:
+        lines.append("    log: " + tb.replace("\n", "\n         ")[:900])
+    if not case.get("log_tracebacks"):
+        for line in case.get("log_lines", [])[:3]:
+            lines.append(f"    log: {line}")
+    return "\n".join(lines)
+
+
+def rss(pid: int) -> int:
+    return psutil.Process(pid).memory_info().rss
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param("quick", marks=pytest.mark.timeout(600)),
+        pytest.param("long", marks=[pytest.mark.slow, pytest.mark.timeout(2700)]),
+    ],
+)
+def test_hostile_peer_gets_clean_rejections(swarm: Swarm, tmp_path: Path, mode: str):
+    targets = start_swarm(swarm, tmp_path)
+    snapshot = wait_for(
+        lambda: (s := swarm.observe()) and stage0_steps(s) >= 4 and s, 120, "the swarm does not train: no stage-0 steps"
+    )
+    swarm_id = snapshot["swarm_id"]
+    swarm.refresh_families()
+    for target in targets.values():
+        target.rss_before = rss(target.node.pid)
+
+    started = time.monotonic()
+    reports = run_hostile(targets, swarm_id, tmp_path, quick=mode == "quick")
+    hostile_seconds = time.monotonic() - started
+
+    problems = []
+    for stage, report in reports.items():
+        if not report.get("finished"):
+            problems.append(f"stage-{stage} target: the hostile run did not finish: {report.get('setup_error', '')}")
+        for case in report["cases"]:
+            if case["outcome"] != "rejected":
+                problems.append(describe(stage, case))
+
+    for target in targets.values():
+        if target.node.process.poll() is not None:
+            problems.append(
+                f"{target.node.name} died (exit {target.node.process.returncode}):\n{target.node.log()[-2000:]}"
+            )
+            continue
+        target.rss_after = rss(target.node.pid)
+        growth = target.rss_after - target.rss_before
+        print(f"{target.node.name}: RSS {target.rss_before >> 20} -> {target.rss_after >> 20} MiB")
+        if growth >= RSS_GROWTH_LIMIT:
+            problems.append(f"{target.node.name}: RSS grew by {growth >> 20} MiB (limit {RSS_GROWTH_LIMIT >> 20})")
+
+    # the swarm still trains after the attack, the stage-0 target itself included
+    before = swarm.observe()
+    steps, target0_steps = stage0_steps(before), own_steps(before, targets[0].peer_id)
+    try:
+        after = wait_for(
+            lambda: (
+                (s := swarm.observe())
+                and stage0_steps(s) >= steps + 6
+                and (own_steps(s, targets[0].peer_id) or 0) >= (target0_steps or 0) + 3
+                and s
+            ),
+            120,
+            "stage-0 steps stopped growing after the hostile run",
+        )
+        print(
+            f"stage-0 steps {steps} -> {stage0_steps(after)}, target0 {target0_steps} -> "
+            f"{own_steps(after, targets[0].peer_id)}"
+        )
+    except AssertionError as e:
+        last = swarm.observe()
+        problems.append(
+            f"{e}: stage-0 steps {steps} -> {stage0_steps(last)}, target0 {target0_steps} -> "
+            f"{own_steps(last, targets[0].peer_id)}"
+        )
+
+    for node in swarm.nodes:
+        log = node.log()
+        if "Traceback" in log:
+            first = log.index("Traceback")
+            problems.append(
+                f"{node.name}'s log holds {log.count('Traceback')} Traceback(s), the first:\n"
+                + log[max(0, first - 200) : first + 1200]
+            )
+
+    print(f"hostile runs took {hostile_seconds:.0f}s")
+    assert not problems, f"{len(problems)} problem(s) after the hostile peer:\n\n" + "\n\n".join(problems)
