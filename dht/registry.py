@@ -85,16 +85,6 @@ async def list_swarm_configs(dht: DHTNode) -> list[ConfigRecord]:
     return configs
 
 
-async def list_swarms(dht: DHTNode, founder: str | None = None) -> dict[str, ConfigRecord]:
-    """Swarm configs by swarm id: those signed by `founder`, or (None) those of swarms that only one
-    founder claims (a swarm id claimed by several signers is ambiguous without naming the founder)."""
-    by_swarm: dict[str, list[ConfigRecord]] = {}
-    for record in await list_swarm_configs(dht):
-        if founder is None or record.founder == founder:
-            by_swarm.setdefault(record.config["swarm_id"], []).append(record)
-    return {swarm_id: records[0] for swarm_id, records in by_swarm.items() if len(records) == 1}
-
-
 class SwarmRegistry:
     """The DHT view of one swarm. Holds no state but the DHT node and the swarm id; the signing key
     and the swarm's TTL come from the DHT node's SignedRecordValidator (node/p2p/network.py)."""
@@ -143,9 +133,6 @@ class SwarmRegistry:
             )
         return await self._store(SWARMS_KEY, config_subkey(self.swarm_id, founder), envelope, expiration)
 
-    async def fetch_config(self, founder: str | None = None) -> ConfigRecord | None:
-        return (await list_swarms(self.dht, founder)).get(self.swarm_id)
-
     async def announce(self, record: PeerRecord, expiration_time: float) -> bool:
         identity = self.identity
         if record.peer_id != identity.peer_id:
@@ -158,10 +145,6 @@ class SwarmRegistry:
             seal(identity, key, record.peer_id, record.to_wire(), expiration_time, self.swarm_key),
             expiration_time,
         )
-
-    async def stage_peers(self, stage: int) -> list[PeerRecord]:
-        found = await self.dht.get(stage_key(self.swarm_id, stage), latest=True)
-        return self._parse_stage(stage, found)
 
     async def all_peers(self, num_stages: int) -> dict[int, list[PeerRecord]]:
         keys = [stage_key(self.swarm_id, stage) for stage in range(num_stages)]

@@ -244,7 +244,7 @@ class StageRouter:
             state = self._peers.get(peer_id)
             return None if state is None else 1.0 / state.sec_per_unit
 
-    def snapshot(self) -> list[tuple[str, float, float]]:
+    def loads(self) -> list[tuple[str, float, float]]:
         """(peer_id, load, throughput) per peer, sorted by peer id; load = expected seconds of
         work we have queued on it from now (0 when idle)."""
         now = self._clock()
@@ -299,5 +299,5 @@ class Router:
         """Ban a peer that errored (until its record's expiration, or the minimum)."""
         self.bans.ban(peer_id, until, reason)
 
-    def snapshot(self) -> dict[int, list[tuple[str, float, float]]]:
-        return {stage: router.snapshot() for stage, router in enumerate(self._stages)}
+    def loads(self) -> dict[int, list[tuple[str, float, float]]]:
+        return {stage: router.loads() for stage, router in enumerate(self._stages)}

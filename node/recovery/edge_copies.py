@@ -91,7 +91,7 @@ class EdgeCopies:
         copy = self.copies.get(part)
         return None if copy is None else copy.inner_step
 
-    def snapshot(self) -> StageState:
+    def merged_state(self) -> StageState:
         """All copies held, merged (part "edge_copy"); inner_step is the oldest copy's step. The
         tensors are replaced, never modified, on refresh: handing them out without a copy is safe."""
         if not self.copies:

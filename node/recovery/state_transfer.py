@@ -260,7 +260,7 @@ class PeerStatus(Protocol):
 class EdgeCopyHolder(Protocol):
     """The CheckFree+ edge copies a stage 1 / stage S peer keeps (EdgeCopies, node/recovery/edge_copies.py)."""
 
-    def snapshot(self) -> StageState: ...
+    def merged_state(self) -> StageState: ...
 
 
 async def capture_state(worker: StageWorker, gossip: Gossip | None = None, outer_round: int = 0) -> StageState:
@@ -298,7 +298,7 @@ def state_provider(
         if part == StatePart.EDGE_COPY:
             if edge_copies is None:
                 raise StateUnavailable(f"stage {worker.stage} keeps no edge copy")
-            return edge_copies.snapshot()
+            return edge_copies.merged_state()
         if me.state != PeerState.ONLINE:
             raise StateUnavailable(f"this peer is {me.state}, not online")
         if part == StatePart.STAGE:

@@ -55,7 +55,7 @@ def test_idle_stage_sends_to_the_peer_that_finishes_first():
     router, clock = make([rec("slow", 1.0), rec("fast", 3.0)])
     counts = run(router, clock, 50, dt=10.0)
     assert counts == Counter({"fast": 50})
-    assert all(load == 0.0 for _, load, _ in router.snapshot())
+    assert all(load == 0.0 for _, load, _ in router.loads())
 
 
 def test_equal_peers_split_evenly_with_random_tie_breaks():
@@ -103,10 +103,10 @@ def test_ban_lasts_at_least_the_minimum_and_keeps_the_longer_ban():
 def test_new_peer_enters_at_current_minimum():
     router, clock = make([rec("a"), rec("b")])
     run(router, clock, 200, dt=0.2)  # 5 tasks/s into 2/s of capacity: large backlogs
-    backlog = min(load for _, load, _ in router.snapshot())
+    backlog = min(load for _, load, _ in router.loads())
     assert backlog > 50.0
     router.update_peers([rec("a"), rec("b"), rec("new")])
-    assert dict((p, load) for p, load, _ in router.snapshot())["new"] == pytest.approx(backlog)
+    assert dict((p, load) for p, load, _ in router.loads())["new"] == pytest.approx(backlog)
     first = run(router, clock, 30, dt=0.2)
     assert 7 <= first["new"] <= 13  # not flooded (entering idle would take all 30)
     later = run(router, clock, 300, dt=0.2)
@@ -127,9 +127,9 @@ def test_new_peer_without_announced_throughput_uses_stage_median_then_its_announ
 
 def test_vanished_and_non_online_peers_are_removed():
     router, clock = make([rec("a"), rec("b"), rec("c", state="joining")])
-    assert [p for p, _, _ in router.snapshot()] == ["a", "b"]
+    assert [p for p, _, _ in router.loads()] == ["a", "b"]
     router.update_peers([rec("a"), rec("b", state="leaving")])
-    assert [p for p, _, _ in router.snapshot()] == ["a"]
+    assert [p for p, _, _ in router.loads()] == ["a"]
     assert set(run(router, clock, 20, dt=0.1)) == {"a"}
     router.release("b", 1.0)  # a late failure report about a vanished peer: ignored
     assert "b" not in router
@@ -166,12 +166,12 @@ def test_announced_slowdown_shifts_traffic():
 def test_charge_and_release():
     router, clock = make([rec("a", 2.0)])
     assert router.choose(task_size=3.0) == "a"
-    assert router.snapshot() == [("a", pytest.approx(1.5), pytest.approx(2.0))]
+    assert router.loads() == [("a", pytest.approx(1.5), pytest.approx(2.0))]
     router.release("a", 3.0)
-    assert router.snapshot()[0][1] == 0.0
+    assert router.loads()[0][1] == 0.0
     router.choose(task_size=2.0)
     clock.advance(0.4)
-    assert router.snapshot()[0][1] == pytest.approx(0.6)
+    assert router.loads()[0][1] == pytest.approx(0.6)
 
 
 def test_no_candidate_returns_none():
@@ -199,7 +199,7 @@ def test_router_refresh_filters_and_shares_bans():
             7: [rec("ignored", stage=7)],
         }
     )
-    assert [p for p, _, _ in router.for_stage(1).snapshot()] == ["live", "p1"]
+    assert [p for p, _, _ in router.for_stage(1).loads()] == ["live", "p1"]
     assert router.choose(2) == "p2"
     router.ban("p2", until=dht_time() + 20.0, reason="error")
     assert router.choose(2) is None and router.for_stage(2).choose() == "p2"

@@ -21,7 +21,7 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils import MSGPackSerializer, ValueWithExpiration
 
 from dht.records import SWARMS_KEY, ConfigRecord, EventKind, PeerRecord, PeerState, SwarmEvent, events_key, stage_key
-from dht.registry import SwarmRegistry
+from dht.registry import SwarmRegistry, list_swarm_configs
 from dht.signing import (
     CLOCK_SLACK,
     MAX_RECORD_TTL,
@@ -274,6 +274,12 @@ class FakeDHT:
         return {key: await self.get(key) for key in keys}
 
 
+def config_signed_by(dht, founder: str):
+    """Swarm "s"'s config as signed by `founder`, as a joiner reads it (None if there is none)."""
+    configs = run(list_swarm_configs(dht))
+    return next((c for c in configs if c.founder == founder and c.config["swarm_id"] == "s"), None)
+
+
 def run(coroutine):
     """pytest-asyncio is not a dependency: these tests run their own loop."""
     import asyncio
@@ -298,7 +304,7 @@ def test_readers_drop_forged_peer_records_with_a_log_line(alice, mallory, monkey
         }
     )
     with caplog.at_level(logging.WARNING, logger="dht.registry"):
-        peers = run(SwarmRegistry(dht, "s").stage_peers(1))  # type: ignore[arg-type]
+        peers = run(SwarmRegistry(dht, "s").all_peers(2))[1]  # type: ignore[arg-type]
     assert [peer.peer_id for peer in peers] == [alice.peer_id]
     assert "QmPhantom" in caplog.text and mallory.peer_id[-20:] in caplog.text
 
@@ -312,10 +318,10 @@ def test_readers_hold_peer_records_to_the_swarms_ttl(alice, mallory, monkeypatch
     dht = FakeDHT({KEY: {alice.peer_id: (near, now + 5), mallory.peer_id: (pinned, now + 600)}})
     dht.protocol = type("Protocol", (), {"record_validator": SignedRecordValidator()})()
     registry = SwarmRegistry(dht, "s")  # type: ignore[arg-type]
-    assert {p.peer_id for p in run(registry.stage_peers(1))} == {alice.peer_id, mallory.peer_id}
+    assert {p.peer_id for p in run(registry.all_peers(2))[1]} == {alice.peer_id, mallory.peer_id}
     dht.protocol.record_validator.learn_swarm_ttl("s", 5)
     with caplog.at_level(logging.WARNING, logger="dht.registry"):
-        assert [p.peer_id for p in run(registry.stage_peers(1))] == [alice.peer_id]
+        assert [p.peer_id for p in run(registry.all_peers(2))[1]] == [alice.peer_id]
     assert "600 s from now" in caplog.text
 
 
@@ -341,10 +347,10 @@ def test_readers_keep_configs_and_events_only_from_their_signers(alice, mallory,
         }
     )
     registry = SwarmRegistry(dht, "s")  # type: ignore[arg-type]
-    assert run(registry.fetch_config(alice.peer_id)).config["num_stages"] == 3
-    assert run(registry.fetch_config(mallory.peer_id)).config["num_stages"] == 5  # mallory's own, beside alice's
+    assert config_signed_by(dht, alice.peer_id).config["num_stages"] == 3
+    assert config_signed_by(dht, mallory.peer_id).config["num_stages"] == 5  # mallory's own, beside alice's
     dht.entries[SWARMS_KEY][good_key] = (tampered, now + 100)
-    assert run(registry.fetch_config(alice.peer_id)) is None
+    assert config_signed_by(dht, alice.peer_id) is None
     assert run(registry.fetch_events()) == []
 
 
