@@ -418,7 +418,7 @@ def test_with_checkfree_plus_a_lost_stage_1_is_rebuilt_by_a_peer_moving_from_the
     snap = wait_for(lambda: (s := swarm.observe()) and online(s, 1) and s, 30, "the moved peer never came online")
     assert [p["peer_id"] for p in online(snap, 1)] == [mover]
     assert [p["peer_id"] for p in online(snap, 2)] == [stayer]  # the donor stage kept one peer
-    moved = next(n for n in nodes if mover in n.log().splitlines()[0])
+    moved = next(n for n in nodes if f"peer {mover} serves stage" in n.log())
     assert "moving there from stage 2" in moved.log()
     seconds = recovery_seconds(moved, 1, killed_at)
     final = loss_falls_below(swarm, loss_at_kill - 0.15)
@@ -433,6 +433,12 @@ def test_with_checkfree_plus_a_lost_stage_0_comes_back_from_edge_copies_then_two
     swarm: Swarm,
 ):
     nodes = start_training_swarm(swarm, 3, [0, 1, 2])
+    # CheckFree+ needs its copies first: stage 1 keeps the embedding, stage S the norm and head
+    wait_for(
+        lambda: "edge copy embed refreshed" in nodes[1].log() and "edge copy head refreshed" in nodes[2].log(),
+        60,
+        lambda: "edge copies were never taken:\n" + nodes[1].log()[-1500:] + nodes[2].log()[-1500:],
+    )
     loss_at_kill = mean_loss(swarm.observe())
     killed_at = kill_stage(swarm, [nodes[0]])
     wait_status(swarm, 0, "lost")
