@@ -371,6 +371,8 @@ def test_a_silent_partner_frees_the_slot_within_the_stall_timeout():
                 assert (await b.run_round(partner=a.me.peer_id)).status == "applied"
             stalled = [o for o in a.rounds.history if o.partners == (silent_id,)]
             assert stalled[-1].status == "aborted" and "went silent" in stalled[-1].detail
+            # the responder applies after the DONE handshake, a moment after b's run_round returns
+            await wait_until(lambda: a.outer_state.round == 1, timeout=5.0)
             assert a.outer_state is not before[0] and a.outer_state.round == 1  # only b's round counted
             # silence is not misbehaviour: no ban, but a cool-down (not picked, not answered)
             assert not a.bans.is_banned(silent_id)
