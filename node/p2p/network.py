@@ -25,6 +25,8 @@ from hivemind.p2p import P2P
 from multiaddr import Multiaddr
 
 from dht.signing import Identity, SignedRecordValidator
+from node.p2p.dht_guard import DHT_MESSAGE_LIMIT, DHTRequestGuard
+from node.runtime.loop_watch import LoopWatch
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -41,6 +43,12 @@ class Network:
     identity: Identity
     # the multiaddrs this peer entered the DHT through: whose config to trust unless told otherwise
     initial_peers: list[str] = field(default_factory=list)
+    dht_guard: DHTRequestGuard | None = None
+    loop_watch: LoopWatch = field(default_factory=LoopWatch)
+    _loop_watch_task: asyncio.Task | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._loop_watch_task = asyncio.get_running_loop().create_task(self.loop_watch.run(), name="loop-watch")
 
     @property
     def peer_id(self) -> str:
@@ -59,6 +67,8 @@ class Network:
         return None if child is None else child.pid
 
     async def shutdown(self) -> None:
+        if self._loop_watch_task is not None:
+            self._loop_watch_task.cancel()
         try:
             await self.dht.shutdown()
         finally:
@@ -152,6 +162,8 @@ async def start_network(
                 # a stranger's LAN gateway is none of our business; tests run on loopback
                 nat_port_map=False,
                 no_listen=client_mode,
+                # p2pd refuses larger DHT messages before Python decodes them (node/p2p/dht_guard.py)
+                persistent_conn_max_msg_size=DHT_MESSAGE_LIMIT,
             ),
             P2P.shutdown,
         )
@@ -185,4 +197,12 @@ async def start_network(
             raise
         where = ", ".join(initial_peers) or "(none)"
         raise NetworkError(f"could not join the DHT through initial peers {where}: {e}") from e
-    return Network(p2p=p2p, dht=dht, identity=identity, initial_peers=list(initial_peers))
+    guard = None
+    if not client_mode:
+        try:
+            guard = await DHTRequestGuard.install(dht.protocol, p2p)
+        except BaseException:
+            await asyncio.shield(dht.shutdown())
+            await asyncio.shield(p2p.shutdown())
+            raise
+    return Network(p2p=p2p, dht=dht, identity=identity, initial_peers=list(initial_peers), dht_guard=guard)

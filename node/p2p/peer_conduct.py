@@ -132,15 +132,16 @@ class PeerConduct:
         return True
 
     # -- admission ---------------------------------------------------------------------------
-    def admit(self, peer_id: str) -> str | None:
-        """Reserve a stream slot for `peer_id`; None if admitted (call `release` when done), else why not."""
+    def admit(self, peer_id: str, cost: float = 1.0) -> str | None:
+        """Reserve a stream slot for `peer_id`, charging `cost` request tokens; None if admitted (call
+        `release` when done), else why not."""
         if self.is_banned(peer_id):
             reason = "banned for bad input"
         elif self._open_total >= self.total_streams:
             reason = "too many open streams"
         elif self._open.get(peer_id, 0) >= self.limits.streams_per_peer:
             reason = "too many streams from this peer"
-        elif not self._take_token(peer_id):
+        elif not self._take_tokens(peer_id, cost):
             reason = "request rate exceeded"
         else:
             self._open[peer_id] = self._open.get(peer_id, 0) + 1
@@ -160,7 +161,7 @@ class PeerConduct:
     def open_streams(self, peer_id: str | None = None) -> int:
         return self._open_total if peer_id is None else self._open.get(peer_id, 0)
 
-    def _take_token(self, peer_id: str) -> bool:
+    def _take_tokens(self, peer_id: str, cost: float) -> bool:
         now = self._clock()
         bucket = self._buckets.get(peer_id)
         if bucket is None:
@@ -171,7 +172,7 @@ class PeerConduct:
             float(self.limits.request_burst), bucket.tokens + (now - bucket.updated) * self.limits.requests_per_second
         )
         bucket.updated = now
-        if bucket.tokens < 1.0:
+        if bucket.tokens < cost:
             return False
-        bucket.tokens -= 1.0
+        bucket.tokens -= cost
         return True

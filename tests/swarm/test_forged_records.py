@@ -162,3 +162,42 @@ def test_each_forgery_in_turn_changes_nothing(swarm: Swarm):
         )
         assert_swarm_unharmed(swarm.status(), peers, forger_id)
         assert_only_the_control_was_accepted(stop_forger(forger))
+
+
+def worst_loop_block(nodes: list[NodeProcess], since: dict[str, int]) -> float:
+    """The longest "event loop blocked for X s" any node logged after the offsets in `since`."""
+    worst = 0.0
+    for node in nodes:
+        for match in re.finditer(r"event loop blocked for ([\d.]+) s", node.log()[since.get(node.name, 0) :]):
+            worst = max(worst, float(match.group(1)))
+    return worst
+
+
+@pytest.mark.timeout(420)
+def test_big_dht_values_do_not_stall_training(swarm: Swarm):
+    """Finding 10: a 3.9 MB whole-dictionary DHT store used to block a node's event loop for ~1.8 s
+    (hivemind decodes it before any validator). Now p2pd refuses it for its size, and the 450 KB one
+    under the limit is charged to the sender's budget: training keeps at least half its pace and no
+    node's loop is blocked for a second (node/p2p/dht_guard.py)."""
+    peers = start_training_swarm(swarm)
+    honest = [node for node in swarm.nodes]
+    window = 15.0
+    before = stage_steps(swarm.observe())
+    time.sleep(window)
+    rate_before = (stage_steps(swarm.observe()) - before) / window
+    offsets = {node.name: len(node.log()) for node in honest}
+
+    forger, _ = start_forger(swarm, peers[1], ("bigvalue",))
+    during = stage_steps(swarm.observe())
+    time.sleep(window)
+    rate_during = (stage_steps(swarm.observe()) - during) / window
+    report = stop_forger(forger)
+    print(f"stage-0 steps/s before {rate_before:.2f}, under big DHT values {rate_during:.2f}; forger {report}")
+
+    assert report["attempts"].get("bigvalue_3.9MB", 0) >= len(honest), report
+    assert not any(report["accepted"].values()), report
+    assert rate_during >= 0.5 * rate_before, (rate_before, rate_during)
+    assert worst_loop_block(honest, offsets) < 1.0
+    refusals = sum(node.log().count("DHT request from") for node in honest)
+    assert refusals > 0, "no node refused a DHT request for its budget"
+    assert all(node.process.poll() is None for node in honest)
