@@ -37,7 +37,7 @@ from protocol.version import PROTOCOL_VERSION
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "config.md"
 REGENERATE = ".venv/bin/python -m node.config > docs/config.md"
-DEFAULT_HASH = "51e896b462602938"  # protocol version 1: changing it splits old and new peers
+DEFAULT_HASH = "47b1d9508749776a"  # protocol version 2: changing it splits old and new peers
 SECTIONS = {
     "model": ModelConfig,
     "training": TrainingConfig,

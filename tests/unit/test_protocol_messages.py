@@ -33,6 +33,7 @@ from protocol import (
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SWARM = "swarm-a"
+VERSION_BYTE = bytes([PROTOCOL_VERSION])  # a message starts with the protocol version
 
 scalars = (
     st.none()
@@ -143,7 +144,7 @@ def valid_body() -> dict:
 
 
 def test_unknown_version_names_both_versions() -> None:
-    with pytest.raises(ProtocolError, match=r"protocol version 7 not supported \(this node speaks 1\)"):
+    with pytest.raises(ProtocolError, match=rf"protocol version 7 not supported \(this node speaks {PROTOCOL_VERSION}\)"):
         decode_message(encode_message(forward(version=7)))
     # even if a future version changed the whole layout after the version number
     with pytest.raises(ProtocolError, match="protocol version 70000 not supported"):
@@ -239,18 +240,18 @@ def test_rejects_bad_envelopes(mutate) -> None:
     "data",
     [
         b"",
-        b"\x01",
+        VERSION_BYTE,
         b"\xc1",
         b"\xcd\x00",
-        b"\x01\xc1",
-        b"\x01\x90",
-        b"\x01" + msgpack.packb(None),
+        VERSION_BYTE + b"\xc1",
+        VERSION_BYTE + b"\x90",
+        VERSION_BYTE + msgpack.packb(None),
         # trailing garbage, ext types (incl. timestamp), non-str map keys
         encode_message(forward()) + b"\x00",
-        b"\x01" + msgpack.packb({"kind": msgpack.ExtType(5, b"x")}),
-        b"\x01\xd6\xff\x00\x00\x00\x00",
-        b"\x01" + msgpack.packb({1: 2}),
-        b"\x01\x81\xc4\x01k\x01",  # bin map key
+        VERSION_BYTE + msgpack.packb({"kind": msgpack.ExtType(5, b"x")}),
+        VERSION_BYTE + b"\xd6\xff\x00\x00\x00\x00",
+        VERSION_BYTE + msgpack.packb({1: 2}),
+        VERSION_BYTE + b"\x81\xc4\x01k\x01",  # bin map key
     ],
     ids=lambda d: d[:12].hex(),
 )
@@ -286,7 +287,7 @@ def test_encoder_validates_before_sending() -> None:
 def test_nested_containers_cannot_amplify_memory() -> None:
     # ~1 MiB of empty arrays would be ~60 MiB of Python lists; the item budget stops it early
     inner = b"\xdc\x04\x00" + b"\x90" * 1024  # array16 of 1024 empty arrays
-    payload = b"\x01" + b"\xdc\x04\x00" + inner * 1024
+    payload = VERSION_BYTE + b"\xdc\x04\x00" + inner * 1024
     tracemalloc.start()
     try:
         with pytest.raises(ProtocolError, match="max_total_items"):
@@ -324,7 +325,7 @@ VALID = [encode_message(forward(), c) for c in COMPRESSIONS] + [
 @given(data=st.binary(max_size=512))
 def test_random_bytes_only_raise_protocol_error(data: bytes) -> None:
     decode_or_reject(data)
-    decode_or_reject(b"\x01" + data)
+    decode_or_reject(VERSION_BYTE + data)
 
 
 @FUZZ
