@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from hivemind.utils import get_dht_time
 
-from dht.records import PeerRecord, PeerState
+from dht.records import CIRCUIT, MAX_ADDRS, PeerRecord, PeerState, reachability_of
 from dht.registry import SwarmRegistry
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,14 @@ class PeerAnnouncer:
         """Copy measured progress into the record (announced at the next beat)."""
         for field in dataclasses.fields(progress):
             setattr(self._record, field.name, getattr(progress, field.name))
+
+    def set_addresses(self, addrs: list[str]) -> None:
+        """Where this peer can be dialed now (relay addresses come and go); announced at the next beat."""
+        addrs = sorted(set(addrs), key=lambda addr: (CIRCUIT in addr, addr))[:MAX_ADDRS]  # direct ones first
+        if addrs != self._record.addrs:
+            self._record.addrs = addrs
+            self._record.reachability = reachability_of(addrs)
+            self.poke()
 
     def restore_counters(self, inner_step: int, outer_round: int) -> None:
         """Counters taken over with a downloaded stage state (this peer continues that replica's count)."""

@@ -34,6 +34,23 @@ class PeerState(StrEnum):
     REBUILDING = "rebuilding"  # rebuilding a lost stage from its neighbours
 
 
+class Reachability(StrEnum):
+    """How other peers can reach a peer, read from the multiaddrs it announces (`reachability_of`)."""
+
+    PUBLIC = "public"  # at least one direct address (a public host, or a port forwarded with --announce)
+    RELAYED = "relay"  # only `/p2p-circuit` addresses: behind a NAT, reached through a relay
+    UNKNOWN = "unknown"  # announced no address
+
+
+CIRCUIT = "/p2p-circuit"
+
+
+def reachability_of(addrs: list[str]) -> Reachability:
+    if any(CIRCUIT not in addr for addr in addrs):
+        return Reachability.PUBLIC
+    return Reachability.RELAYED if addrs else Reachability.UNKNOWN
+
+
 class EventKind(StrEnum):
     """What a `SwarmEvent` reports. Events are displayed, never acted upon."""
 
@@ -54,6 +71,8 @@ def short_peer_id(peer_id: Any, n: int = 8) -> str:
 MAX_ID_CHARS = 128
 MAX_NAME_CHARS = 64
 MAX_FINGERPRINT = 16
+MAX_ADDRS = 16  # a peer's announced multiaddrs (listen, --announce and relay addresses)
+MAX_ADDR_CHARS = 256
 
 
 class RecordError(ValueError):
@@ -106,6 +125,19 @@ def _check_floats(value: Any, name: str, limit: int) -> list[float] | None:
     return [_check_float(item, name) for item in value]  # type: ignore[misc]
 
 
+def _check_addrs(value: Any) -> list[str]:
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_ADDRS:
+        raise RecordError(f"addrs: expected a list of at most {MAX_ADDRS} multiaddrs")
+    return [_check_str(addr, "addrs", MAX_ADDR_CHARS) for addr in value]
+
+
+def _check_reachability(value: Any) -> Reachability:
+    try:
+        return Reachability(_check_str(value, "reachability", 16))
+    except ValueError:
+        raise RecordError(f"reachability: unknown value {value!r}") from None
+
+
 def _check_state(value: Any) -> PeerState:
     try:
         return PeerState(_check_str(value, "state", 16))
@@ -132,6 +164,9 @@ class PeerRecord:
     # a seeded random projection of the stage's weights (node.averaging.gossip.WeightFingerprint): replicas
     # of a stage can be compared without exchanging weights
     fingerprint: list[float] | None = None
+    # where others dial this peer (node/p2p/dialer.py) and what kind of address that is
+    addrs: list[str] = field(default_factory=list)
+    reachability: Reachability = Reachability.UNKNOWN
     updated: float = 0.0
     # filled in by the reader from the DHT entry, never sent
     expires: float = field(default=0.0, compare=False)
@@ -168,6 +203,8 @@ class PeerRecord:
             else _check_str(values["last_partner"], "last_partner", MAX_ID_CHARS),
             divergence=_check_float(values.get("divergence"), "divergence", optional=True, low=0.0),
             fingerprint=_check_floats(values.get("fingerprint"), "fingerprint", MAX_FINGERPRINT),
+            addrs=_check_addrs(values.get("addrs", [])),
+            reachability=_check_reachability(values.get("reachability", Reachability.UNKNOWN)),
             updated=_check_float(values.get("updated", 0.0), "updated", low=0.0),  # type: ignore[arg-type]
             expires=expires,
         )

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from hivemind.p2p import P2P, PeerID
 
 from dht.records import short_peer_id
+from node.p2p.dialer import PeerDialer
 from node.p2p.peer_conduct import PeerConduct
 from node.runtime.timeouts import within
 from protocol import DEFAULT_LIMITS, Limits, Message, MessageKind, ProtocolError, recv_message, send_message
@@ -57,8 +58,10 @@ class Transport:
         compression: str = "none",
         conduct: PeerConduct | None = None,
         swarm_key: bytes | None = None,
+        dialer: PeerDialer | None = None,
     ):
         self.p2p = p2p
+        self.dialer = dialer  # dials a peer at its announced addresses before a stream (None: p2pd's routing only)
         self.swarm_key = swarm_key  # a private swarm: every message carries a MAC under it
         self.conduct = conduct or PeerConduct()
         self.swarm_id = swarm_id
@@ -190,18 +193,27 @@ class Transport:
             raise TransportError(f"{short_peer_id(peer_id)} refused {service}: {reply.meta.get('reason')}")
         return reply
 
+    def _forget(self, peer_id: str) -> None:
+        if self.dialer is not None:
+            self.dialer.forget(peer_id)
+
     @contextlib.asynccontextmanager
     async def session(
         self, peer_id: str, service: str, timeout: float
     ) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
         """An open stream to `peer_id`'s handler for `service`, closed on exit."""
+        if self.dialer is not None:
+            with contextlib.suppress(TimeoutError):  # a slow dial still leaves p2pd's own routing
+                await within(self.dialer.ensure(peer_id), timeout)
         try:
             _, reader, writer = await within(
                 self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), self.protocol_name(service)), timeout
             )
         except TimeoutError as e:
+            self._forget(peer_id)
             raise TransportError(f"opening {service} stream to {short_peer_id(peer_id)} timed out") from e
         except Exception as e:  # p2pd reports unreachable peers and unknown protocols as generic errors
+            self._forget(peer_id)
             raise TransportError(f"cannot open {service} stream to {short_peer_id(peer_id)}: {e}") from e
         try:
             yield reader, writer

@@ -86,6 +86,16 @@ async def keep_config_published(registry: SwarmRegistry, record: ConfigRecord) -
         await asyncio.sleep(CONFIG_TTL / 4)
 
 
+async def keep_addresses_current(network: Network, me: PeerAnnouncer, period: float = 30.0) -> None:
+    """Announce where this peer can be dialed; relay addresses appear once a reservation is made."""
+    while True:
+        try:
+            me.set_addresses(await network.visible_maddrs())
+        except Exception as e:
+            logger.warning(f"could not read this peer's addresses: {e!r}")
+        await asyncio.sleep(period)
+
+
 async def start_peer_network(options: NodeOptions) -> Network:
     return await start_network(
         host=options.host,
@@ -266,6 +276,7 @@ async def join(options: NodeOptions, serve: StageService | None = None) -> int:
             name=options.name,
         )
         me = PeerAnnouncer(registry, record, config.heartbeat.period, config.heartbeat.ttl)
+        me.set_addresses(await network.visible_maddrs())
         try:
             await claim_stage(
                 me,
@@ -280,6 +291,7 @@ async def join(options: NodeOptions, serve: StageService | None = None) -> int:
         logger.info(f"peer {me.peer_id} serves stage {me.stage} of swarm {config.swarm_id}")
         tasks.append(asyncio.create_task(me.run(), name="heartbeat"))
         tasks.append(asyncio.create_task(keep_config_published(registry, config_record), name="config"))
+        tasks.append(asyncio.create_task(keep_addresses_current(network, me), name="addresses"))
         if serve is not None:
             tasks.append(asyncio.create_task(serve(network, config, me, stop), name="stage"))
         else:

@@ -23,6 +23,7 @@ from dht.swarm_view import SwarmView
 from node.averaging.gossip import Gossip
 from node.config import SwarmConfig
 from node.model.data import open_source, stream_id_from_peer
+from node.p2p.dialer import PeerDialer
 from node.p2p.network import Network
 from node.p2p.peer_conduct import PeerConduct
 from node.p2p.transport import Transport
@@ -123,6 +124,8 @@ async def build_service(
         compression=config.training.wire_compression,
         conduct=conduct,
         swarm_key=swarm_key_of(network.dht),  # a private swarm: every message carries a MAC
+        # dial peers where their signed records say, not only where p2pd's routing thinks they are
+        dialer=PeerDialer(network.p2p, lambda peer_id: record.addrs if (record := view.record_of(peer_id)) else ()),
     )
 
     pipeline = Pipeline(

@@ -11,7 +11,7 @@ from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from dht.records import PeerState
+from dht.records import PeerState, Reachability
 from node.monitor.dashboard.snapshot_fields import iter_peers
 from node.monitor.dashboard.state import DashboardState, PeerSortKey
 from node.monitor.dashboard.text import (
@@ -37,6 +37,7 @@ class PeerColumn(StrEnum):
     NAME = "name"
     STAGE = "stage"
     STATE = "state"
+    REACHABILITY = "reach"  # public, or through a relay (behind a NAT)
     THROUGHPUT = "thr"
     INNER_STEP = "inner"
     OUTER_ROUND = "outer"
@@ -52,13 +53,14 @@ NARROW_COLUMNS = [C.PEER_ID, C.STAGE, C.STATE, C.LOSS]
 MEDIUM_COLUMNS = [C.PEER_ID, C.NAME, C.STAGE, C.STATE, C.THROUGHPUT, C.INNER_STEP, C.OUTER_ROUND, C.LOSS]
 WIDE_COLUMNS = list(PeerColumn)
 # the optional columns, in the order they are given up when the terminal is too narrow
-DROP_ORDER = (C.VERSION, C.DIVERGENCE, C.PARTNER, C.LAST_SEEN, C.INNER_STEP, C.OUTER_ROUND, C.THROUGHPUT, C.NAME)
+DROP_ORDER = (C.VERSION, C.REACHABILITY, C.DIVERGENCE, C.PARTNER, C.LAST_SEEN, C.INNER_STEP, C.OUTER_ROUND, C.THROUGHPUT, C.NAME)
 
 HEADERS = {
     C.PEER_ID: "peer",
     C.NAME: "name",
     C.STAGE: "stage",
     C.STATE: "state",
+    C.REACHABILITY: "reach",
     C.THROUGHPUT: "thr",
     C.INNER_STEP: "inner",
     C.OUTER_ROUND: "outer",
@@ -109,6 +111,10 @@ def peer_cells(peer: dict, columns: list[PeerColumn], now: float, software_versi
             state = peer.get("state")
             text = safe_text(state, 12) if isinstance(state, str) and state else "-"
             cells.append(cell(text, STATE_STYLES.get(text, "")))
+        elif col == C.REACHABILITY:
+            reach = peer.get("reachability")
+            text = safe_text(reach, 8) if isinstance(reach, str) and reach else "-"
+            cells.append(cell(text, "yellow" if text == Reachability.RELAYED else ""))
         elif col == C.THROUGHPUT:
             cells.append(cell(human_count(peer.get("throughput"))))
         elif col == C.INNER_STEP:

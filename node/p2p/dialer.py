@@ -1,0 +1,79 @@
+"""Dial a peer at the addresses it announced, before opening a stream to it.
+
+Without this, a stream to a peer relies on p2pd's own routing knowing that peer's addresses. It
+often does (the DHT's traffic taught it), but not always: on hosts joined through a private or
+unusual range we measured every stream fail with `routing: not found`, and a peer we have never
+exchanged DHT traffic with may be unknown. Every peer therefore puts the multiaddrs it can be
+reached at (its listen addresses, `--announce` ones, and `/p2p-circuit` ones through a relay when
+it is behind a NAT) in its signed record (dht/records.py, `PeerRecord.addrs`), and `PeerDialer`
+connects to them explicitly before the first stream, and again after a stream to the peer failed.
+
+The addresses come from a signed record, so a stranger cannot point us at someone else's
+addresses under an honest peer's id; and a libp2p connection authenticates the remote peer id, so
+dialing a wrong address fails rather than reaching an impostor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from hivemind.p2p import P2P, PeerID
+from multiaddr import Multiaddr
+
+from dht.records import short_peer_id
+
+logger = logging.getLogger(__name__)
+
+AddressBook = Callable[[str], Sequence[str]]
+MAX_DIAL_ADDRS = 16
+
+
+class PeerDialer:
+    def __init__(self, p2p: P2P, addresses: AddressBook, fresh_for: float = 60.0, timeout: float = 10.0):
+        self.p2p = p2p
+        self.addresses = addresses
+        self.fresh_for = fresh_for
+        self.timeout = timeout
+        self._dialed: dict[str, float] = {}  # peer -> monotonic time of the last successful dial
+        self._dialing: dict[str, asyncio.Task] = {}
+
+    def forget(self, peer_id: str) -> None:
+        """A stream to `peer_id` failed: dial its announced addresses again next time."""
+        self._dialed.pop(peer_id, None)
+
+    async def ensure(self, peer_id: str) -> bool:
+        """Dial `peer_id` at its announced addresses unless we did recently; False when that failed
+        (the caller still tries its stream: p2pd may know a way the record does not)."""
+        dialed = self._dialed.get(peer_id)
+        if dialed is not None and time.monotonic() - dialed < self.fresh_for:
+            return True
+        task = self._dialing.get(peer_id)
+        if task is None:  # one dial per peer at a time, however many streams wait for it
+            task = self._dialing[peer_id] = asyncio.ensure_future(self._dial(peer_id))
+            task.add_done_callback(lambda _: self._dialing.pop(peer_id, None))
+        return await asyncio.shield(task)
+
+    async def _dial(self, peer_id: str) -> bool:
+        addrs = list(self.addresses(peer_id))[:MAX_DIAL_ADDRS]
+        maddrs = []
+        for addr in addrs:
+            try:
+                maddrs.append(Multiaddr(addr))
+            except Exception:  # an unparsable address in a signed record: the peer's own mistake
+                logger.debug(f"{short_peer_id(peer_id)} announced an unparsable address {addr[:80]!r}")
+        if not maddrs:
+            return False
+        try:
+            # hivemind's P2P has no public connect; its daemon client does
+            await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer_id), maddrs), self.timeout)
+        except Exception as e:
+            logger.debug(f"could not dial {short_peer_id(peer_id)} at {addrs}: {e!r}")
+            return False
+        self._dialed[peer_id] = time.monotonic()
+        if len(self._dialed) > 4096:  # bounded: forget the oldest half
+            for stale in sorted(self._dialed, key=self._dialed.get)[:2048]:  # type: ignore[arg-type]
+                del self._dialed[stale]
+        return True
