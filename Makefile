@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test slow bench lint format hostile
+.PHONY: demo test slow bench lint format hostile test-private
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -40,3 +40,8 @@ format: $(STAMP)
 # the long hostile-peer run (py-libp2p stranger against a training swarm); a short one is in `make test`
 hostile: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m slow tests/swarm/test_hostile_peer.py
+
+# every multi-process swarm test again, each swarm private (a fresh `node keygen` key in
+# PIPESWARM_SWARM_KEY_FILE): a private swarm must behave as an open one for its members
+test-private: $(STAMP)
+	PIPESWARM_TEST_PRIVATE=1 $(PY) -m pytest -q -p no:cacheprovider tests/swarm

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from node.local_swarm import Swarm
+from tests.helpers.swarms import make_swarm
 
 
 @pytest.fixture
 def swarm(tmp_path):
-    swarm = Swarm(tmp_path)
+    swarm = make_swarm(tmp_path)
     try:
         yield swarm
     finally:

@@ -38,6 +38,7 @@ import psutil
 import pytest
 
 from node.local_swarm import NodeProcess, Swarm, peers_by_stage, wait_for
+from tests.helpers.swarms import private_mode
 
 SCRIPT = Path(__file__).resolve().parent.parent / "helpers" / "hostile_peer.py"
 NUM_STAGES = 2
@@ -205,6 +206,11 @@ def rss(pid: int) -> int:
     ],
 )
 def test_hostile_peer_gets_clean_rejections(swarm: Swarm, tmp_path: Path, mode: str):
+    if private_mode():
+        pytest.skip(
+            "the py-libp2p stranger holds no swarm key: in a private swarm each of its frames is refused "
+            "by MAC before decoding, and its liveness probes (which assume an open swarm) cannot be answered"
+        )
     targets = start_swarm(swarm, tmp_path)
     snapshot = wait_for(
         lambda: (s := swarm.observe()) and stage0_steps(s) >= 4 and s, 120, "the swarm does not train: no stage-0 steps"

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from node.local_swarm import Swarm, peers_by_stage, wait_for
+from node.p2p.swarm_key import ENV_VAR
 
 
 def stage0_steps(swarm: Swarm) -> int:
@@ -18,6 +19,7 @@ def stage0_steps(swarm: Swarm) -> int:
 
 @pytest.mark.timeout(420)
 def test_private_swarm_trains_with_the_key_and_refuses_joiners_without_it(swarm: Swarm, tmp_path):
+    swarm.env.pop(ENV_VAR, None)  # this test hands out the keys itself (also under `make test-private`)
     key, wrong = tmp_path / "swarm.key", tmp_path / "wrong.key"
     for path in (key, wrong):
         made = subprocess.run(

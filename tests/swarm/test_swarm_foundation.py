@@ -10,6 +10,7 @@ import psutil
 import pytest
 
 from node.local_swarm import Swarm, peers_by_stage, wait_for
+from protocol.version import PROTOCOL_VERSION
 
 TTL = 4.0
 
@@ -89,4 +90,4 @@ def test_joiner_with_other_protocol_version_is_refused(swarm: Swarm):
     code = stranger.process.wait(timeout=90)
     assert code != 0
     log = stranger.log()
-    assert "protocol version 1" in log and "speaks 99" in log, log
+    assert f"protocol version {PROTOCOL_VERSION}" in log and "speaks 99" in log, log

@@ -24,6 +24,7 @@ import pytest
 
 from node.local_swarm import Swarm
 from node.monitor.observer import observe
+from tests.helpers.swarms import make_swarm
 
 PEERS_PER_STAGE = 3
 NUM_STAGES = 2
@@ -79,7 +80,7 @@ def mean_loss(snapshot: dict) -> float | None:
 def start_swarm(workdir: Path, mode: str, swarms: dict[str, Swarm]) -> None:
     """Start a swarm into `swarms` (registered before its first process, so it is always closed)."""
     workdir.mkdir()
-    swarm = swarms[mode] = Swarm(workdir)
+    swarm = swarms[mode] = make_swarm(workdir)
     config = write_config(workdir / "swarm.toml", mode)
     swarm.bootstrap(
         "--config",

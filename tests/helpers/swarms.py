@@ -1,0 +1,31 @@
+"""How the tests make a multi-process swarm: open by default, private when asked.
+
+`PIPESWARM_TEST_PRIVATE=1` (`make test-private`) gives every test swarm a fresh key made like
+`node keygen` does, in `PIPESWARM_SWARM_KEY_FILE` of the children's environment: every peer,
+`node status` included, then runs the private swarm's MACs on every record and stream message, so
+the whole small-swarm suite shows a private swarm behaves as an open one.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from node.local_swarm import Swarm
+from node.p2p.swarm_key import ENV_VAR, generate_swarm_key
+
+PRIVATE_MODE_VAR = "PIPESWARM_TEST_PRIVATE"
+
+
+def private_mode() -> bool:
+    return os.environ.get(PRIVATE_MODE_VAR, "") not in ("", "0")
+
+
+def make_swarm(workdir: Path) -> Swarm:
+    env: dict[str, str] = {}
+    if private_mode():
+        key_path = workdir / "test-swarm.key"
+        if not key_path.exists():
+            generate_swarm_key(key_path)
+        env[ENV_VAR] = str(key_path)
+    return Swarm(workdir, env=env)
