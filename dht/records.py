@@ -37,8 +37,8 @@ class PeerState(StrEnum):
 class Reachability(StrEnum):
     """How other peers can reach a peer, read from the multiaddrs it announces (`reachability_of`)."""
 
-    PUBLIC = "public"  # at least one direct address (a public host, or a port forwarded with --announce)
-    RELAYED = "relay"  # only `/p2p-circuit` addresses: behind a NAT, reached through a relay
+    PUBLIC = "public"  # dialed directly (a public host, or a port forwarded with --announce)
+    RELAYED = "relay"  # holds relay reservations (`/p2p-circuit` addresses): behind a NAT
     UNKNOWN = "unknown"  # announced no address
 
 
@@ -46,9 +46,12 @@ CIRCUIT = "/p2p-circuit"
 
 
 def reachability_of(addrs: list[str]) -> Reachability:
-    if any(CIRCUIT not in addr for addr in addrs):
-        return Reachability.PUBLIC
-    return Reachability.RELAYED if addrs else Reachability.UNKNOWN
+    """p2pd takes relay reservations only once it believes it cannot be dialed (AutoNAT, or
+    `--reachability private`), and then still lists its LAN addresses: so any relay address means
+    "reach me through a relay", whatever else is listed."""
+    if any(CIRCUIT in addr for addr in addrs):
+        return Reachability.RELAYED
+    return Reachability.PUBLIC if addrs else Reachability.UNKNOWN
 
 
 class EventKind(StrEnum):

@@ -33,7 +33,8 @@ def dialer_with(client: FakeClient, addrs: list[str]) -> PeerDialer:
 
 
 def test_reachability_reads_the_announced_addresses():
-    assert reachability_of([DIRECT, RELAYED]) == Reachability.PUBLIC
+    assert reachability_of([DIRECT]) == Reachability.PUBLIC
+    assert reachability_of([DIRECT, RELAYED]) == Reachability.RELAYED  # a NAT'ed peer lists its LAN address too
     assert reachability_of([RELAYED]) == Reachability.RELAYED
     assert reachability_of([]) == Reachability.UNKNOWN
 
