@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test slow bench lint format hostile test-private
+.PHONY: demo test slow bench lint format hostile test-private internet netns-deps
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,7 @@ $(STAMP): $(PY) pyproject.toml
 demo: $(STAMP)
 	$(PY) -m node.demo
 
-test: $(STAMP)
+test: $(STAMP) netns-deps
 	$(PY) -m pytest -q -p no:cacheprovider
 
 slow: $(STAMP)
@@ -45,3 +45,15 @@ hostile: $(STAMP)
 # PIPESWARM_SWARM_KEY_FILE): a private swarm must behave as an open one for its members
 test-private: $(STAMP)
 	PIPESWARM_TEST_PRIVATE=1 $(PY) -m pytest -q -p no:cacheprovider tests/swarm
+
+# the namespace test bed (tests/helpers/netns.py) needs iproute2, and nftables for NAT'ed home hosts;
+# installed where missing and possible (root with apt), otherwise those tests skip and say why
+netns-deps:
+	@command -v ip >/dev/null && command -v nft >/dev/null || \
+		{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 nftables >/dev/null; } || \
+		echo "note: iproute2/nftables not installed: the namespace tests will skip"
+
+# swarms across network namespaces: public and NAT'ed home hosts, shaped links, a partition
+internet: $(STAMP) netns-deps
+	$(PY) -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/netns

@@ -15,6 +15,7 @@ os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")  # before hivemind is impo
 
 from node import __version__
 from node.config import ConfigError, load_config
+from node.p2p.reachability import NatReachability
 
 logger = logging.getLogger("node")
 
@@ -38,7 +39,14 @@ def add_network_flags(parser: argparse.ArgumentParser, listening: bool = True) -
             dest="announce_maddrs",
             nargs="*",
             default=[],
-            help="multiaddrs to announce instead of the listen ones (behind NAT)",
+            help="multiaddrs to announce instead of the listen ones (a port forwarded on a home router)",
+        )
+        parser.add_argument(
+            "--reachability",
+            choices=[r.value for r in NatReachability],
+            default=NatReachability.AUTO.value,
+            help="auto: let AutoNAT tell whether others can dial us, and take relay reservations if "
+            "not; private: behind a NAT for sure (reserve relay slots at once); public: never use relays",
         )
 
 
@@ -184,6 +192,7 @@ def node_options(args: argparse.Namespace) -> Any:
         "join_jitter",
         "swarm_founder",
         "find_timeout",
+        "reachability",
     ):
         if hasattr(args, name):
             setattr(options, name, getattr(args, name))

@@ -65,30 +65,53 @@ class Swarm:
         self.initial_peers: list[str] = []
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), **(env or {})}
 
-    def spawn(self, name: str, args: list[str], python_prefix: list[str] | None = None) -> NodeProcess:
+    def spawn(
+        self, name: str, args: list[str], python_prefix: list[str] | None = None, launcher: list[str] | None = None
+    ) -> NodeProcess:
+        """Start `python -m node ARGS` (or `python PYTHON_PREFIX ARGS`), after `launcher` when given
+        (e.g. `ip netns exec NS`, which execs in place: the pid is still the node's)."""
         log_path = self.workdir / f"{name}.log"
-        command = [sys.executable, *(python_prefix or ["-m", "node"]), *args]
+        command = [*(launcher or []), sys.executable, *(python_prefix or ["-m", "node"]), *args]
         with open(log_path, "wb") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir)
         node = NodeProcess(name, process, log_path)
         self.nodes.append(node)
         return node
 
-    def bootstrap(self, *extra: str, timeout: float = 60.0) -> NodeProcess:
-        node = self.spawn("bootstrap", ["bootstrap", "--host", "127.0.0.1", *extra])
+    def bootstrap(
+        self, *extra: str, timeout: float = 60.0, host: str = "127.0.0.1", launcher: list[str] | None = None
+    ) -> NodeProcess:
+        node = self.spawn("bootstrap", ["bootstrap", "--host", host, *extra], launcher=launcher)
         self.initial_peers = wait_for(
             lambda: _initial_peers(node), timeout, f"bootstrap did not print its address:\n{node.log()}"
         )
         return node
 
-    def join(self, name: str, *extra: str, python_prefix: list[str] | None = None) -> NodeProcess:
+    def join(
+        self,
+        name: str,
+        *extra: str,
+        python_prefix: list[str] | None = None,
+        host: str = "127.0.0.1",
+        launcher: list[str] | None = None,
+    ) -> NodeProcess:
         return self.spawn(
-            name, ["join", "--host", "127.0.0.1", "--initial-peers", *self.initial_peers, *extra], python_prefix
+            name, ["join", "--host", host, "--initial-peers", *self.initial_peers, *extra], python_prefix, launcher
         )
 
-    def status(self, timeout: float = 60.0) -> dict[str, Any]:
+    def status(self, timeout: float = 60.0, launcher: list[str] | None = None) -> dict[str, Any]:
+        """`node status --json` (run after `launcher` when given: from inside a network namespace)."""
         result = subprocess.run(
-            [sys.executable, "-m", "node", "status", "--json", "--initial-peers", *self.initial_peers],
+            [
+                *(launcher or []),
+                sys.executable,
+                "-m",
+                "node",
+                "status",
+                "--json",
+                "--initial-peers",
+                *self.initial_peers,
+            ],
             capture_output=True,
             text=True,
             env=self.env,

@@ -8,6 +8,12 @@ reached at (its listen addresses, `--announce` ones, and `/p2p-circuit` ones thr
 it is behind a NAT) in its signed record (dht/records.py, `PeerRecord.addrs`), and `PeerDialer`
 connects to them explicitly before the first stream, and again after a stream to the peer failed.
 
+A peer behind a NAT cannot be dialed at all, so it dials out instead: `keep_connected` keeps a
+connection open to every peer that may need to send it something (the stages next to it, its own
+stage's gossip partners), re-dialing after a connection was pruned or dropped. libp2p connections
+carry streams both ways, so those peers open their streams over the connection the home peer made.
+Public peers run the same loop; for them it only saves the first stream a dial.
+
 The addresses come from a signed record, so a stranger cannot point us at someone else's
 addresses under an honest peer's id; and a libp2p connection authenticates the remote peer id, so
 dialing a wrong address fails rather than reaching an impostor.
@@ -77,3 +83,11 @@ class PeerDialer:
             for stale in sorted(self._dialed, key=self._dialed.get)[:2048]:  # type: ignore[arg-type]
                 del self._dialed[stale]
         return True
+
+
+async def keep_connected(dialer: PeerDialer, peers: Callable[[], Sequence[str]], period: float = 20.0) -> None:
+    """Dial every peer `peers()` names at least every `dialer.fresh_for` seconds, one at a time."""
+    while True:
+        for peer_id in list(peers()):
+            await dialer.ensure(peer_id)
+        await asyncio.sleep(period)

@@ -26,6 +26,7 @@ from multiaddr import Multiaddr
 
 from dht.signing import Identity, SignedRecordValidator
 from node.p2p.dht_guard import DHT_MESSAGE_LIMIT, DHTRequestGuard
+from node.p2p.reachability import NatReachability
 from node.runtime.loop_watch import LoopWatch
 
 logger = logging.getLogger(__name__)
@@ -58,8 +59,9 @@ class Network:
     def validator(self) -> SignedRecordValidator:
         return self.dht.protocol.record_validator  # type: ignore[return-value]
 
-    async def visible_maddrs(self) -> list[str]:
-        return [str(addr) for addr in await self.p2p.get_visible_maddrs()]
+    async def visible_maddrs(self, latest: bool = False) -> list[str]:
+        """Where others can dial this peer; `latest` asks p2pd again (relay addresses come later)."""
+        return [str(addr) for addr in await self.p2p.get_visible_maddrs(latest=latest)]
 
     @property
     def p2pd_pid(self) -> int | None:
@@ -143,6 +145,7 @@ async def start_network(
     announce_maddrs: Sequence[str] = (),
     startup_timeout: float = 30.0,
     swarm_key: bytes | None = None,
+    reachability: NatReachability = NatReachability.AUTO,
 ) -> Network:
     """Start p2pd and a DHT node joined to `initial_peers` (none: this peer starts a new DHT). The DHT
     node accepts only signed pipeswarm records (dht/signing.py) and signs with this peer's identity."""
@@ -164,6 +167,7 @@ async def start_network(
                 no_listen=client_mode,
                 # p2pd refuses larger DHT messages before Python decodes them (node/p2p/dht_guard.py)
                 persistent_conn_max_msg_size=DHT_MESSAGE_LIMIT,
+                **(reachability.p2p_options() if not client_mode else {}),
             ),
             P2P.shutdown,
         )

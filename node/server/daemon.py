@@ -29,6 +29,7 @@ from dht.signing import MAX_RECORD_TTL
 from node import __version__
 from node.config import ConfigError, SwarmConfig
 from node.p2p.network import Network, NetworkError, peer_id_of_maddr, start_network
+from node.p2p.reachability import NatReachability
 from node.p2p.swarm_key import key_fingerprint
 from node.server.stage_claim import StageOutOfRange, claim_stage
 from protocol.version import PROTOCOL_VERSION
@@ -57,6 +58,7 @@ class NodeOptions:
     throughput: float = 1.0
     join_jitter: float = 2.0
     find_timeout: float = 30.0
+    reachability: str = "auto"  # NatReachability: may this peer need relays (node/p2p/reachability.py)
 
 
 def install_stop_signals() -> asyncio.Event:
@@ -86,11 +88,11 @@ async def keep_config_published(registry: SwarmRegistry, record: ConfigRecord) -
         await asyncio.sleep(CONFIG_TTL / 4)
 
 
-async def keep_addresses_current(network: Network, me: PeerAnnouncer, period: float = 30.0) -> None:
+async def keep_addresses_current(network: Network, me: PeerAnnouncer, period: float = 15.0) -> None:
     """Announce where this peer can be dialed; relay addresses appear once a reservation is made."""
     while True:
         try:
-            me.set_addresses(await network.visible_maddrs())
+            me.set_addresses(await network.visible_maddrs(latest=True))
         except Exception as e:
             logger.warning(f"could not read this peer's addresses: {e!r}")
         await asyncio.sleep(period)
@@ -104,6 +106,7 @@ async def start_peer_network(options: NodeOptions) -> Network:
         identity_path=options.identity_path,
         announce_maddrs=options.announce_maddrs,
         swarm_key=options.swarm_key,
+        reachability=NatReachability(options.reachability),
     )
 
 

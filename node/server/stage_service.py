@@ -23,7 +23,7 @@ from dht.swarm_view import SwarmView
 from node.averaging.gossip import Gossip
 from node.config import SwarmConfig
 from node.model.data import open_source, stream_id_from_peer
-from node.p2p.dialer import PeerDialer
+from node.p2p.dialer import PeerDialer, keep_connected
 from node.p2p.network import Network
 from node.p2p.peer_conduct import PeerConduct
 from node.p2p.transport import Transport
@@ -142,6 +142,18 @@ async def build_service(
     return StageService(config, me, worker, transport, router, view, pipeline, gossip)
 
 
+def neighbours(service: StageService) -> list[str]:
+    """Peers that send this one activations, gradients or gossip: its own stage and the stages next
+    to it in either pipeline order (stage 0 talks to the first and the last block stage)."""
+    stage, last = service.me.stage, service.config.num_stages - 1
+    stages = {stage, (stage - 1) % (last + 1), (stage + 1) % (last + 1)}
+    if stage in (1, last):
+        stages |= {0, 1, last}  # CheckFree+ swaps the block order on odd microbatches
+    if stage == 0:
+        stages |= {1, last}
+    return [p.peer_id for s in sorted(stages) for p in service.view.online(s, exclude=service.me.peer_id)]
+
+
 @contextlib.asynccontextmanager
 async def running_service(
     network: Network, config: SwarmConfig, me: PeerAnnouncer, options: ServiceOptions
@@ -149,6 +161,9 @@ async def running_service(
     """A started stage service: handlers registered, swarm view running, this peer `online`."""
     service = await build_service(network, config, me, options)
     tasks = [asyncio.create_task(service.view.run(), name="swarm-view")]
+    if service.transport.dialer is not None:  # a peer behind a NAT is reached over connections it made
+        connections = keep_connected(service.transport.dialer, lambda: neighbours(service))
+        tasks.append(asyncio.create_task(connections, name="connections"))
     try:
         # announce a measured speed from the start: routers and stage choice compare these numbers
         await asyncio.get_running_loop().run_in_executor(service.worker.executor, service.worker.measure_throughput)

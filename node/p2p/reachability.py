@@ -1,0 +1,33 @@
+"""Whether other peers can dial this one, and what p2pd does about it.
+
+A volunteer behind a home router (NAT, no port forwarding) cannot be dialed. hivemind's p2pd
+(go-libp2p) offers circuit relay v2: a publicly reachable peer keeps a reservation for it, and
+others reach it through `/ip4/<relay>/tcp/<port>/p2p/<relay id>/p2p-circuit/p2p/<its id>`
+addresses. Every peer runs p2pd's relay service (on by default, with its limits on reservations
+and circuits per peer), so the public peers of a swarm are its relays; a NAT'ed peer takes
+reservations on its trusted relays (by default the peers it joined through). AutoNAT, also on,
+asks other peers to dial us back to tell which case we are in. hole punching is not offered by
+this p2pd build (no flag for it), so relayed peers stay relayed.
+
+Which addresses a peer ends up with goes into its record (`dht.records.Reachability`).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class NatReachability(StrEnum):
+    """What the user tells p2pd about this peer's reachability (`--reachability`)."""
+
+    AUTO = "auto"  # AutoNAT decides; relay reservations are made if it finds us unreachable
+    PRIVATE = "private"  # behind a NAT for sure: reserve relay slots at once
+    PUBLIC = "public"  # dialable (a public host or a forwarded port): never rely on relays
+
+    def p2p_options(self) -> dict[str, object]:
+        """Keyword arguments for hivemind's `P2P.create`."""
+        if self == NatReachability.PUBLIC:
+            return {"use_auto_relay": False, "force_reachability": "public"}
+        if self == NatReachability.PRIVATE:
+            return {"use_auto_relay": True, "force_reachability": "private"}
+        return {"use_auto_relay": True, "force_reachability": None}
