@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from hivemind.dht.node import DHTNode
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from multiaddr import Multiaddr
 
 from dht.signing import Identity, SignedRecordValidator
@@ -67,6 +67,31 @@ class Network:
     def p2pd_pid(self) -> int | None:
         child = getattr(self.p2p, "_child", None)
         return None if child is None else child.pid
+
+    async def keep_joined(self, period: float = 20.0) -> None:
+        """Re-enter the DHT through the initial peers whenever they fell out of our routing table.
+
+        hivemind drops unresponsive nodes from its routing table and never re-bootstraps, so after
+        a partition heals both sides would keep their own half of the DHT forever: a stage cut off
+        for longer than a few requests would stay invisible to the rest of the swarm. A ping
+        re-adds the initial peer on our side and us on its side; a lookup of our own id then
+        refills the buckets from its neighbours."""
+        while True:
+            await asyncio.sleep(period)
+            for maddr in self.initial_peers:
+                peer_id = peer_id_of_maddr(maddr)
+                if peer_id is None or peer_id == self.peer_id:
+                    continue
+                peer = PeerID.from_base58(peer_id)
+                if peer in self.dht.protocol.routing_table:
+                    continue
+                try:
+                    await asyncio.wait_for(self.p2p._client.connect(peer, [Multiaddr(maddr)]), 10.0)
+                    if await self.dht.protocol.call_ping(peer) is not None:
+                        logger.info(f"re-entered the DHT through {maddr}")
+                        await self.dht.find_nearest_nodes([self.dht.node_id])
+                except Exception as e:  # unreachable for now: try again next period
+                    logger.debug(f"could not re-enter the DHT through {maddr}: {e!r}")
 
     async def shutdown(self) -> None:
         if self._loop_watch_task is not None:

@@ -295,6 +295,7 @@ async def join(options: NodeOptions, serve: StageService | None = None) -> int:
         tasks.append(asyncio.create_task(me.run(), name="heartbeat"))
         tasks.append(asyncio.create_task(keep_config_published(registry, config_record), name="config"))
         tasks.append(asyncio.create_task(keep_addresses_current(network, me), name="addresses"))
+        tasks.append(asyncio.create_task(network.keep_joined(), name="dht-rejoin"))
         if serve is not None:
             tasks.append(asyncio.create_task(serve(network, config, me, stop), name="stage"))
         else:

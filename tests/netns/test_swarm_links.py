@@ -1,0 +1,168 @@
+"""Bad links and partitions between hosts (`make internet`; both tests are slow).
+
+Four public hosts in network namespaces (tests/helpers/netns.py): the bootstrapper and a stage-0
+peer on `a`, a second stage-0 peer on `b`, a stage-1 peer each on `c` and `d` (2 stages). Links are
+shaped per host; a path between two hosts adds both hosts' shaping, so 50 +- 10 ms and 0.5 % loss
+per host make 100 +- 20 ms one way and ~1 % loss per path, as a swarm across continents sees.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from node.local_swarm import NodeProcess, Swarm, wait_for
+from tests.helpers.netns import TestBed, namespaces_supported
+from tests.helpers.swarms import make_swarm
+
+pytestmark = [pytest.mark.slow]
+GOSSIP_EVERY = 8
+HOSTS = ("a", "b", "c", "d")
+PEERS = {"stage0a": ("a", 0), "stage0b": ("b", 0), "stage1c": ("c", 1), "stage1d": ("d", 1)}
+
+
+def launcher(bed: TestBed, host: str) -> list[str]:
+    return ["ip", "netns", "exec", bed.netns(host)]
+
+
+def peer_id_of(node: NodeProcess) -> str | None:
+    found = re.search(r"peer (\S+) serves stage", node.log())
+    return found.group(1) if found else None
+
+
+def start(bed: TestBed, swarm: Swarm, workdir: Path) -> dict[str, NodeProcess]:
+    ok, why = namespaces_supported()
+    if not ok:
+        pytest.skip(why)
+    for host in HOSTS:
+        bed.add_public_host(host)
+    (workdir / "swarm.toml").write_text(f"[gossip]\ninner_steps = {GOSSIP_EVERY}\n")
+    swarm.bootstrap(
+        *("--num-stages", "2", "--heartbeat-period", "2", "--heartbeat-ttl", "10"),
+        *("--config", str(workdir / "swarm.toml")),
+        host=bed.address("a"),
+        launcher=launcher(bed, "a"),
+        timeout=90,
+    )
+    nodes = {
+        name: swarm.join(
+            name,
+            *("--stage", str(stage), "--threads", "1", "--quiet", "--join-jitter", "0"),
+            host=bed.address(host),
+            launcher=launcher(bed, host),
+        )
+        for name, (host, stage) in PEERS.items()
+    }
+    wait_for(
+        lambda: all(map(peer_id_of, nodes.values())),
+        150,
+        lambda: "peers never joined:\n" + "\n".join(f"--- {n}\n{p.log()[-1500:]}" for n, p in nodes.items()),
+    )
+    return nodes
+
+
+def totals(swarm: Swarm, bed: TestBed) -> tuple[int, int, dict]:
+    """(stage-0 inner steps, outer rounds of all peers, the snapshot), from `node status` inside host a."""
+    snapshot = swarm.status(launcher=launcher(bed, "a"), timeout=120)
+    online = [p for stage in snapshot["stages"] for p in stage["peers"] if p["state"] == "online"]
+    steps = sum(p["inner_step"] for p in online if p["stage"] == 0)
+    return steps, sum(p["outer_round"] for p in online), snapshot
+
+
+def rate(swarm: Swarm, bed: TestBed, seconds: float) -> tuple[float, int]:
+    steps, rounds, _ = totals(swarm, bed)
+    started = time.monotonic()
+    time.sleep(seconds)
+    steps2, rounds2, _ = totals(swarm, bed)
+    return (steps2 - steps) / (time.monotonic() - started), rounds2 - rounds
+
+
+def assert_healthy(swarm: Swarm) -> None:
+    for node in swarm.nodes:
+        assert node.process.poll() is None, f"{node.name} died:\n{node.log()[-2000:]}"
+        assert "Traceback" not in node.log(), f"{node.name}:\n{node.log()[-3000:]}"
+
+
+@pytest.mark.timeout(900)
+def test_training_goes_on_over_slow_lossy_links(tmp_path: Path):
+    with TestBed() as bed:
+        swarm = make_swarm(tmp_path)
+        try:
+            start(bed, swarm, tmp_path)
+            wait_for(lambda: totals(swarm, bed)[0] > 20, 120, "the swarm never trained")
+            clean, clean_rounds = rate(swarm, bed, 40)
+            for host in HOSTS:
+                bed.shape(host, delay_ms=50, jitter_ms=10, loss=0.005, rate_mbit=50)
+            time.sleep(10)  # let in-flight work drain into the new conditions
+            shaped, shaped_rounds = rate(swarm, bed, 60)
+            print(
+                f"stage-0 steps/s: clean {clean:.2f}, shaped {shaped:.2f} (ratio {shaped / max(clean, 1e-9):.2f}); "
+                f"gossip rounds: clean {clean_rounds} in 40 s, shaped {shaped_rounds} in 60 s; "
+                f"delay line {bed.delay_line_stats()}"
+            )
+            assert shaped > 0.05 * clean and shaped_rounds > 0
+            # a newcomer downloads its stage's state over the shaped links
+            late = swarm.join(
+                "late",
+                *("--stage", "1", "--threads", "1", "--quiet", "--join-jitter", "0"),
+                host=bed.address("d"),
+                launcher=launcher(bed, "d"),
+            )
+            wait_for(
+                lambda: "joined live stage 1" in late.log(),
+                240,
+                lambda: f"the late joiner never took over a state:\n{late.log()[-3000:]}",
+            )
+            wait_for(
+                lambda: any(
+                    p["state"] == "online" and p["peer_id"] == peer_id_of(late)
+                    for stage in totals(swarm, bed)[2]["stages"]
+                    for p in stage["peers"]
+                ),
+                240,
+                lambda: f"the late joiner never came online:\n{late.log()[-3000:]}",
+            )
+            assert_healthy(swarm)
+        finally:
+            swarm.close()
+
+
+@pytest.mark.timeout(900)
+def test_a_partitioned_stage_comes_back_after_heal(tmp_path: Path):
+    with TestBed() as bed:
+        swarm = make_swarm(tmp_path)
+        try:
+            nodes = start(bed, swarm, tmp_path)
+            wait_for(lambda: totals(swarm, bed)[0] > 20, 120, "the swarm never trained")
+            before, _ = rate(swarm, bed, 20)
+            cut_at = time.monotonic()
+            bed.cut("c")
+            bed.cut("d")  # every stage-1 peer is gone for longer than the lost-stage grace (10 s) and the TTL
+            during, _ = rate(swarm, bed, 45)
+            bed.heal("c")
+            bed.heal("d")
+            healed_at = time.monotonic()
+            steps = totals(swarm, bed)[0]
+            resumed = wait_for(
+                lambda: totals(swarm, bed)[0] >= steps + 20 and time.monotonic(),
+                300,
+                lambda: (
+                    "stage 0 never trained again after the heal:\n"
+                    + "\n".join(f"--- {n}\n{p.log()[-1500:]}" for n, p in nodes.items())
+                ),
+            )
+            after, _ = rate(swarm, bed, 30)
+            _, _, snapshot = totals(swarm, bed)
+            stage1 = [p for p in snapshot["stages"][1]["peers"] if p["state"] == "online"]
+            print(
+                f"partition of stage 1 for {healed_at - cut_at:.0f} s: stage-0 steps/s {before:.2f} before, "
+                f"{during:.2f} during, {after:.2f} after; training resumed {resumed - healed_at:.0f} s after the "
+                f"heal; stage 1 online after: {len(stage1)} peers, outer rounds {[p['outer_round'] for p in stage1]}"
+            )
+            assert len(stage1) == 2, snapshot["stages"][1]
+            assert_healthy(swarm)
+        finally:
+            swarm.close()
