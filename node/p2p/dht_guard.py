@@ -85,23 +85,18 @@ class DHTRequestGuard:
             raise DHTRequestRefused(f"DHT request refused: {reason}")
         return peer_id
 
-    async def rpc_ping(self, request: Any, context: P2PContext) -> Any:
+    async def _guarded(self, handler: Any, request: Any, context: P2PContext) -> Any:
         peer_id = self._admit(request, context)
         try:
-            return await self.protocol.rpc_ping(request, context)
+            return await handler(request, context)
         finally:
             self.conduct.release(peer_id)
+
+    async def rpc_ping(self, request: Any, context: P2PContext) -> Any:
+        return await self._guarded(self.protocol.rpc_ping, request, context)
 
     async def rpc_store(self, request: Any, context: P2PContext) -> Any:
-        peer_id = self._admit(request, context)
-        try:
-            return await self.protocol.rpc_store(request, context)
-        finally:
-            self.conduct.release(peer_id)
+        return await self._guarded(self.protocol.rpc_store, request, context)
 
     async def rpc_find(self, request: Any, context: P2PContext) -> Any:
-        peer_id = self._admit(request, context)
-        try:
-            return await self.protocol.rpc_find(request, context)
-        finally:
-            self.conduct.release(peer_id)
+        return await self._guarded(self.protocol.rpc_find, request, context)
