@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test slow bench lint format hostile test-private internet netns-deps
+.PHONY: demo test slow bench lint format hostile test-private internet netns-deps chaos
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -57,3 +57,8 @@ netns-deps:
 # swarms across network namespaces: public and NAT'ed home hosts, shaped links, a partition
 internet: $(STAMP) netns-deps
 	$(PY) -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/netns
+
+# churn: peers of a 4-stage swarm SIGKILLed at random (sometimes a whole stage) and replaced for
+# 10 minutes; a 90 s version runs in `make test`
+chaos: $(STAMP)
+	$(PY) -m pytest -q -s -p no:cacheprovider -m slow tests/swarm/test_chaos.py

@@ -1,0 +1,172 @@
+"""A chaos driver: a training swarm on loopback whose peers are SIGKILLed at random and replaced.
+
+Stage 0 + `block_stages` block stages, `peers_per_stage` peers each, every process its own p2pd.
+Every `kill_every` seconds (jittered) the driver kills, with `kill -9` on the peer and its p2pd (a
+machine gone): usually one random block-stage peer, sometimes (`whole_stage_chance`) every peer of
+one block stage; after `replace_after` seconds it starts as many replacements with `--stage auto`,
+which claim the stage that needs help most. Stage 0's peers are never killed: they hold the data
+and the head in this design, and the swarm's progress is measured from them.
+
+`ChaosRun.observe()` is called every `observe_every` seconds and records, from the swarm's own
+records: stage-0 steps, stage-0 loss, which stages have an online peer; the report says per minute
+how many stage-0 steps were made, how long each stage was without an online peer (a recovery time),
+and the loss at the start and at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+
+from node.local_swarm import NodeProcess, Swarm, wait_for
+
+CHAOS_TOML = """
+num_stages = {num_stages}
+[training]
+microbatch_size = 4
+microbatches_per_step = 2
+sequence_length = 32
+warmup_steps = 5
+hop_timeout = 5.0
+[gossip]
+inner_steps = 10
+[heartbeat]
+period = 1.0
+ttl = 4.0
+[recovery]
+checkfree_plus = true
+lost_grace = 2.0
+rebalance_wait = 3.0
+edge_copy_interval = 5
+"""
+PEER_FLAGS = ("--threads", "1", "--quiet", "--join-jitter", "0.5")
+
+
+@dataclass
+class Sample:
+    at: float
+    stage0_steps: int
+    loss: float | None
+    empty_stages: set[int]
+
+
+@dataclass
+class ChaosRun:
+    swarm: Swarm
+    block_stages: int = 3
+    peers_per_stage: int = 2
+    kill_every: float = 20.0
+    whole_stage_chance: float = 0.25
+    replace_after: float = 3.0
+    observe_every: float = 2.0
+    rng: random.Random = field(default_factory=lambda: random.Random(1234))
+    peers: dict[int, list[NodeProcess]] = field(default_factory=dict)
+    samples: list[Sample] = field(default_factory=list)
+    killed: int = 0
+    started: int = 0
+    kills: list[tuple[float, int, int]] = field(default_factory=list)  # (time, stage, peers killed)
+
+    @property
+    def num_stages(self) -> int:
+        return self.block_stages + 1
+
+    def start(self) -> None:
+        toml = self.swarm.workdir / "chaos.toml"
+        toml.write_text(CHAOS_TOML.format(num_stages=self.num_stages))
+        self.swarm.bootstrap("--config", str(toml))
+        for stage in range(self.num_stages):
+            self.peers[stage] = [self._join("--stage", str(stage)) for _ in range(self.peers_per_stage)]
+        wait_for(
+            lambda: all(
+                any(p["state"] == "online" and p["inner_step"] > 0 for p in s["peers"])
+                for s in self.swarm.observe()["stages"]
+            ),
+            240,
+            "the chaos swarm never trained on every stage",
+        )
+
+    def _join(self, *stage_args: str) -> NodeProcess:
+        self.started += 1
+        return self.swarm.join(f"peer{self.started}", *stage_args, *PEER_FLAGS)
+
+    def kill(self, victims: list[NodeProcess]) -> None:
+        for node in victims:
+            node.refresh_family()
+            for pid in node.alive_family():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        for node in victims:
+            node.process.wait()
+        self.killed += len(victims)
+
+    def strike(self) -> None:
+        """Kill one peer, or a whole stage; replacements join with --stage auto after a while."""
+        stage = self.rng.randrange(1, self.num_stages)
+        alive = [n for n in self.peers[stage] if n.process.poll() is None]
+        if not alive:
+            return
+        victims = alive if self.rng.random() < self.whole_stage_chance else [self.rng.choice(alive)]
+        self.kill(victims)
+        self.kills.append((time.monotonic(), stage, len(victims)))
+        self.peers[stage] = [n for n in self.peers[stage] if n not in victims]
+        time.sleep(self.replace_after)
+        for _ in victims:  # --stage auto: the newcomer goes where help is needed, not necessarily here
+            newcomer = self._join("--stage", "auto")
+            self.peers.setdefault(stage, []).append(newcomer)
+
+    def observe(self) -> None:
+        snapshot = self.swarm.observe()
+        online = {s["stage"]: [p for p in s["peers"] if p["state"] == "online"] for s in snapshot["stages"]}
+        losses = [p["loss"] for p in online.get(0, []) if p["loss"] is not None]
+        self.samples.append(
+            Sample(
+                at=time.monotonic(),
+                stage0_steps=sum(p["inner_step"] for p in online.get(0, [])),
+                loss=sum(losses) / len(losses) if losses else None,
+                empty_stages={stage for stage, peers in online.items() if not peers},
+            )
+        )
+
+    def run(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        next_kill = time.monotonic() + self.kill_every * self.rng.uniform(0.5, 1.0)
+        while time.monotonic() < deadline:
+            if time.monotonic() >= next_kill:
+                self.strike()
+                next_kill = time.monotonic() + self.kill_every * self.rng.uniform(0.5, 1.5)
+            self.observe()
+            time.sleep(self.observe_every)
+
+    # -- the report ----------------------------------------------------------------------------
+    def steps_per_window(self, window: float) -> list[int]:
+        """Stage-0 steps made in each `window` seconds of the run (a count that drops when a stage-0
+        peer's record is briefly missing from a snapshot is clipped at 0)."""
+        if not self.samples:
+            return []
+        start, windows = self.samples[0].at, {}
+        for previous, sample in zip(self.samples, self.samples[1:]):
+            index = int((sample.at - start) // window)
+            windows[index] = windows.get(index, 0) + max(0, sample.stage0_steps - previous.stage0_steps)
+        last = int((self.samples[-1].at - start) // window)
+        return [windows.get(i, 0) for i in range(last + (1 if self.samples[-1].at - start >= window else 0))]
+
+    def outages(self) -> list[float]:
+        """How long each block stage went without an online peer, per outage (seconds)."""
+        outages, since = [], {}
+        for sample in self.samples:
+            for stage in range(1, self.num_stages):
+                if stage in sample.empty_stages:
+                    since.setdefault(stage, sample.at)
+                elif stage in since:
+                    outages.append(sample.at - since.pop(stage))
+        end = self.samples[-1].at if self.samples else 0.0
+        outages.extend(end - at for at in since.values())  # still out at the end: counted to the end
+        return outages
+
+    def losses(self) -> tuple[float | None, float | None]:
+        known = [s.loss for s in self.samples if s.loss is not None]
+        return (known[0], known[-1]) if known else (None, None)
