@@ -316,6 +316,10 @@ class TestBed:
         """The namespace of a host, of a LAN's router, or (``"core"``) of the core router."""
         return self.core if name == "core" else self._node(name).ns
 
+    def launcher(self, name: str) -> list[str]:
+        """The command prefix that runs a program inside a host (for `Swarm.spawn(launcher=...)`)."""
+        return ["ip", "netns", "exec", self.netns(name)]
+
     def popen(self, host: str, argv: list[str], **kwargs) -> subprocess.Popen:
         """Start ``argv`` inside a host's (or router's) namespace; close() kills it. Takes Popen's kwargs;
         each process gets its own session unless told otherwise, so close() can kill its whole group."""

@@ -9,9 +9,10 @@ the whole small-swarm suite shows a private swarm behaves as an open one.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
-from node.local_swarm import Swarm
+from node.local_swarm import NodeProcess, Swarm
 from node.p2p.swarm_key import ENV_VAR, generate_swarm_key
 
 PRIVATE_MODE_VAR = "PIPESWARM_TEST_PRIVATE"
@@ -29,3 +30,9 @@ def make_swarm(workdir: Path) -> Swarm:
             generate_swarm_key(key_path)
         env[ENV_VAR] = str(key_path)
     return Swarm(workdir, env=env)
+
+
+def peer_id_of(node: NodeProcess) -> str | None:
+    """The peer id a joiner logged once it took its stage (None before that)."""
+    found = re.search(r"peer (\S+) serves stage", node.log())
+    return found.group(1) if found else None

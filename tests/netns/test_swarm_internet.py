@@ -18,16 +18,15 @@ never made in this bed (docs/operations.md): the test does not rely on them.
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 
 import pytest
 
 from dht.records import short_peer_id
-from node.local_swarm import NodeProcess, Swarm, wait_for
+from node.local_swarm import Swarm, wait_for
 from tests.helpers.netns import TestBed, namespaces_supported, nat_supported
-from tests.helpers.swarms import make_swarm
+from tests.helpers.swarms import make_swarm, peer_id_of
 
 GOSSIP_EVERY = 8
 
@@ -38,21 +37,12 @@ def require_namespaces() -> None:
             pytest.skip(why)
 
 
-def launcher(bed: TestBed, host: str) -> list[str]:
-    return ["ip", "netns", "exec", bed.netns(host)]
-
-
 def peer(snapshot: dict, peer_id: str) -> dict | None:
     for stage in snapshot["stages"]:
         for record in stage["peers"]:
             if record["peer_id"] == peer_id:
                 return record
     return None
-
-
-def peer_id_of(node: NodeProcess) -> str | None:
-    found = re.search(r"peer (\S+) serves stage", node.log())
-    return found.group(1) if found else None
 
 
 def start_internet_swarm(bed: TestBed, swarm: Swarm, workdir: Path) -> dict[str, str]:
@@ -69,14 +59,14 @@ def start_internet_swarm(bed: TestBed, swarm: Swarm, workdir: Path) -> dict[str,
         "--config",
         str(config),
         host=bed.address("boot"),
-        launcher=launcher(bed, "boot"),
+        launcher=bed.launcher("boot"),
         timeout=90,
     )
     common = ["--threads", "1", "--quiet", "--join-jitter", "0"]
     nodes = {
-        "stage0": swarm.join("stage0", "--stage", "0", *common, host=bed.address("pub"), launcher=launcher(bed, "pub")),
+        "stage0": swarm.join("stage0", "--stage", "0", *common, host=bed.address("pub"), launcher=bed.launcher("pub")),
         "public1": swarm.join(
-            "public1", "--stage", "1", *common, host=bed.address("boot"), launcher=launcher(bed, "boot")
+            "public1", "--stage", "1", *common, host=bed.address("boot"), launcher=bed.launcher("boot")
         ),
         "home1": swarm.join(
             "home1",
@@ -86,7 +76,7 @@ def start_internet_swarm(bed: TestBed, swarm: Swarm, workdir: Path) -> dict[str,
             "private",
             *common,
             host=bed.address("home"),
-            launcher=launcher(bed, "home"),
+            launcher=bed.launcher("home"),
         ),
     }
     ids = wait_for(
@@ -110,7 +100,7 @@ def test_a_home_peer_behind_nat_serves_and_gossips(tmp_path: Path):
             home_id, public_id = ids["home1"], ids["public1"]
 
             def status() -> dict:
-                return swarm.status(launcher=launcher(bed, "pub"), timeout=90)
+                return swarm.status(launcher=bed.launcher("pub"), timeout=90)
 
             def home_record() -> dict | None:
                 return peer(status(), home_id)

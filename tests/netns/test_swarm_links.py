@@ -8,7 +8,6 @@ per host make 100 +- 20 ms one way and ~1 % loss per path, as a swarm across con
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 
@@ -16,21 +15,12 @@ import pytest
 
 from node.local_swarm import NodeProcess, Swarm, wait_for
 from tests.helpers.netns import TestBed, namespaces_supported
-from tests.helpers.swarms import make_swarm
+from tests.helpers.swarms import make_swarm, peer_id_of
 
 pytestmark = [pytest.mark.slow]
 GOSSIP_EVERY = 8
 HOSTS = ("a", "b", "c", "d")
 PEERS = {"stage0a": ("a", 0), "stage0b": ("b", 0), "stage1c": ("c", 1), "stage1d": ("d", 1)}
-
-
-def launcher(bed: TestBed, host: str) -> list[str]:
-    return ["ip", "netns", "exec", bed.netns(host)]
-
-
-def peer_id_of(node: NodeProcess) -> str | None:
-    found = re.search(r"peer (\S+) serves stage", node.log())
-    return found.group(1) if found else None
 
 
 def start(bed: TestBed, swarm: Swarm, workdir: Path) -> dict[str, NodeProcess]:
@@ -44,7 +34,7 @@ def start(bed: TestBed, swarm: Swarm, workdir: Path) -> dict[str, NodeProcess]:
         *("--num-stages", "2", "--heartbeat-period", "2", "--heartbeat-ttl", "10"),
         *("--config", str(workdir / "swarm.toml")),
         host=bed.address("a"),
-        launcher=launcher(bed, "a"),
+        launcher=bed.launcher("a"),
         timeout=90,
     )
     nodes = {
@@ -52,7 +42,7 @@ def start(bed: TestBed, swarm: Swarm, workdir: Path) -> dict[str, NodeProcess]:
             name,
             *("--stage", str(stage), "--threads", "1", "--quiet", "--join-jitter", "0"),
             host=bed.address(host),
-            launcher=launcher(bed, host),
+            launcher=bed.launcher(host),
         )
         for name, (host, stage) in PEERS.items()
     }
@@ -66,7 +56,7 @@ def start(bed: TestBed, swarm: Swarm, workdir: Path) -> dict[str, NodeProcess]:
 
 def totals(swarm: Swarm, bed: TestBed) -> tuple[int, int, dict]:
     """(stage-0 inner steps, outer rounds of all peers, the snapshot), from `node status` inside host a."""
-    snapshot = swarm.status(launcher=launcher(bed, "a"), timeout=120)
+    snapshot = swarm.status(launcher=bed.launcher("a"), timeout=120)
     online = [p for stage in snapshot["stages"] for p in stage["peers"] if p["state"] == "online"]
     steps = sum(p["inner_step"] for p in online if p["stage"] == 0)
     return steps, sum(p["outer_round"] for p in online), snapshot
@@ -109,7 +99,7 @@ def test_training_goes_on_over_slow_lossy_links(tmp_path: Path):
                 "late",
                 *("--stage", "1", "--threads", "1", "--quiet", "--join-jitter", "0"),
                 host=bed.address("d"),
-                launcher=launcher(bed, "d"),
+                launcher=bed.launcher("d"),
             )
             wait_for(
                 lambda: "joined live stage 1" in late.log(),
