@@ -86,8 +86,10 @@ class TrainingConfig:
     """Tokens per sequence, <= model.max_position_embeddings; 64 is cheap on a laptop and long enough for the synthetic chain."""
     microbatches_per_step: int = 2
     """Microbatches whose gradients are accumulated into one optimizer (inner) step, >= 1; 2 averages out some gradient noise."""
-    max_in_flight: int = 4
-    """Microbatches a stage-0 peer keeps in the pipeline at once, >= 1 (bounds queues and stored activations); 4 keeps 3 stages busy."""
+    min_in_flight: int = 4
+    """Microbatches a stage-0 peer keeps in the pipeline at least, >= 1; 4 keeps 3 stages busy on one host, where a round trip is mostly compute."""
+    max_in_flight: int = 16
+    """Most microbatches a stage-0 peer keeps in the pipeline (bounds queues and stored activations), >= min_in_flight; between the two the window follows delivery rate x minimum RTT (node/pipeline/in_flight_window.py): 16 hides a ~1 s round trip."""
     learning_rate: float = 3e-3
     """Peak learning rate of the inner AdamW; 3e-3 suits a 64-wide model (small models take larger rates)."""
     warmup_steps: int = 20
@@ -305,7 +307,8 @@ def validate(config: SwarmConfig) -> None:
     need(m.layers_per_stage >= 1 and m.vocab_size >= 2, "layers_per_stage >= 1 and vocab_size >= 2")
     t = config.training
     need(t.sequence_length <= m.max_position_embeddings, "sequence_length exceeds max_position_embeddings")
-    need(t.microbatch_size >= 1 and t.microbatches_per_step >= 1 and t.max_in_flight >= 1, "batch sizes must be >= 1")
+    need(t.microbatch_size >= 1 and t.microbatches_per_step >= 1 and t.min_in_flight >= 1, "batch sizes must be >= 1")
+    need(t.min_in_flight <= t.max_in_flight, "training.max_in_flight must be >= training.min_in_flight")
     need(t.hop_timeout > 0 and t.max_retries >= 0 and t.grad_clip > 0, "hop_timeout, grad_clip > 0; max_retries >= 0")
     g = config.gossip
     need(

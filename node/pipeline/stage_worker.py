@@ -116,7 +116,7 @@ class StageWorker:
         self.module: nn.Module = module.to(self.device).train()
         self._params = [p for p in self.module.parameters()]
         self.dtype = self._params[0].dtype
-        self.max_stored = max_stored if max_stored is not None else 16 * t.max_in_flight
+        self.max_stored = max_stored if max_stored is not None else 4 * t.max_in_flight
         self.max_batch = max_batch if max_batch is not None else t.microbatch_size
         if self.max_stored < 1 or self.max_batch < 1:
             raise ValueError("max_stored and max_batch must be >= 1")

@@ -40,6 +40,7 @@ from dht.records import PeerState, short_peer_id
 from node.config import SwarmConfig
 from node.p2p.transport import Transport, TransportError
 from node.pipeline.admission import RejectedInput
+from node.pipeline.in_flight_window import InFlightWindow, keep_in_flight
 from node.pipeline.order import pipeline_order
 from node.pipeline.routing import Router
 from node.pipeline.stage_worker import StageWorker
@@ -192,11 +193,12 @@ class Pipeline:
         # whether a peer has a live record in this swarm: compute is spent only on members' microbatches
         self.is_member = is_member or (lambda peer_id: True)
         training = config.training
-        self.max_queue = max_queue or 4 * training.max_in_flight
+        self.max_queue = max_queue or training.max_in_flight
         self.hop_timeout = training.hop_timeout
         self.compression = training.wire_compression
         self.num_block_stages = config.num_stages - 1
         self.in_flight: dict[int, InFlight] = {}
+        self.window = InFlightWindow(training.min_in_flight, training.max_in_flight)
         self.stats = PipelineStats()
         self.hops = HopSender(transport, router, self.stats, self.hop_timeout, training.max_retries, self.ban_until)
         self._microbatch_ids = itertools.count(self.rng.randrange(1 << 40))
@@ -371,19 +373,15 @@ class Pipeline:
     # ---- stage 0: the microbatch driver ------------------------------------------------------------
 
     async def drive(self, source: TokenBatches, stop: asyncio.Event, ready: Callable[[], bool] = lambda: True) -> None:
-        """Keep up to max_in_flight microbatches moving through the swarm until `stop`; while
-        `ready()` is false (a stage has no peer) start none, instead of failing them one by one."""
+        """Keep the in-flight window full of microbatches until `stop`; while `ready()` is false (a
+        stage has no peer) start none, instead of failing them one by one."""
         training = self.config.training
-        slots = asyncio.Semaphore(training.max_in_flight)
-        while not stop.is_set():
-            await slots.acquire()
-            while not ready() and not stop.is_set():
-                await asyncio.sleep(0.5)
-            if stop.is_set():
-                break
+
+        def launch() -> asyncio.Task:
             tokens, targets = source.next_batch(training.microbatch_size, training.sequence_length)
-            task = self._tasks.spawn(self.run_microbatch(tokens, targets))
-            task.add_done_callback(lambda _: slots.release())
+            return self._tasks.spawn(self.run_microbatch(tokens, targets))
+
+        await keep_in_flight(self.window, launch, stop, ready)
 
     async def run_microbatch(self, tokens: torch.Tensor, targets: torch.Tensor) -> float | None:
         """One microbatch through the swarm with bounded retries; its loss, or None if dropped."""
@@ -417,9 +415,11 @@ class Pipeline:
                     order[0], FORWARD, MessageKind.FORWARD, meta, {"hidden": hidden, "targets": targets}
                 ):
                     loss = await within(ticket.done, deadline)
+                    now = time.monotonic()
                     self.stats.losses.append(loss)
                     self.stats.completed += 1
-                    self.stats.completions.append(time.monotonic())
+                    self.stats.completions.append(now)
+                    self.window.on_completed(now, now - ticket.started)
                     return loss
             except (TimeoutError, TransportError) as e:
                 logger.info(f"microbatch {microbatch_id} failed (attempt {attempt + 1}): {e!r}")

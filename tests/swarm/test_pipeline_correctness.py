@@ -26,6 +26,7 @@ def exact_config(microbatches_per_step: int):
         **{
             "training.wire_compression": "none",
             "training.microbatches_per_step": microbatches_per_step,
+            "training.min_in_flight": 1,
             "training.max_in_flight": 1,
             "training.microbatch_size": 4,
             "training.sequence_length": 32,

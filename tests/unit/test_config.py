@@ -37,7 +37,7 @@ from protocol.version import PROTOCOL_VERSION
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "config.md"
 REGENERATE = ".venv/bin/python -m node.config > docs/config.md"
-DEFAULT_HASH = "47b1d9508749776a"  # protocol version 2: changing it splits old and new peers
+DEFAULT_HASH = "dafa54c118628fac"  # protocol version 2: changing it splits old and new peers
 SECTIONS = {
     "model": ModelConfig,
     "training": TrainingConfig,
@@ -183,7 +183,8 @@ RULES = [
     ("model.max_position_embeddings", 63, 64, "sequence_length exceeds max_position_embeddings"),
     ("training.microbatch_size", 0, 1, "batch sizes must be >= 1"),
     ("training.microbatches_per_step", 0, 1, "batch sizes must be >= 1"),
-    ("training.max_in_flight", 0, 1, "batch sizes must be >= 1"),
+    ("training.min_in_flight", 0, 1, "batch sizes must be >= 1"),
+    ("training.max_in_flight", 3, 4, "training.max_in_flight must be >= training.min_in_flight"),
     ("training.hop_timeout", 0.0, 0.01, "hop_timeout, grad_clip > 0; max_retries >= 0"),
     ("training.max_retries", -1, 0, "hop_timeout, grad_clip > 0; max_retries >= 0"),
     ("training.grad_clip", 0.0, 0.01, "hop_timeout, grad_clip > 0; max_retries >= 0"),

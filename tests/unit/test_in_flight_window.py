@@ -1,0 +1,107 @@
+"""The stage-0 in-flight window (node/pipeline/in_flight_window.py) against a simulated pipeline:
+a fixed propagation delay plus one bottleneck stage serving microbatches one at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+
+import pytest
+
+from node.pipeline.in_flight_window import InFlightWindow, keep_in_flight
+
+
+def simulate(window: InFlightWindow, delay: float, service_time: float, duration: float) -> tuple[list[int], float]:
+    """Run a driver that keeps `window.size` microbatches in flight for `duration` simulated seconds.
+
+    Each microbatch travels `delay` seconds in total and waits its turn at a single bottleneck
+    server that takes `service_time` per microbatch. Returns the window sizes seen outside the
+    drains (ProbeRTT) and the throughput over the second half (microbatches per second)."""
+    now = 0.0
+    server_free_at = 0.0
+    completions: list[tuple[float, float]] = []  # heap of (finish time, start time)
+    sizes: list[int] = []
+    finished_late = 0
+    in_flight = 0
+    for _ in range(200_000):  # bounded: the simulated clock ends the loop long before this
+        while in_flight < window.size:
+            arrival = now + delay / 2
+            start_service = max(arrival, server_free_at)
+            server_free_at = start_service + service_time
+            heapq.heappush(completions, (server_free_at + delay / 2, now))
+            in_flight += 1
+        finish, started = heapq.heappop(completions)
+        now = finish
+        if now > duration:
+            break
+        in_flight -= 1
+        size = window.on_completed(now, now - started)
+        if not window.draining:
+            sizes.append(size)
+        if now > duration / 2:
+            finished_late += 1
+    return sizes, finished_late / (duration / 2)
+
+
+def test_starts_at_the_floor_and_refuses_a_bad_range() -> None:
+    assert InFlightWindow(4, 16).size == 4
+    with pytest.raises(ValueError):
+        InFlightWindow(5, 4)
+    with pytest.raises(ValueError):
+        InFlightWindow(0, 4)
+
+
+def test_one_host_pipeline_stays_at_the_floor() -> None:
+    # round trip mostly compute: 20 ms of travel, 25 ms per microbatch at the slowest stage
+    window = InFlightWindow(4, 16)
+    sizes, throughput = simulate(window, delay=0.02, service_time=0.025, duration=120)
+    assert max(sizes[len(sizes) // 2 :]) <= 4
+    assert throughput == pytest.approx(40, rel=0.05)  # the bottleneck is saturated already
+
+
+def test_wide_area_pipeline_grows_until_the_bottleneck_saturates() -> None:
+    # 1.2 s round trip (three stages over 100 ms links), the slowest stage does 10 microbatches/s:
+    # a fixed window of 4 gets 4 / 1.3 ~ 3 microbatches/s
+    _, fixed_throughput = simulate(InFlightWindow(4, 4), delay=1.2, service_time=0.1, duration=300)
+    window = InFlightWindow(4, 32)
+    sizes, throughput = simulate(window, delay=1.2, service_time=0.1, duration=300)
+    assert fixed_throughput < 3.5
+    assert throughput > 9.0  # the bottleneck's 10/s, within 10 %
+    late = sizes[len(sizes) // 2 :]
+    # bandwidth-delay product 10/s x 1.3 s = 13 in flight; BBR's gain 2 keeps at most twice that
+    assert 13 <= min(late) and max(late) <= 28
+
+
+def test_the_ceiling_bounds_the_window() -> None:
+    window = InFlightWindow(4, 8)
+    sizes, throughput = simulate(window, delay=2.0, service_time=0.01, duration=200)
+    assert max(sizes) == 8
+    assert throughput == pytest.approx(8 / 2.01, rel=0.1)  # window-limited, as the cap says
+
+
+def test_keep_in_flight_never_runs_more_than_the_window_and_stops() -> None:
+    async def scenario() -> tuple[int, int]:
+        window = InFlightWindow(3, 8)
+        stop = asyncio.Event()
+        running = peak = launched = 0
+
+        async def work() -> None:
+            nonlocal running, peak
+            running += 1
+            peak = max(peak, running)
+            await asyncio.sleep(0.01)
+            running -= 1
+
+        def launch() -> asyncio.Task:
+            nonlocal launched
+            launched += 1
+            if launched == 30:
+                stop.set()
+            return asyncio.ensure_future(work())
+
+        await asyncio.wait_for(keep_in_flight(window, launch, stop, lambda: True), 10)
+        await asyncio.sleep(0.05)
+        return peak, launched
+
+    peak, launched = asyncio.run(scenario())
+    assert peak == 3 and launched == 30
