@@ -26,7 +26,7 @@ from multiaddr import Multiaddr
 
 from dht.signing import Identity, SignedRecordValidator
 from node.p2p.dht_guard import DHT_MESSAGE_LIMIT, DHTRequestGuard
-from node.p2p.reachability import NatReachability
+from node.p2p.reachability import NatReachability, announced_addresses
 from node.runtime.loop_watch import LoopWatch
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class Network:
     identity: Identity
     # the multiaddrs this peer entered the DHT through: whose config to trust unless told otherwise
     initial_peers: list[str] = field(default_factory=list)
+    reachability: NatReachability = NatReachability.AUTO
     dht_guard: DHTRequestGuard | None = None
     loop_watch: LoopWatch = field(default_factory=LoopWatch)
     _loop_watch_task: asyncio.Task | None = field(default=None, init=False, repr=False)
@@ -62,6 +63,10 @@ class Network:
     async def visible_maddrs(self, latest: bool = False) -> list[str]:
         """Where others can dial this peer; `latest` asks p2pd again (relay addresses come later)."""
         return [str(addr) for addr in await self.p2p.get_visible_maddrs(latest=latest)]
+
+    async def announced_addresses(self) -> list[str]:
+        """What this peer's record says it can be dialed at (node/p2p/reachability.py)."""
+        return announced_addresses(await self.visible_maddrs(latest=True), self.initial_peers, self.reachability)
 
     @property
     def p2pd_pid(self) -> int | None:
@@ -234,4 +239,11 @@ async def start_network(
             await asyncio.shield(dht.shutdown())
             await asyncio.shield(p2p.shutdown())
             raise
-    return Network(p2p=p2p, dht=dht, identity=identity, initial_peers=list(initial_peers), dht_guard=guard)
+    return Network(
+        p2p=p2p,
+        dht=dht,
+        identity=identity,
+        initial_peers=list(initial_peers),
+        reachability=NatReachability.AUTO if client_mode else reachability,
+        dht_guard=guard,
+    )

@@ -10,11 +10,22 @@ asks other peers to dial us back to tell which case we are in. hole punching is 
 this p2pd build (no flag for it), so relayed peers stay relayed.
 
 Which addresses a peer ends up with goes into its record (`dht.records.Reachability`).
+
+Measured in the namespace bed (docs/operations.md): p2pd takes its reservation on a trusted relay
+only after autorelay's boot delay (3 minutes while it knows fewer than 4 relay candidates), and it
+never lists the resulting `/p2p-circuit` address among its own when the relay's address is a
+private one, although a dialer that names the circuit itself gets through and streams flow. So a
+peer that knows it is behind a NAT announces the circuits through its trusted relays itself
+(`announced_addresses`); a dialer trying them before the reservation exists just fails and
+retries later.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import StrEnum
+
+from dht.records import CIRCUIT
 
 
 class NatReachability(StrEnum):
@@ -31,3 +42,18 @@ class NatReachability(StrEnum):
         if self == NatReachability.PRIVATE:
             return {"use_auto_relay": True, "force_reachability": "private"}
         return {"use_auto_relay": True, "force_reachability": None}
+
+
+def relay_circuits(relays: Sequence[str]) -> list[str]:
+    """`<relay>/p2p-circuit` for each relay multiaddr that names its peer (`/p2p/<id>`): where
+    others reach us through that relay once we hold a reservation on it."""
+    return [relay + CIRCUIT for relay in relays if "/p2p/" in relay and CIRCUIT not in relay]
+
+
+def announced_addresses(visible: Sequence[str], relays: Sequence[str], reachability: NatReachability) -> list[str]:
+    """The addresses a peer puts in its record: what p2pd sees, plus, for a peer that knows it
+    is behind a NAT, the circuits through its trusted relays that p2pd may not list."""
+    addresses = list(visible)
+    if reachability == NatReachability.PRIVATE:
+        addresses += [circuit for circuit in relay_circuits(relays) if circuit not in addresses]
+    return addresses

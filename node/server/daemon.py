@@ -92,7 +92,7 @@ async def keep_addresses_current(network: Network, me: PeerAnnouncer, period: fl
     """Announce where this peer can be dialed; relay addresses appear once a reservation is made."""
     while True:
         try:
-            me.set_addresses(await network.visible_maddrs(latest=True))
+            me.set_addresses(await network.announced_addresses())
         except Exception as e:
             logger.warning(f"could not read this peer's addresses: {e!r}")
         await asyncio.sleep(period)
@@ -279,7 +279,7 @@ async def join(options: NodeOptions, serve: StageService | None = None) -> int:
             name=options.name,
         )
         me = PeerAnnouncer(registry, record, config.heartbeat.period, config.heartbeat.ttl)
-        me.set_addresses(await network.visible_maddrs())
+        me.set_addresses(await network.announced_addresses())
         try:
             await claim_stage(
                 me,

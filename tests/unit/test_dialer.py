@@ -10,6 +10,7 @@ from hivemind.p2p import PeerID
 
 from dht.records import MAX_ADDRS, PeerRecord, Reachability, RecordError, reachability_of
 from node.p2p.dialer import PeerDialer
+from node.p2p.reachability import NatReachability, announced_addresses
 
 PEER = PeerID.from_base58("QmVB964ah4GajudGjs7qNM3NNgVHCFZqgMtcW1f71V9qcE").to_base58()
 DIRECT = "/ip4/10.77.1.2/tcp/4001"
@@ -80,3 +81,18 @@ def test_a_failed_dial_is_reported_and_retried():
         assert len(client.calls) == 2
 
     asyncio.run(main())
+
+
+def test_a_peer_behind_a_nat_announces_circuits_through_its_relays() -> None:
+    relay = "/ip4/10.77.1.2/tcp/4001/p2p/12D3KooWJ6FwFFcm2oFwTy2y9d6yTMvve8iPNqizjcJPb1gs1knS"
+    lan = "/ip4/10.78.2.2/tcp/36687/p2p/12D3KooWQQ1q3ASV7hxhSAeRWwNDsX9hy3QgeRgJRfPe6NC4PYbh"
+    no_id = "/ip4/10.77.1.3/tcp/4001"  # a relay we cannot name cannot carry a circuit
+    assert announced_addresses([lan], [relay, no_id], NatReachability.PRIVATE) == [lan, relay + "/p2p-circuit"]
+    # one p2pd already lists is not repeated; public and auto peers announce what p2pd sees
+    assert announced_addresses([lan, relay + "/p2p-circuit"], [relay], NatReachability.PRIVATE) == [
+        lan,
+        relay + "/p2p-circuit",
+    ]
+    assert announced_addresses([lan], [relay], NatReachability.PUBLIC) == [lan]
+    assert announced_addresses([lan], [relay], NatReachability.AUTO) == [lan]
+    assert reachability_of(announced_addresses([lan], [relay], NatReachability.PRIVATE)) == Reachability.RELAYED
