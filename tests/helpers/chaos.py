@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ lost_grace = 2.0
 rebalance_wait = 3.0
 edge_copy_interval = 5
 """
+STATUS_COUNTS = re.compile(r"done (\d+) retried (\d+) dropped (\d+)")
 PEER_FLAGS = ("--threads", "1", "--quiet", "--join-jitter", "0.5")
 
 
@@ -166,6 +168,18 @@ class ChaosRun:
         end = self.samples[-1].at if self.samples else 0.0
         outages.extend(end - at for at in since.values())  # still out at the end: counted to the end
         return outages
+
+    def microbatches(self) -> dict[str, int]:
+        """Stage 0's own counts, from the last status line of each stage-0 peer's log
+        (node/server/progress.py): microbatches completed, attempts lost to a dead or failed hop
+        (each run again elsewhere), and microbatches dropped after every retry failed."""
+        totals = {"done": 0, "retried": 0, "dropped": 0}
+        for node in self.peers.get(0, []):
+            lines = STATUS_COUNTS.findall(node.log())
+            if lines:
+                for key, value in zip(totals, lines[-1]):
+                    totals[key] += int(value)
+        return totals
 
     def losses(self) -> tuple[float | None, float | None]:
         known = [s.loss for s in self.samples if s.loss is not None]

@@ -35,12 +35,14 @@ def test_training_survives_churn(swarm: Swarm, mode: str):
     per_window = chaos.steps_per_window(window)
     outages = chaos.outages()
     first_loss, last_loss = chaos.losses()
+    microbatches = chaos.microbatches()
     survivors = [n for stage in chaos.peers.values() for n in stage] + [swarm.nodes[0]]
     print(
         f"chaos {mode}: {seconds:.0f} s, {chaos.killed} peers killed in {len(chaos.kills)} strikes "
         f"({sum(1 for _, _, n in chaos.kills if n > 1)} whole stages), {chaos.started} peers started; "
         f"stage-0 steps per {window:.0f} s: {per_window}; stage outages (s): {[round(o) for o in outages]}; "
-        f"loss {first_loss} -> {last_loss}"
+        f"loss {first_loss} -> {last_loss}; stage-0 microbatches completed {microbatches['done']}, "
+        f"attempts lost and retried {microbatches['retried']}, dropped {microbatches['dropped']}"
     )
     assert chaos.killed >= 2, "the driver killed nothing"
     for node in survivors:
@@ -50,3 +52,4 @@ def test_training_survives_churn(swarm: Swarm, mode: str):
     assert per_window and all(steps > 0 for steps in per_window), per_window
     assert all(outage <= RECOVERY_BOUND for outage in outages), outages
     assert first_loss is not None and last_loss is not None and last_loss < first_loss
+    assert microbatches["done"] > 10 * microbatches["dropped"], microbatches
