@@ -24,6 +24,7 @@ from node.averaging.noloco import OuterState
 from node.averaging.outer_replica import STEPPED, OuterReplica, RoundOutcome, RoundStart, RoundStatus
 from node.averaging.plausibility import DivergenceMemory
 from node.config import GossipConfig
+from node.p2p.reachability import carries_training
 from node.p2p.transport import Transport
 from node.pipeline.routing import BanList
 from node.pipeline.stage_worker import StageWorker
@@ -78,11 +79,15 @@ class RoundContext:
         return self.steps_since_round >= max(1, self.settings.inner_steps // 2, partner_steps // 4)
 
     def candidates(self) -> list[str]:
-        """The live, unbanned other replicas of this stage, in random order."""
+        """The live, unbanned other replicas of this stage we can exchange weights with (not another
+        peer behind a NAT when we are one: node/p2p/reachability.py), in random order."""
+        mine = self.me.record().reachability
         peers = [
             p.peer_id
             for p in self.view.online(self.me.stage, exclude=self.me.peer_id)
-            if not self.bans.is_banned(p.peer_id) and not self.cooling_down(p.peer_id)
+            if not self.bans.is_banned(p.peer_id)
+            and not self.cooling_down(p.peer_id)
+            and carries_training(mine, p.reachability)
         ]
         self.rng.shuffle(peers)
         return peers

@@ -18,6 +18,12 @@ private one, although a dialer that names the circuit itself gets through and st
 peer that knows it is behind a NAT announces the circuits through its trusted relays itself
 (`announced_addresses`); a dialer trying them before the reservation exists just fails and
 retries later.
+
+A relayed connection is a limited one: the relay resets it after 131072 bytes (measured; go-libp2p's
+default per-circuit limit, which p2pd's -relayDataLimit flag did not raise), enough for the DHT,
+records and control messages but not for activations, gradients or gossip. Two peers that are
+both behind NATs therefore keep apart (`carries_training`): the pipeline routes a relayed peer's
+microbatches to directly dialable peers, and neither dials the other to keep a connection.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from enum import StrEnum
 
-from dht.records import CIRCUIT
+from dht.records import CIRCUIT, Reachability
 
 
 class NatReachability(StrEnum):
@@ -57,3 +63,9 @@ def announced_addresses(visible: Sequence[str], relays: Sequence[str], reachabil
     if reachability == NatReachability.PRIVATE:
         addresses += [circuit for circuit in relay_circuits(relays) if circuit not in addresses]
     return addresses
+
+
+def carries_training(mine: Reachability, theirs: Reachability) -> bool:
+    """Whether a connection between two peers can carry training traffic: not when both can only be
+    reached through a relay (no hole punching in this p2pd; relayed circuits end after 128 KiB)."""
+    return not (mine == Reachability.RELAYED and theirs == Reachability.RELAYED)

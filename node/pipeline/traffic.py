@@ -123,9 +123,12 @@ class HopSender:
         hop_timeout: float,
         max_retries: int,
         ban_until: Callable[[str], float],
+        unreachable: Callable[[], set[str]] = set,
     ):
         self.transport, self.router, self.stats = transport, router, stats
         self.hop_timeout, self.max_retries, self.ban_until = hop_timeout, max_retries, ban_until
+        # peers we can reach only through a relay, which cannot carry a hop (node/p2p/reachability.py)
+        self.unreachable = unreachable
 
     async def send_to(self, peer_id: str, service: str, kind: MessageKind, meta: dict, tensors: dict) -> bool:
         """Send to one specific peer (the origin or the previous hop): no alternative exists."""
@@ -142,8 +145,11 @@ class HopSender:
         message = self.transport.message(kind, meta, tensors)
         tried: set[str] = set()
         stage_router = self.router.for_stage(stage)
+        avoid = {peer_id for peer_id in self.unreachable() if peer_id in stage_router}
+        if len(avoid) == len(stage_router):  # only peers behind a relay serve the stage: a slim chance beats none
+            avoid = set()
         for _ in range(self.max_retries + 1):
-            peer_id = stage_router.choose(exclude=tried, bans=self.router.bans)
+            peer_id = stage_router.choose(exclude=tried | avoid, bans=self.router.bans)
             if peer_id is None and not tried:
                 # every peer of the stage is banned: after a transient error on a stage's only
                 # peer, trying it again beats stalling the whole pipeline for the ban's length
@@ -182,6 +188,7 @@ class Pipeline:
         ban_until: Callable[[str], float] | None = None,
         max_queue: int | None = None,
         is_member: Callable[[str], bool] | None = None,
+        unreachable: Callable[[], set[str]] = set,
     ):
         self.config = config
         self.transport = transport
@@ -200,7 +207,9 @@ class Pipeline:
         self.in_flight: dict[int, InFlight] = {}
         self.window = InFlightWindow(training.min_in_flight, training.max_in_flight)
         self.stats = PipelineStats()
-        self.hops = HopSender(transport, router, self.stats, self.hop_timeout, training.max_retries, self.ban_until)
+        self.hops = HopSender(
+            transport, router, self.stats, self.hop_timeout, training.max_retries, self.ban_until, unreachable
+        )
         self._microbatch_ids = itertools.count(self.rng.randrange(1 << 40))
         self._microbatch_index = itertools.count()
         self._queued = 0

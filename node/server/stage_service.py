@@ -26,6 +26,7 @@ from node.model.data import open_source, stream_id_from_peer
 from node.p2p.dialer import PeerDialer, keep_connected
 from node.p2p.network import Network
 from node.p2p.peer_conduct import PeerConduct
+from node.p2p.reachability import carries_training
 from node.p2p.transport import Transport
 from node.pipeline.routing import Router
 from node.pipeline.stage_worker import StageWorker
@@ -137,6 +138,7 @@ async def build_service(
         rng=rng,
         ban_until=ban_until,
         is_member=lambda peer_id: view.record_of(peer_id) is not None,
+        unreachable=lambda: unreachable_peers(me, view),
     )
     gossip = Gossip(config, me, worker, transport, view, router.bans, registry, ban_until, rng=rng)
     return StageService(config, me, worker, transport, router, view, pipeline, gossip)
@@ -151,7 +153,24 @@ def neighbours(service: StageService) -> list[str]:
         stages |= {0, 1, last}  # CheckFree+ swaps the block order on odd microbatches
     if stage == 0:
         stages |= {1, last}
-    return [p.peer_id for s in sorted(stages) for p in service.view.online(s, exclude=service.me.peer_id)]
+    unreachable = unreachable_peers(service.me, service.view)
+    return [
+        p.peer_id
+        for s in sorted(stages)
+        for p in service.view.online(s, exclude=service.me.peer_id)
+        if p.peer_id not in unreachable
+    ]
+
+
+def unreachable_peers(me: PeerAnnouncer, view: SwarmView) -> set[str]:
+    """Peers whose connection with this one could not carry training traffic: both behind relays."""
+    mine = me.record().reachability
+    return {
+        peer.peer_id
+        for peers in view.peers_by_stage.values()
+        for peer in peers
+        if not carries_training(mine, peer.reachability)
+    }
 
 
 @contextlib.asynccontextmanager

@@ -1,0 +1,73 @@
+"""Two peers behind NATs keep apart: a relayed circuit ends after 128 KiB (docs/operations.md), so a
+relayed peer routes its microbatches to directly dialable peers when it has any."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from types import SimpleNamespace
+
+from dht.records import PeerRecord, PeerState, Reachability
+from node.p2p.reachability import carries_training
+from node.pipeline.routing import Router
+from node.pipeline.traffic import HopSender, PipelineStats
+from protocol import MessageKind
+
+
+def test_only_two_relayed_peers_cannot_carry_training():
+    for mine in Reachability:
+        for theirs in Reachability:
+            both_relayed = mine == theirs == Reachability.RELAYED
+            assert carries_training(mine, theirs) is not both_relayed
+
+
+class RecordingTransport:
+    def __init__(self) -> None:
+        self.sent_to: list[str] = []
+
+    def message(self, kind, meta, tensors):
+        return SimpleNamespace(kind=kind, meta=meta, tensors=tensors)
+
+    async def request(self, peer_id, service, message, timeout):
+        self.sent_to.append(peer_id)
+        return SimpleNamespace(kind=MessageKind.ACK)
+
+
+def send_many(peers: list[str], unreachable: set[str], count: int) -> list[str]:
+    router = Router(random.Random(0), num_stages=2)
+    router.refresh({1: [PeerRecord(p, 1, PeerState.ONLINE, throughput=10.0) for p in peers]})
+    transport = RecordingTransport()
+    hops = HopSender(transport, router, PipelineStats(), 5.0, 3, lambda p: 0.0, lambda: set(unreachable))
+
+    async def main() -> None:
+        for microbatch_id in range(count):
+            assert await hops.send_routed(1, "forward", MessageKind.FORWARD, {"microbatch_id": microbatch_id}, {})
+
+    asyncio.run(main())
+    return transport.sent_to
+
+
+def test_a_relayed_peer_routes_around_other_relayed_peers():
+    sent = send_many(["public", "home-b"], unreachable={"home-b"}, count=20)
+    assert sent == ["public"] * 20
+
+
+def test_when_only_relayed_peers_are_left_it_still_tries_them():
+    sent = send_many(["home-b", "home-c"], unreachable={"home-b", "home-c"}, count=10)
+    assert set(sent) == {"home-b", "home-c"}
+    assert send_many(["public", "home-b"], unreachable=set(), count=20).count("home-b") >= 5
+
+
+def test_a_busy_direct_peer_does_not_send_the_hop_to_a_relayed_one():
+    router = Router(random.Random(0), num_stages=2)
+    router.refresh({1: [PeerRecord(p, 1, PeerState.ONLINE, throughput=10.0) for p in ("public", "home-b")]})
+    transport = RecordingTransport()
+
+    async def busy(peer_id, service, message, timeout):
+        transport.sent_to.append(peer_id)
+        return SimpleNamespace(kind=MessageKind.BUSY)
+
+    transport.request = busy
+    hops = HopSender(transport, router, PipelineStats(), 5.0, 3, lambda p: 0.0, lambda: {"home-b"})
+    assert not asyncio.run(hops.send_routed(1, "forward", MessageKind.FORWARD, {"microbatch_id": 1}, {}))
+    assert transport.sent_to == ["public"]
