@@ -1,0 +1,76 @@
+"""What p2pd's circuit relay does for a peer behind a NAT (`make internet`; about 4 minutes).
+
+Hosts: `relay` and `dialer` are public, `home` sits behind a masquerading NAT; the dialer's host
+is also cut off from the home's LAN, so the only way between them is the relay. Three plain
+hivemind P2P daemons (tests/helpers/relay_probe.py): a relay forced public, a home peer with
+`force_reachability=private` and autorelay on its trusted relay, and a dialer that, every 10 s,
+connects to `<relay>/p2p-circuit` for the home's peer id and echoes 1 kB, 100 kB and 1 MB over
+fresh streams of that one relayed connection.
+
+Asserted (docs/operations.md, "Relays"): the dial fails until the home holds a reservation, which
+autorelay takes after its boot delay (about 3 minutes with a single relay candidate); then small
+messages go through the circuit and a 1 MB one does not (the relay resets a circuit after
+128 KiB), which is why pipeswarm never routes training traffic over a relay
+(node/p2p/reachability.py).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from node.local_swarm import wait_for
+from tests.helpers.netns import TestBed
+from tests.netns.test_swarm_internet import require_namespaces
+
+PROBE = str(Path(__file__).resolve().parents[1] / "helpers" / "relay_probe.py")
+DIAL_FOR = 330.0  # seconds the dialer keeps trying: the 3-minute boot delay plus margin
+
+
+def started(bed: TestBed, host: str, log: Path, *args: str) -> subprocess.Popen:
+    with log.open("w") as out:
+        return bed.popen(host, [sys.executable, PROBE, args[0], bed.address(host), *args[1:]], stdout=out, stderr=out)
+
+
+def line_value(log: Path, prefix: str, contains: str = "") -> str | None:
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith(prefix + " ") and contains in line:
+            return line.split()[1]
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_relay_circuit_reaches_a_home_peer_but_ends_after_128_kib(tmp_path: Path):
+    require_namespaces()
+    with TestBed() as bed:
+        for host in ("relay", "dialer"):
+            bed.add_public_host(host)
+        bed.add_home_host("home")
+        bed.cut_between("home", "dialer")
+        logs = {name: tmp_path / f"{name}.log" for name in ("relay", "home", "dialer")}
+        started(bed, "relay", logs["relay"], "relay")
+        relay = wait_for(lambda: line_value(logs["relay"], "MADDR", "/tcp/"), 60, "the relay never started")
+        started(bed, "home", logs["home"], "home", relay)
+        home_id = wait_for(lambda: line_value(logs["home"], "ID"), 60, "the home peer never started")
+        began = time.monotonic()
+        dialer = started(bed, "dialer", logs["dialer"], "dialer", relay, home_id, str(DIAL_FOR))
+        dialer.wait(timeout=DIAL_FOR + 60)
+        results = [
+            json.loads(line.removeprefix("RESULT "))
+            for line in logs["dialer"].read_text(errors="replace").splitlines()
+            if line.startswith("RESULT ")
+        ]
+        reached = [r for r in results if r.get("1000")]
+        print(
+            f"relay circuit: {len(results)} attempts over {time.monotonic() - began:.0f} s; first success at "
+            f"{reached[0]['at'] if reached else None} s: {reached[0] if reached else results[-1:]}"
+        )
+        assert results and not results[0].get("connected"), results[:1]  # no reservation yet: no circuit
+        assert reached, f"never reached the home peer through the relay: {results[-3:]}"
+        assert reached[0]["100000"] is True and reached[0]["1000000"] is False, reached[0]
