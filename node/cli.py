@@ -14,7 +14,8 @@ from typing import Any
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")  # before hivemind is imported: its logs are noisy
 
 from node import __version__
-from node.config import ConfigError, load_config
+from node.config import ConfigError
+from node.model.presets import PresetName, load_config
 from node.p2p.reachability import NatReachability
 
 logger = logging.getLogger("node")
@@ -82,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument("--swarm-id", help="name of the new swarm")
     boot.add_argument("--num-stages", type=int, help="pipeline stages, counting stage 0 (embedding + head)")
     boot.add_argument("--seed", type=int, help="swarm seed: initial weights and synthetic data derive from it")
+    boot.add_argument(
+        "--preset",
+        metavar="NAME",
+        help=f"model shape ({', '.join(p.value for p in PresetName)}; docs/model.md): fills the [model] "
+        "section, keys written there win",
+    )
     boot.add_argument("--heartbeat-period", type=float, help="seconds between peer record announcements")
     boot.add_argument("--heartbeat-ttl", type=float, help="seconds a peer record lives without a heartbeat")
     add_initial_peers(boot, required=False, founder=False)
@@ -106,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="stage 0 data: UTF-8 text file or uint16 token .bin file (default: the swarm's synthetic source)",
     )
     join.add_argument("--threads", type=int, help="torch CPU threads for this peer")
+    join.add_argument(
+        "--skip-memory-check",
+        dest="check_memory",
+        action="store_false",
+        help="serve the stage even when its estimated memory exceeds what the device has free",
+    )
     join.add_argument("--quiet", action="store_true", help="logs only, no live status panel")
     join.add_argument(
         "--no-train",
@@ -160,7 +173,11 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
             swarm_id=args.swarm_id,
             num_stages=args.num_stages,
             seed=args.seed,
-            **{"heartbeat.period": args.heartbeat_period, "heartbeat.ttl": args.heartbeat_ttl},
+            **{
+                "heartbeat.period": args.heartbeat_period,
+                "heartbeat.ttl": args.heartbeat_ttl,
+                "model.preset": args.preset,
+            },
         )
     except ConfigError as e:
         logger.error(f"bad config: {e}")
@@ -227,7 +244,13 @@ def cmd_join(args: argparse.Namespace) -> int:
 
         from node.server.stage_service import ServiceOptions, serve_stage
 
-        options = ServiceOptions(device=args.device, data_path=args.data_path, threads=args.threads, quiet=args.quiet)
+        options = ServiceOptions(
+            device=args.device,
+            data_path=args.data_path,
+            threads=args.threads,
+            quiet=args.quiet,
+            check_memory=args.check_memory,
+        )
         serve = partial(serve_stage, options=options)
     return daemon.run(daemon.join(node_options(args), serve))
 

@@ -13,6 +13,8 @@ from node import __version__
 from node.config import SwarmConfig
 from node.model.data import open_source
 from node.model.llama import count_parameters
+from node.model.memory import estimate_stage_memory, format_bytes
+from node.model.presets import preset_of
 from node.recovery.checkfree import unrecoverable
 from node.recovery.lost_stages import lost_stages_from_events
 
@@ -20,6 +22,12 @@ from node.recovery.lost_stages import lost_stages_from_events
 @functools.lru_cache(maxsize=8)
 def model_parameters(config: SwarmConfig) -> int:
     return count_parameters(config)
+
+
+@functools.lru_cache(maxsize=8)
+def stage_requirements(config: SwarmConfig) -> tuple[dict[str, int], ...]:
+    """Per stage: its parameters and the memory one of its peers needs, by part (node/model/memory.py)."""
+    return tuple(estimate_stage_memory(config, stage).to_dict() for stage in range(config.num_stages))
 
 
 @functools.lru_cache(maxsize=8)
@@ -68,14 +76,19 @@ async def collect_snapshot(registry: SwarmRegistry, record: ConfigRecord, config
     unrecoverable_reason = (
         unrecoverable(lost, config.num_stages, recovery.strategy, recovery.checkfree_plus) if lost else None
     )
+    requirements = stage_requirements(config)
     stages = []
     for stage in range(config.num_stages):
         peers = peers_by_stage.get(stage, [])
+        memory = requirements[stage]
         stages.append(
             {
                 "stage": stage,
                 "status": stage_status(peers, stage in lost, unrecoverable_reason is not None).value,
                 "throughput": sum(peer.throughput for peer in peers if peer.state != PeerState.LEAVING),
+                "parameters": memory["parameters"],
+                # bytes one peer of this stage needs, by part and in total
+                "memory": {name: value for name, value in memory.items() if name not in ("stage", "parameters")},
                 "peers": [peer_view(peer) for peer in peers],
             }
         )
@@ -87,6 +100,7 @@ async def collect_snapshot(registry: SwarmRegistry, record: ConfigRecord, config
         "config_hash": record.config_hash,
         "software_version": __version__,
         "model_parameters": model_parameters(config),
+        "model_preset": preset_of(config),  # None: a shape of no preset
         "loss_floor": loss_floor(config),
         "stages": stages,
         "lost_stages": sorted(lost),
@@ -97,13 +111,18 @@ async def collect_snapshot(registry: SwarmRegistry, record: ConfigRecord, config
 
 def format_table(snapshot: dict[str, Any]) -> str:
     """The human form of `node status`: one line per peer under its stage."""
-    lines = [f"swarm {snapshot['swarm_id']}: {snapshot['num_stages']} stages, config {snapshot['config_hash']}"]
+    preset = snapshot.get("model_preset")
+    model = f"model {snapshot['model_parameters']:,} params" + (f" (preset {preset})" if preset else "")
+    lines = [
+        f"swarm {snapshot['swarm_id']}: {snapshot['num_stages']} stages, {model}, config {snapshot['config_hash']}"
+    ]
     if snapshot.get("unrecoverable"):
         lines.append(f"UNRECOVERABLE: {snapshot['unrecoverable']}")
     for stage in snapshot["stages"]:
         lines.append(
             f"stage {stage['stage']}: {stage['status']}, {len(stage['peers'])} peer(s), "
-            f"throughput {stage['throughput']:.2f}"
+            f"throughput {stage['throughput']:.2f}, {stage['parameters']:,} params, "
+            f"{format_bytes(stage['memory']['total'])} per peer"
         )
         for peer in stage["peers"]:
             loss = "-" if peer["loss"] is None else f"{peer['loss']:.3f}"

@@ -33,6 +33,15 @@ refresh. A peer that announces none starts from the median of its stage (1.0 if 
 Announcements are self-reported: a peer that lies about its speed only attracts or repels work it
 then has to do (a wrong *result* is the spot-check's business, not routing's).
 
+`RoutingMode.RANDOM` (`training.routing = "random"`) replaces the argmin by a uniform draw among the
+same candidates (live, unbanned, not excluded), as NoLoCo's authors route every microbatch to the
+next-stage replica given by a seeded random permutation (docs/algorithms.md, "What the authors
+report"): it mixes gradients across replicas, which equal-speed load-aware routing (round-robin in
+effect) does not. Loads are still charged and released, so `loads()` reads the same in both modes.
+
+Timeouts are not errors: a hop that times out is retried on another peer with `exclude`, and only
+a peer that errors is banned (SWARM's `use_another_expert`; node/pipeline/traffic.py applies it).
+
 Bans: `BanList` keys on DHT time (the record expirations are DHT times: hivemind's
 `get_dht_time()`, i.e. wall-clock `time.time`), while `StageRouter` keeps virtual finish times on
 its own monotonic clock; the two never meet.
@@ -48,6 +57,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from dht.records import PeerRecord
+from node.config import RoutingMode
 
 DEFAULT_THROUGHPUT = 1.0  # SWARM's initial_throughput, used when nothing is known about a stage
 TIE_RTOL = 1e-9  # keys within this relative distance of the minimum are ties (drawn at random)
@@ -126,9 +136,15 @@ class _PeerLoad:
 class StageRouter:
     """Chooses among the online peers of one target stage (one instance per target stage)."""
 
-    def __init__(self, rng: random.Random, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        rng: random.Random,
+        clock: Callable[[], float] = time.monotonic,
+        mode: RoutingMode = RoutingMode.LOAD_AWARE,
+    ):
         self._rng = rng
         self._clock = clock
+        self.mode = RoutingMode(mode)
         self._peers: dict[str, _PeerLoad] = {}
         self._lock = threading.RLock()
 
@@ -195,7 +211,8 @@ class StageRouter:
         bans: BanList | None = None,
         task_size: float = 1.0,
     ) -> str | None:
-        """The peer with the earliest expected completion of a `task_size` task, charged for it.
+        """The peer with the earliest expected completion of a `task_size` task (in mode RANDOM: a
+        uniform draw among the candidates), charged for it.
 
         Skips peers in `exclude` (a retry after a timeout) and peers banned in `bans`. Among keys
         within TIE_RTOL of the smallest one is drawn at random. Returns None if no candidate.
@@ -222,10 +239,13 @@ class StageRouter:
                     state.virtual_finish = max(state.virtual_finish, floor)
                     state.sidelined = False
             offsets = [max(state.virtual_finish - now, 0.0) + task_size * state.sec_per_unit for _, state in eligible]
-            best = min(offsets)
-            window = best * (1.0 + TIE_RTOL) + TIE_ATOL
-            tied = [i for i, offset in enumerate(offsets) if offset <= window]
-            index = tied[0] if len(tied) == 1 else self._rng.choice(tied)
+            if self.mode == RoutingMode.RANDOM:
+                index = self._rng.randrange(len(eligible))
+            else:
+                best = min(offsets)
+                window = best * (1.0 + TIE_RTOL) + TIE_ATOL
+                tied = [i for i, offset in enumerate(offsets) if offset <= window]
+                index = tied[0] if len(tied) == 1 else self._rng.choice(tied)
             peer_id, state = eligible[index]
             state.virtual_finish = now + offsets[index]
             return peer_id
@@ -266,13 +286,15 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
         dht_clock: Callable[[], float] = time.time,
         min_ban_seconds: float = MIN_BAN_SECONDS,
+        mode: RoutingMode = RoutingMode.LOAD_AWARE,
     ):
         if num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {num_stages}")
         self.num_stages = num_stages
         self.bans = BanList(clock=dht_clock, min_seconds=min_ban_seconds)
         self._dht_clock = dht_clock
-        self._stages = [StageRouter(rng, clock=clock) for _ in range(num_stages)]
+        self.mode = RoutingMode(mode)
+        self._stages = [StageRouter(rng, clock=clock, mode=self.mode) for _ in range(num_stages)]
 
     def for_stage(self, stage: int) -> StageRouter:
         if not 0 <= stage < self.num_stages:

@@ -2,7 +2,7 @@
 
 A microbatch's life (path = the peers it visited, path[0] its stage-0 origin):
   origin embeds -> FORWARD to a peer of stage order[0] (hop 1) -> ... each peer runs its stage and
-  forwards to a load-aware choice among the next stage's peers ... the last block stage sends the
+  forwards to a routed choice among the next stage's peers ... the last block stage sends the
   final hidden states back to the origin (hop len(order)+1), which computes the loss and sends
   BACKWARD to path[-1]; every peer backpropagates and passes the gradient to the peer before it,
   down to the origin, which finishes the embedding's backward. `order` is the stage order of this
@@ -14,9 +14,11 @@ who guesses a microbatch id cannot). A tensor a worker rejects (non-finite, absu
 a strike against the peer that sent it (node/p2p/peer_conduct.py); repeated strikes ban it.
 
 Each hop is acknowledged as soon as the receiver has queued the work, so no peer waits for a whole
-round trip. A send that errors or times out bans that peer until its DHT record expires and goes
-to another peer of the stage (bounded retries); a microbatch lost past an acknowledgement (a peer
-died holding it) is noticed by its origin's deadline and run again from the start.
+round trip. A send that errors bans that peer until its DHT record expires and goes to another peer
+of the stage; a send that times out goes to another peer without a ban, as SWARM does (a slow or
+momentarily overloaded peer is not a faulty one; docs/algorithms.md, "SWARM routing"); both within
+bounded retries. A microbatch lost past an acknowledgement (a peer died holding it) is noticed by
+its origin's deadline and run again from the start.
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class PipelineStats:
     forwarded: int = 0
     backwarded: int = 0
     busy_replies: int = 0
+    timeouts: int = 0  # routed hops that timed out (retried elsewhere, never banned)
     completions: deque = field(default_factory=lambda: deque(maxlen=64))  # monotonic times of completions
 
     @property
@@ -111,9 +114,23 @@ class PipelineStats:
         return (len(recent) - 1) / max(recent[-1] - recent[0], 1e-6)
 
 
+def timed_out(error: BaseException) -> bool:
+    """Whether `error` (a TransportError, raised `from` what went wrong) was a timeout rather than
+    a failure: Transport.request wraps a TimeoutError, so look down the cause chain (bounded)."""
+    cause: BaseException | None = error
+    for _ in range(8):
+        if cause is None:
+            return False
+        if isinstance(cause, TimeoutError):
+            return True
+        cause = cause.__cause__
+    return False
+
+
 class HopSender:
-    """Sends one hop of pipeline traffic: to a given peer, or to a load-aware choice among a stage's
-    peers with bans and bounded retries (SWARM: a failed peer is banned until its record expires)."""
+    """Sends one hop of pipeline traffic: to a given peer, or to a routed choice among a stage's peers
+    with bans and bounded retries (SWARM: a peer that errors is banned until its record expires, a
+    peer that times out is only skipped)."""
 
     def __init__(
         self,
@@ -141,7 +158,8 @@ class HopSender:
         return reply.kind == MessageKind.ACK
 
     async def send_routed(self, stage: int, service: str, kind: MessageKind, meta: dict, tensors: dict) -> bool:
-        """Send to a load-aware choice among `stage`'s peers; on failure ban and try another."""
+        """Send to a routed choice among `stage`'s peers; on an error ban it and try another, on a
+        timeout just try another."""
         message = self.transport.message(kind, meta, tensors)
         tried: set[str] = set()
         stage_router = self.router.for_stage(stage)
@@ -160,6 +178,13 @@ class HopSender:
             try:
                 reply = await self.transport.request(peer_id, service, message, self.hop_timeout)
             except TransportError as e:
+                if timed_out(e):
+                    # SWARM's balancer leaves a timed-out expert unbanned and its charge in place
+                    # (docs/algorithms.md, "What the authors report"): it may only be slow, and the
+                    # kept charge steers the next tasks elsewhere while it catches up
+                    self.stats.timeouts += 1
+                    logger.info(f"{short_peer_id(peer_id)} (stage {stage}) timed out, trying another peer: {e}")
+                    continue
                 stage_router.release(peer_id, 1.0)
                 self.router.bans.ban(peer_id, self.ban_until(peer_id), str(e))
                 logger.info(f"banned {short_peer_id(peer_id)} (stage {stage}): {e}")

@@ -27,6 +27,7 @@ from node.pipeline.order import pipeline_order
 
 __all__ = [
     "CHECKFREE_EPS",
+    "UNKNOWN_GRAD_NORM",
     "RebuildAction",
     "RebuildPlan",
     "SourceFetch",
@@ -34,13 +35,19 @@ __all__ = [
     "checkfree_average",
     "checkfree_weights",
     "execute_rebuild",
+    "known_grad_norm",
     "pipeline_order",
     "plan_rebuild",
     "recovered_lr_scale",
     "unrecoverable",
+    "zeroed_state",
 ]
 
 CHECKFREE_EPS = 1e-4
+# The authors start every stage's "last gradient norm" at 1.0 (docs/algorithms.md, "What the authors
+# report"): a neighbour that has not stepped yet weighs as much as one at the clip limit, instead of
+# 1e-4, which would turn the average into a silent copy of the other neighbour.
+UNKNOWN_GRAD_NORM = 1.0
 
 StateDict = dict[str, Tensor]
 
@@ -64,6 +71,12 @@ def checkfree_weights(grad_norm_prev: float, grad_norm_next: float) -> tuple[flo
         if not math.isfinite(float(value)):
             raise ValueError(f"{name} must be finite, got {value!r}")
     return abs(float(grad_norm_next)) + CHECKFREE_EPS, abs(float(grad_norm_prev)) + CHECKFREE_EPS
+
+
+def known_grad_norm(grad_norm: float | None) -> float:
+    """A neighbour's last gradient norm for `checkfree_weights`: UNKNOWN_GRAD_NORM when it has none
+    (no optimizer step since it joined or was rebuilt), else the norm itself."""
+    return UNKNOWN_GRAD_NORM if grad_norm is None else float(grad_norm)
 
 
 def _check_compatible(
@@ -127,6 +140,9 @@ class RebuildAction(StrEnum):
     # source wins on overlap
     EDGE_COPIES = "edge_copies"
     FRESH = "fresh"  # a fresh initialisation from a new seed (strategy random)
+    # every floating-point entry zero (strategy zero): a pre-norm residual block with zero weights
+    # adds nothing to the residual stream and gets zero gradients, so it stays the identity
+    ZERO = "zero"
     CHECKPOINT = "checkpoint"  # reload this stage's last local save
     UNRECOVERABLE = "unrecoverable"  # plan.reason says why; execute_rebuild raises
 
@@ -146,7 +162,7 @@ class RebuildPlan:
     action:  a RebuildAction (see there).
     fetch:   a SourceFetch: what to ask the `sources` stages' peers for.
     scale_lr: whether the rebuilt stage trains with lr x RecoveryConfig.lr_scale from then on (true
-             for neighbour-derived weights, the authors' catch-up rule; false for fresh/checkpoint).
+             for neighbour-derived weights, the authors' catch-up rule; false for fresh/zero/checkpoint).
     The rebuilt stage always starts a fresh inner optimizer (moments are never averaged or copied).
     """
 
@@ -187,6 +203,9 @@ def plan_rebuild(
     copy:       block stage i < S copies the next stage i+1; stage S copies S-1 (the only block
                 neighbour); S = 1: unrecoverable.
     random:     any stage: fresh init from a new seed.
+    zero:       block stage: every parameter zero (the CheckFree authors' "random" baseline: the
+                stage is removed for good); stage 0, which the authors never fail and which zeroed
+                would stop all learning (zero logits, zero gradients everywhere): fresh init.
     checkpoint: any stage: reload its last local save.
     Stage 0 under checkfree and copy: with CheckFree+ rebuilt from the edge copies kept by the
     stage-1 and stage-S peers; without CheckFree+ no copies exist: unrecoverable.
@@ -200,8 +219,10 @@ def plan_rebuild(
     def nope(reason: str) -> RebuildPlan:
         return RebuildPlan(**plan, action=RebuildAction.UNRECOVERABLE, reason=reason)
 
-    if strategy == RecoveryStrategy.RANDOM:
+    if strategy == RecoveryStrategy.RANDOM or (strategy == RecoveryStrategy.ZERO and lost_stage == 0):
         return RebuildPlan(**plan, action=RebuildAction.FRESH)
+    if strategy == RecoveryStrategy.ZERO:
+        return RebuildPlan(**plan, action=RebuildAction.ZERO)
     if strategy == RecoveryStrategy.CHECKPOINT:
         return RebuildPlan(**plan, action=RebuildAction.CHECKPOINT)
     if lost_stage == 0:
@@ -237,7 +258,7 @@ def unrecoverable(
 
     Sources must be survivors: a stage rebuilt in the same event is never used to rebuild another
     (that would compound approximations, and a rebuilt stage holds no edge copy). Cases:
-      - random: only when every stage is lost (nothing left; a fresh init would restart training);
+      - random, zero: only when every stage is lost (nothing left; a fresh init would restart training);
       - checkpoint: never (the last local saves are reloaded);
       - checkfree / copy:
         * two adjacent block stages lost together (each is the other's source: i needs i+1 or i-1);
@@ -253,7 +274,7 @@ def unrecoverable(
         raise ValueError(f"lost stages {bad} out of range 0..{num_stages - 1}")
     if not lost or strategy == RecoveryStrategy.CHECKPOINT:
         return None
-    if strategy == RecoveryStrategy.RANDOM:
+    if strategy in (RecoveryStrategy.RANDOM, RecoveryStrategy.ZERO):
         if len(lost) == num_stages:
             return "every stage was lost: no weights survive (a random re-init would restart training)"
         return None
@@ -276,6 +297,16 @@ def _clone_state(state: Mapping[str, Tensor], what: str) -> StateDict:
         if not isinstance(value, Tensor):
             raise ValueError(f"{what}: entry {key!r} is a {type(value).__name__}, not a tensor")
         out[key] = value.detach().clone()
+    return out
+
+
+def zeroed_state(template: Mapping[str, Tensor]) -> StateDict:
+    """Every floating-point entry of `template` replaced by zeros (integer/bool buffers kept): the
+    CheckFree authors' "random" baseline, which zeroes every parameter of the new stage."""
+    out = _clone_state(template, "fresh_state")
+    for value in out.values():
+        if value.is_floating_point() or value.is_complex():
+            value.zero_()
     return out
 
 
@@ -302,7 +333,8 @@ def execute_rebuild(
     SourceFetch.EDGE_COPY the state dict is that stage's copy of stage-0 entries; its norm is ignored).
     fresh_state builds the stage's state dict from a new seed: required for action "fresh", and
     when given for neighbour-derived actions it also serves as the template the result must match
-    (keys and shapes), which catches a neighbour serving the wrong thing. checkpoint_state is the
+    (keys and shapes), which catches a neighbour serving the wrong thing; action "zero" requires it
+    too (the entries to zero: floating-point ones become zeros, others are kept). checkpoint_state is the
     stage's last local save (required for action "checkpoint"). Neighbour-derived results must be
     finite. Raises UnrecoverableError for an unrecoverable plan, ValueError for missing inputs.
     """
@@ -312,6 +344,10 @@ def execute_rebuild(
         if fresh_state is None:
             raise ValueError("strategy random needs fresh_state")
         return _clone_state(fresh_state(), "fresh_state")
+    if plan.action == RebuildAction.ZERO:
+        if fresh_state is None:
+            raise ValueError("strategy zero needs fresh_state (the stage's entries)")
+        return zeroed_state(fresh_state())
     if plan.action == RebuildAction.CHECKPOINT:
         if checkpoint_state is None:
             raise ValueError(f"no local checkpoint of stage {plan.lost_stage} to reload")
@@ -356,7 +392,7 @@ def execute_rebuild(
 def recovered_lr_scale(lr_scale: float, plan: RebuildPlan | None = None) -> float:
     """The factor on the rebuilt stage's learning rate from now on (RecoveryConfig.lr_scale,
     1.1 small models to 1.2 at 500M): lr_scale, or 1.0 when `plan` says no scaling
-    (fresh init, checkpoint reload)."""
+    (fresh init, zeroed stage, checkpoint reload)."""
     if not lr_scale > 0:
         raise ValueError(f"lr_scale must be > 0, got {lr_scale}")
     if plan is not None and not plan.scale_lr:

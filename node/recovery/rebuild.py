@@ -41,6 +41,7 @@ from node.recovery.checkfree import (
     RebuildPlan,
     SourceFetch,
     execute_rebuild,
+    known_grad_norm,
     plan_rebuild,
     recovered_lr_scale,
 )
@@ -112,6 +113,8 @@ def rebuild_detail(plan: RebuildPlan, sources: Mapping[int, FetchedSource]) -> s
         return f"{head} from the edge copies of stages {parts}"
     if plan.action == RebuildAction.CHECKPOINT:
         return f"{head}: rolled back to the last save"
+    if plan.action == RebuildAction.ZERO:
+        return f"{head}: every parameter zero (the stage passes its input through)"
     return f"{head}: fresh weights from a new seed"
 
 
@@ -181,7 +184,7 @@ async def rebuild_stage(
         inner_step = checkpoint.inner_step
     elif sources:
         inner_step = max(source.state.inner_step for source in sources.values())
-    else:  # a fresh init keeps the swarm's place in the lr schedule
+    else:  # a fresh or zeroed stage keeps the swarm's place in the lr schedule
         inner_step = max((p.inner_step for peers in peers_by_stage.values() for p in live_peers(peers)), default=0)
     lr_scale = recovered_lr_scale(recovery.lr_scale, plan)
     new_seed = rng.randrange(1 << 31)
@@ -192,7 +195,8 @@ async def rebuild_stage(
         return template
 
     def apply() -> dict[str, Tensor]:
-        fetched = {s: (src.state.weights, src.state.grad_norm or 0.0) for s, src in sources.items()}
+        # a source that has not stepped since it joined weighs as 1.0, the authors' start value
+        fetched = {s: (src.state.weights, known_grad_norm(src.state.grad_norm)) for s, src in sources.items()}
         weights = execute_rebuild(plan, fetched, fresh_state, None if checkpoint is None else checkpoint.weights)
         worker.load_state_dict(weights, fresh_optimizer=True)
         worker.inner_step = inner_step

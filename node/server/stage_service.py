@@ -23,6 +23,7 @@ from dht.swarm_view import SwarmView
 from node.averaging.gossip import Gossip
 from node.config import SwarmConfig
 from node.model.data import open_source, stream_id_from_peer
+from node.model.memory import available_memory, estimate_stage_memory, format_bytes, memory_refusal
 from node.p2p.dialer import PeerDialer, keep_connected
 from node.p2p.network import Network
 from node.p2p.peer_conduct import PeerConduct
@@ -37,6 +38,7 @@ from node.recovery.lost_stages import LostStageWatch, must_rebuild
 from node.recovery.rebalance import Rebalancer, plan_move
 from node.recovery.rebuild import rebuild_into_service, refresh_until_seen
 from node.recovery.state_transfer import join_live_stage, serve_state, state_provider
+from node.server.daemon import JoinRefused
 from node.server.progress import ProgressDisplay, ServiceSummary
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,24 @@ class ServiceOptions:
     data_path: str | None = None
     threads: int | None = None
     quiet: bool = False
+    check_memory: bool = True  # refuse a stage whose estimated memory exceeds what the device has free
+
+
+def check_stage_fits(config: SwarmConfig, stage: int, device: str) -> None:
+    """JoinRefused (exit code 3, one line) when `device` has less free memory than a peer of
+    `stage` needs by node/model/memory.py's estimate."""
+    estimate = estimate_stage_memory(config, stage)
+    try:
+        available = available_memory(device)
+    except (RuntimeError, AssertionError, ValueError) as e:  # torch's answers for a device it lacks
+        raise JoinRefused(f"cannot use device {device}: {e}") from None
+    refusal = memory_refusal(config, estimate, available)
+    if refusal is not None:
+        raise JoinRefused(refusal)
+    logger.info(
+        f"stage {stage} needs about {format_bytes(estimate.total)} ({estimate.parameters:,} parameters); "
+        f"{available.device} has {format_bytes(available.free)} free"
+    )
 
 
 def pick_device(requested: str) -> str:
@@ -106,7 +126,7 @@ async def build_service(
     rng = random.Random()
     registry = SwarmRegistry(network.dht, config.swarm_id)
     view = SwarmView(registry, config.num_stages, period=max(0.5, config.heartbeat.period / 2))
-    router = Router(rng, config.num_stages)
+    router = Router(rng, config.num_stages, mode=config.training.routing)
     view.on_refresh(router.refresh)
     worker = StageWorker(config, me.stage, device=pick_device(options.device))
 
@@ -250,6 +270,8 @@ async def serve_stage(
     if options.threads:
         torch.set_num_threads(options.threads)
     while True:
+        if options.check_memory:
+            check_stage_fits(config, me.stage, pick_device(options.device))
         target = await serve_current_stage(network, config, me, stop, options)
         if target is None:
             return

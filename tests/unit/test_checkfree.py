@@ -7,16 +7,19 @@ from hypothesis import strategies as st
 
 from node.config import RecoveryStrategy
 from node.recovery.checkfree import (
+    UNKNOWN_GRAD_NORM,
     RebuildAction,
     SourceFetch,
     UnrecoverableError,
     checkfree_average,
     checkfree_weights,
     execute_rebuild,
+    known_grad_norm,
     pipeline_order,
     plan_rebuild,
     recovered_lr_scale,
     unrecoverable,
+    zeroed_state,
 )
 
 
@@ -258,7 +261,7 @@ def test_recovered_lr_scale():
     assert recovered_lr_scale(1.2, plan_rebuild(3, S5, "random", True)) == 1.0
     with pytest.raises(ValueError):
         recovered_lr_scale(0.0)
-    assert set(RecoveryStrategy) == {"checkfree", "copy", "random", "checkpoint"}
+    assert set(RecoveryStrategy) == {"checkfree", "copy", "random", "zero", "checkpoint"}
 
 
 def test_plans_carry_enums_whose_values_are_the_plain_strings():
@@ -269,5 +272,48 @@ def test_plans_carry_enums_whose_values_are_the_plain_strings():
     assert plan_rebuild(2, S5, RecoveryStrategy.RANDOM, True).fetch is SourceFetch.NONE
     # what debug dumps and events carry: plain strings
     assert type(plan.action.value) is str and plan.action.value == "average"
-    with pytest.raises(ValueError, match="expected one of checkfree, copy, random, checkpoint"):
+    with pytest.raises(ValueError, match="expected one of checkfree, copy, random, zero, checkpoint"):
         unrecoverable({1}, S5, "average", True)
+
+
+# ------------------------------------------------------------------ the authors' conventions
+
+
+def test_an_unknown_gradient_norm_counts_as_one_as_the_authors_start_it():
+    assert UNKNOWN_GRAD_NORM == 1.0
+    assert known_grad_norm(None) == 1.0
+    assert known_grad_norm(0.25) == 0.25 and known_grad_norm(0.0) == 0.0
+    # a neighbour that has not stepped weighs as much as one at the clip limit, not 1e-4
+    prev, nxt = {"w": torch.zeros(3)}, {"w": torch.ones(3)}
+    out = checkfree_average(prev, nxt, known_grad_norm(None), known_grad_norm(1.0))["w"]
+    assert torch.allclose(out, torch.full((3,), 0.5))
+    out = checkfree_average(prev, nxt, known_grad_norm(None), known_grad_norm(0.5))["w"]
+    assert float(out[0]) == pytest.approx((0.5 + 1e-4) / (1.5 + 2e-4))
+
+
+def test_plan_zero_zeroes_block_stages_and_reinitialises_stage_0():
+    for plus in (False, True):
+        for i in range(1, S5):
+            plan = plan_rebuild(i, S5, "zero", plus)
+            assert plan.action is RebuildAction.ZERO and plan.fetch is SourceFetch.NONE and plan.sources == ()
+            assert not plan.scale_lr and recovered_lr_scale(1.1, plan) == 1.0
+        # zeroed embedding and head would give zero logits and zero gradients everywhere
+        assert plan_rebuild(0, S5, "zero", plus).action is RebuildAction.FRESH
+    assert plan_rebuild(1, 2, "zero", True).recoverable  # S = 1: no neighbour needed
+    ok = lambda lost: unrecoverable(set(lost), S5, RecoveryStrategy.ZERO, False) is None  # noqa: E731
+    assert ok([1, 2]) and ok([0, 1, 5]) and not ok(range(S5))
+
+
+def test_execute_zero_zeroes_every_float_entry_and_keeps_the_rest():
+    template = block_state(3)
+    snapshot = {k: v.clone() for k, v in template.items()}
+    out = execute_rebuild(plan_rebuild(2, S5, "zero", True), {}, lambda: template, None)
+    assert set(out) == set(template)
+    assert all(not out[k].any() for k in ("layers.0.attn.weight", "layers.0.norm.weight"))
+    assert out["layers.0.attn.weight"].dtype == torch.float32 and out["layers.0.attn.weight"].shape == (4, 4)
+    assert torch.equal(out["layers.0.steps"], template["layers.0.steps"])
+    assert torch.equal(out["layers.0.mask"], template["layers.0.mask"])
+    assert all(torch.equal(template[k], snapshot[k]) for k in template)  # the template is untouched
+    assert torch.equal(zeroed_state(template)["layers.0.norm.weight"], torch.zeros(4))
+    with pytest.raises(ValueError, match="fresh_state"):
+        execute_rebuild(plan_rebuild(2, S5, "zero", True), {}, None, None)

@@ -1,4 +1,4 @@
-"""node/config.py: validation, loading, replace, hashing, and docs/config.md generated from the
+"""node/config: validation, loading, replace, hashing, and docs/config.md generated from the
 field docstrings. The default config's hash is pinned: peers of an older version must agree."""
 
 from __future__ import annotations
@@ -25,19 +25,19 @@ from node.config import (
     ModelConfig,
     RecoveryConfig,
     RecoveryStrategy,
+    RoutingMode,
     SwarmConfig,
     TrainingConfig,
-    field_docs,
     load_config,
-    render_reference,
 )
+from node.config.reference import field_docs, render_reference
 from protocol.tensors import Compression
 from protocol.version import PROTOCOL_VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "config.md"
 REGENERATE = ".venv/bin/python -m node.config > docs/config.md"
-DEFAULT_HASH = "dafa54c118628fac"  # protocol version 2: changing it splits old and new peers
+DEFAULT_HASH = "b9d49096e891334a"  # protocol version 2 + training.routing: changing it splits old and new peers
 SECTIONS = {
     "model": ModelConfig,
     "training": TrainingConfig,
@@ -139,7 +139,7 @@ def other_value(key: str, value: Any) -> Any:
         return special[key]
     if isinstance(value, bool):
         return not value
-    if isinstance(value, (GossipMode, RecoveryStrategy, Compression)):
+    if isinstance(value, (GossipMode, RecoveryStrategy, RoutingMode, Compression)):
         return next(member for member in type(value) if member != value)
     if value is None:
         return 0.5
@@ -277,7 +277,7 @@ def test_numbers_accepted_where_a_float_or_an_optional_float_is_expected():
     "key, bad, choices",
     [
         ("gossip.mode", "gossip", "noloco, diloco, none"),
-        ("recovery.strategy", "CheckFree", "checkfree, copy, random, checkpoint"),
+        ("recovery.strategy", "CheckFree", "checkfree, copy, random, zero, checkpoint"),
         ("training.wire_compression", "zstd", "none, fp16, bf16, int8"),
         ("gossip.mode", 1, "noloco, diloco, none"),
     ],

@@ -6,6 +6,7 @@ from collections import Counter
 import pytest
 
 from dht.records import PeerRecord
+from node.config import ConfigError, RoutingMode, SwarmConfig
 from node.pipeline.routing import BanList, Router, StageRouter
 
 
@@ -208,3 +209,88 @@ def test_router_refresh_filters_and_shares_bans():
     assert router.for_stage(0).choose() is None
     with pytest.raises(ValueError):
         router.for_stage(3)
+
+
+# ------------------------------------------------------------------ training.routing = "random" (NoLoCo)
+
+
+def chi_square(counts: Counter, peers: list[str], draws: int) -> float:
+    expected = draws / len(peers)
+    return sum((counts[p] - expected) ** 2 / expected for p in peers)
+
+
+# chi-square critical values at p = 0.001 by degrees of freedom: a fair draw exceeds them 1 time in 1000
+CHI2_999 = {2: 13.82, 3: 16.27, 4: 18.47}
+
+
+def test_config_accepts_the_routing_modes_and_defaults_to_load_aware():
+    assert SwarmConfig().training.routing is RoutingMode.LOAD_AWARE
+    assert SwarmConfig().replace(training={"routing": "random"}).training.routing is RoutingMode.RANDOM
+    with pytest.raises(ConfigError, match="load_aware, random"):
+        SwarmConfig().replace(training={"routing": "round_robin"})
+
+
+def test_random_routing_is_uniform_whatever_the_speeds_and_loads():
+    peers = ["a", "b", "c", "d", "e"]
+    draws = 5000
+    # throughputs 1..5 and a busy stage: load-aware would send 5x more to "e" than to "a"
+    for seed in range(3):
+        clock = FakeClock()
+        router = StageRouter(random.Random(seed), clock=clock, mode=RoutingMode.RANDOM)
+        router.update_peers([rec(p, float(i + 1)) for i, p in enumerate(peers)])
+        counts = run(router, clock, draws, dt=0.01)
+        assert set(counts) == set(peers)
+        assert chi_square(counts, peers, draws) < CHI2_999[len(peers) - 1]
+    # and an idle stage, where load-aware always picks the fastest
+    clock = FakeClock()
+    router = StageRouter(random.Random(7), clock=clock, mode=RoutingMode.RANDOM)
+    router.update_peers([rec("slow", 1.0), rec("fast", 3.0)])
+    counts = run(router, clock, 2000, dt=100.0)
+    assert chi_square(counts, ["slow", "fast"], 2000) < 10.83  # df = 1
+
+
+def test_random_routing_never_picks_banned_or_excluded_peers():
+    dht_time = FakeClock(5000.0)
+    bans = BanList(clock=dht_time, min_seconds=10.0)
+    bans.ban("banned", until=dht_time() + 60.0, reason="errored")
+    clock = FakeClock()
+    router = StageRouter(random.Random(11), clock=clock, mode=RoutingMode.RANDOM)
+    router.update_peers([rec(p) for p in ("a", "b", "c", "d", "banned", "skipped")])
+    draws = 3000
+    counts = run(router, clock, draws, dt=0.01, exclude={"skipped"}, bans=bans)
+    assert set(counts) == {"a", "b", "c", "d"}
+    assert chi_square(counts, ["a", "b", "c", "d"], draws) < CHI2_999[3]
+    # not live: a joining peer is not routable in random mode either
+    router.update_peers([rec("a"), rec("j", state="joining")])
+    assert {router.choose() for _ in range(50)} == {"a"}
+    # everything excluded or banned: nothing to choose
+    assert router.choose(exclude={"a"}) is None
+
+
+def test_random_routing_still_charges_and_releases_loads():
+    router = StageRouter(random.Random(0), clock=FakeClock(), mode=RoutingMode.RANDOM)
+    router.update_peers([rec("a", 2.0)])
+    assert router.choose(task_size=3.0) == "a"
+    assert router.loads() == [("a", pytest.approx(1.5), pytest.approx(2.0))]
+    router.release("a", 3.0)
+    assert router.loads()[0][1] == 0.0
+
+
+def test_router_builds_every_stage_in_its_mode_and_load_aware_is_the_default():
+    assert all(Router(random.Random(0), 4).for_stage(s).mode is RoutingMode.LOAD_AWARE for s in range(4))
+    assert all(
+        Router(random.Random(0), 4, mode=RoutingMode.RANDOM).for_stage(s).mode is RoutingMode.RANDOM for s in range(4)
+    )
+    # an explicit load_aware draws exactly what the default does (same seed, same clock)
+    sequences = []
+    for mode in ({}, {"mode": RoutingMode.LOAD_AWARE}):
+        clock = FakeClock()
+        router = StageRouter(random.Random(5), clock=clock, **mode)
+        router.update_peers([rec("a", 1.0), rec("b", 2.0), rec("c", 2.0)])
+        picks = []
+        for _ in range(200):
+            picks.append(router.choose())
+            clock.advance(0.2)
+        sequences.append(picks)
+    assert sequences[0] == sequences[1]
+    assert Counter(sequences[0])["a"] < Counter(sequences[0])["b"]  # still load-aware: slower gets less

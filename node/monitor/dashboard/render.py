@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dht.records import EventKind, PeerState
+from node.model.memory import format_bytes
 from node.monitor.dashboard.events import DerivedEventKind, DisplayedEventKind
 from node.monitor.dashboard.peer_table import NARROW, peer_table
 from node.monitor.dashboard.snapshot_fields import iter_peers, stage0_loss, stage_entry_status
@@ -39,6 +40,7 @@ from node.monitor.status import StageStatus
 ONCE_EVENTS = 20  # events shown by render_once / when no height is given
 COMPACT_HEIGHT = 20  # below: the header drops its config line
 TINY = 45  # below: no stage column in the events pane, no bar in the stage map
+WITH_SIZES = 72  # from here: the stage map shows parameters and memory per peer
 
 STATUS_MARKS: dict[StageStatus, tuple[str, str]] = {
     StageStatus.OK: ("✓ ok", "green"),
@@ -77,6 +79,7 @@ def _header(state: DashboardState, width: int, compact: bool = False) -> Rendera
     compact = compact or width < NARROW
     sep = Text(" · " if compact else "  ·  ", style="dim")
     params = snapshot.get("model_parameters")
+    preset = snapshot.get("model_preset")
     throughput_text = human_count(total) if total is not None else "-"
     line1 = Text.assemble(
         ("" if compact else "swarm ", "dim"),
@@ -84,6 +87,7 @@ def _header(state: DashboardState, width: int, compact: bool = False) -> Rendera
         sep,
         ("" if compact else "model ", "dim"),
         (human_count(params, "params") if as_float(params) is not None else "- params", "bold"),
+        (f" ({safe_text(preset, 16)})" if isinstance(preset, str) and preset and not compact else "", "dim"),
         sep,
         ("" if compact else "stages ", "dim"),
         (format_int(num_stages), "bold"),
@@ -173,6 +177,12 @@ def _stage_rows(snapshot: dict) -> list[tuple[int | None, dict | None]]:
     return rows
 
 
+def _memory_text(entry: dict) -> str:
+    """The memory one peer of the stage needs, from its entry's "memory" (absent in older snapshots)."""
+    total = as_float(as_dict(entry.get("memory")).get("total"))
+    return format_bytes(total) if total is not None and total >= 0 else "-"
+
+
 def _stage_map(state: DashboardState, width: int, max_rows: int | None = None) -> RenderableType:
     """One row per stage; with `max_rows`, troubled stages are kept first and the cut is shown."""
     snapshot = as_dict(state.snapshot)
@@ -196,7 +206,8 @@ def _stage_map(state: DashboardState, width: int, max_rows: int | None = None) -
         rows = [r for i, r in enumerate(rows) if i in keep]
     narrow = width < NARROW
     show_bar = width >= TINY
-    bar_width = max(3, min(40, width - (60 if not narrow else 40)))
+    show_sizes = width >= WITH_SIZES
+    bar_width = max(3, min(40, width - (80 if show_sizes else 40 if narrow else 60)))
 
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, expand=False, padding=(0, 1))
     table.add_column("st" if narrow else "stage", justify="right", no_wrap=True)
@@ -204,10 +215,19 @@ def _stage_map(state: DashboardState, width: int, max_rows: int | None = None) -
     if show_bar:
         table.add_column("thr" if narrow else "throughput", no_wrap=True, overflow="crop")
     table.add_column("thr" if not show_bar else "", justify="right", no_wrap=True)
+    if show_sizes:  # what one peer of the stage holds: its share of the model, the memory it needs
+        table.add_column("params", justify="right", no_wrap=True)
+        table.add_column("mem/peer", justify="right", no_wrap=True)
     table.add_column("status", no_wrap=True, overflow="ellipsis")
+    sizes = ["-", "-"] if show_sizes else []
     if not rows:
         table.add_row(
-            Text("-", style="dim"), "-", *([""] if show_bar else []), "-", Text("no stages reported", style="dim")
+            Text("-", style="dim"),
+            "-",
+            *([""] if show_bar else []),
+            "-",
+            *sizes,
+            Text("no stages reported", style="dim"),
         )
     for stage, entry, throughput, status in rows:
         if entry is None:
@@ -216,6 +236,7 @@ def _stage_map(state: DashboardState, width: int, max_rows: int | None = None) -
                 Text("-", style="dim"),
                 *([Text("")] if show_bar else []),
                 Text("-", style="dim"),
+                *[Text(size, style="dim") for size in sizes],
                 Text("? no report", style="dim"),
             )
             continue
@@ -234,7 +255,10 @@ def _stage_map(state: DashboardState, width: int, max_rows: int | None = None) -
         cells = [format_int(stage if stage is not None else entry.get("stage")), count]
         if show_bar:
             cells.append(Text(bar(fraction, bar_width), style=bar_style))
-        table.add_row(*cells, cell(human_count(throughput)), Text(mark, style=style))
+        cells.append(cell(human_count(throughput)))
+        if show_sizes:
+            cells += [cell(human_count(entry.get("parameters"))), cell(_memory_text(entry))]
+        table.add_row(*cells, Text(mark, style=style))
     section = titled_section(Text("stages", style="bold"), table)
     if hidden:
         section.renderables.append(

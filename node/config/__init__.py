@@ -6,21 +6,16 @@ follow docs/algorithms.md (NoLoCo alpha 0.5, beta 0.7, gamma = beta, H = 50; Che
 scale 1.1; grad clip 1.0) scaled down to a model that trains on a laptop CPU.
 
 Every field carries a one-line attribute docstring (what it is, its unit, why the default);
-`render_reference()` turns them into docs/config.md: `python -m node.config > docs/config.md`.
+node/config/reference.py turns them into docs/config.md: `python -m node.config > docs/config.md`.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import hashlib
-import inspect
-import io
 import json
-import textwrap
-import tokenize
 import tomllib
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
@@ -45,7 +40,15 @@ class RecoveryStrategy(StrEnum):
     CHECKFREE = "checkfree"  # gradient-norm-weighted average of the two neighbours
     COPY = "copy"  # copy one neighbour
     RANDOM = "random"  # a fresh initialisation that can relearn
+    ZERO = "zero"  # every parameter zero: an identity stage that never trains again (the CheckFree authors' "random")
     CHECKPOINT = "checkpoint"  # reload the stage's last local checkpoint
+
+
+class RoutingMode(StrEnum):
+    """How a microbatch picks its peer of the next stage (docs/algorithms.md, "SWARM routing")."""
+
+    LOAD_AWARE = "load_aware"  # SWARM: the peer expected to finish it first
+    RANDOM = "random"  # NoLoCo: uniformly among the live, unbanned peers, which mixes gradients across replicas
 
 
 class ConfigError(ValueError):
@@ -108,6 +111,8 @@ class TrainingConfig:
     """Seconds to wait for one stage's reply before retrying another peer, > 0; 20 s tolerates a loaded CPU peer."""
     max_retries: int = 3
     """Extra attempts, on other peers, for a microbatch whose hop failed or timed out, >= 0; 3 rides out a dead peer."""
+    routing: RoutingMode = RoutingMode.LOAD_AWARE
+    """How the next stage's peer is chosen (members below); load_aware, SWARM's rule, keeps fast and slow peers equally busy."""
 
 
 @dataclass(frozen=True)
@@ -261,6 +266,7 @@ _ENUM_TYPES: dict[str, type[StrEnum]] = {
     "Compression": Compression,
     "GossipMode": GossipMode,
     "RecoveryStrategy": RecoveryStrategy,
+    "RoutingMode": RoutingMode,
 }
 
 
@@ -332,11 +338,12 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: {e.strerror}") from e
 
 
-def load_config(path: str | Path | None = None, **overrides: Any) -> SwarmConfig:
-    """Defaults, then the TOML file, then explicit overrides (flags); None overrides are ignored."""
+def load_config(path: str | Path | Mapping[str, Any] | None = None, **overrides: Any) -> SwarmConfig:
+    """Defaults, then the TOML file (or its parsed table), then explicit overrides (flags); None
+    overrides are ignored. A [model] preset is resolved by node.model.presets.load_config."""
     raw: dict[str, Any] = SwarmConfig().to_dict()
     if path is not None:
-        for key, value in load_toml(path).items():
+        for key, value in (path if isinstance(path, Mapping) else load_toml(path)).items():
             if key in _SECTIONS and isinstance(value, Mapping):
                 raw[key] = {**raw[key], **value}
             else:
@@ -350,138 +357,3 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> SwarmConfig
         else:
             raw[key] = value
     return SwarmConfig.from_dict(raw)
-
-
-# ------------------------------------------------------------------------------------------------
-# docs/config.md, generated from the attribute docstrings above (Python keeps none at runtime)
-
-_INTRO = """\
-# Configuration reference
-
-Generated from the field docstrings in `node/config.py`; do not edit by hand. Regenerate with
-`.venv/bin/python -m node.config > docs/config.md` (`tests/unit/test_config.py` fails while this
-file and the code disagree).
-
-## How a swarm gets its config
-
-- The bootstrapper builds it: the defaults below, then a TOML file (`node bootstrap --config
-  swarm.toml`), then its flags (table below); a later source wins, a flag left out changes nothing.
-- Joiners read no config file: they fetch the swarm's config from the DHT and recompute its hash
-  (the first 16 hex digits of a sha256 over every value below plus the protocol version). A peer
-  refuses to join when its protocol version or that hash differs from what the bootstrapper
-  announced, so every value here is the same on every peer; changing one means a new swarm.
-- Per-peer settings (listen address, `--stage`, `--device`, `--data`, `--threads`, ...) are flags of
-  `node join`, not config; `node join --swarm ID` picks the swarm when several share one DHT.
-- In Python: `load_config("swarm.toml", **{"gossip.inner_steps": 20})` (None values are ignored)
-  and `config.replace(gossip={"inner_steps": 20})`.
-
-| `node bootstrap` flag | key |
-|---|---|
-| `--swarm-id` | `swarm_id` |
-| `--num-stages` | `num_stages` |
-| `--seed` | `seed` |
-| `--heartbeat-period` | `heartbeat.period` |
-| `--heartbeat-ttl` | `heartbeat.ttl` |
-
-TOML: top-level keys first, then one table per section; omitted keys keep their defaults.
-
-```toml
-swarm_id = "my-swarm"
-num_stages = 4
-
-[training]
-learning_rate = 1e-3
-wire_compression = "int8"
-```
-
-Unknown keys, wrong types and out-of-range values are refused with a message naming the key. An
-integer is accepted where a float is expected; `true`/`false` are never accepted as numbers.
-"""
-
-
-def field_docs() -> dict[str, dict[str, str]]:
-    """{class name: {field name: its docstring}} for every class of this module, read with `ast`
-    from the source: the string literal on the line after a field is its docstring."""
-    docs: dict[str, dict[str, str]] = {}
-    for cls in ast.parse(Path(__file__).read_text(encoding="utf-8")).body:
-        if isinstance(cls, ast.ClassDef):
-            found = docs.setdefault(cls.name, {})
-            for stmt, doc in zip(cls.body, cls.body[1:]):
-                if (
-                    isinstance(stmt, ast.AnnAssign)
-                    and isinstance(stmt.target, ast.Name)
-                    and isinstance(doc, ast.Expr)
-                    and isinstance(doc.value, ast.Constant)
-                    and isinstance(doc.value.value, str)
-                ):
-                    found[stmt.target.id] = doc.value.value.strip()
-    return docs
-
-
-def enum_member_docs(enum_type: type[StrEnum]) -> dict[str, str]:
-    """{member value: the comment at the end of its line} from the enum's source ("" if none)."""
-    source = textwrap.dedent(inspect.getsource(enum_type))
-    comments = {
-        token.start[0]: token.string.lstrip("#").strip()
-        for token in tokenize.generate_tokens(io.StringIO(source).readline)
-        if token.type == tokenize.COMMENT
-    }
-    docs = {}
-    for stmt in ast.parse(source).body[0].body:  # type: ignore[attr-defined]
-        if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name):
-            docs[enum_type[stmt.targets[0].id].value] = comments.get(stmt.lineno, "")
-    return docs
-
-
-def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
-
-
-def _type_cell(spec: dataclasses.Field) -> str:
-    enum_type = _ENUM_TYPES.get(spec.type)  # type: ignore[arg-type]  # annotations are strings here
-    if enum_type is not None:
-        return "one of " + ", ".join(f"`{member.value}`" for member in enum_type)
-    return "float, or unset" if spec.type == "float | None" else str(spec.type)
-
-
-def _default_cell(value: Any) -> str:
-    if value is None:
-        return "unset"
-    if isinstance(value, bool):
-        return "`true`" if value else "`false`"
-    if isinstance(value, str):  # enums included: StrEnum members are strings
-        return f'`"{value}"`'
-    return f"`{value!r}`"
-
-
-def _table(cls: type, docs: Mapping[str, str], skip: Collection[str] = ()) -> list[str]:
-    lines = ["| key | type | default | description |", "|---|---|---|---|"]
-    lines += [
-        f"| `{spec.name}` | {_cell(_type_cell(spec))} | {_default_cell(spec.default)} | {_cell(docs.get(spec.name, ''))} |"
-        for spec in fields(cls)
-        if spec.name not in skip
-    ]
-    return lines
-
-
-def render_reference() -> str:
-    """docs/config.md: how to set values, then one table per section (key as written in TOML, type or
-    allowed values, default, description) and the members of every enum."""
-    docs = field_docs()
-    lines = [*_INTRO.splitlines(), "", "## Top level", "", inspect.getdoc(SwarmConfig) or "", ""]
-    lines += _table(SwarmConfig, docs["SwarmConfig"], skip=_SECTIONS)
-    for section, cls in _SECTION_TYPES.items():
-        lines += ["", f"## [{section}]", "", inspect.getdoc(cls) or "", "", *_table(cls, docs[cls.__name__])]
-    lines += ["", "## Enum values"]
-    for section, cls in _SECTION_TYPES.items():
-        for spec in fields(cls):
-            enum_type = _ENUM_TYPES.get(spec.type)  # type: ignore[arg-type]
-            if enum_type is not None:
-                lines += ["", f"`{section}.{spec.name}` ({enum_type.__name__}): {inspect.getdoc(enum_type)}", ""]
-                lines += ["| value | meaning |", "|---|---|"]
-                lines += [f"| `{value}` | {_cell(doc)} |" for value, doc in enum_member_docs(enum_type).items()]
-    return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    print(render_reference(), end="")

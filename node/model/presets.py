@@ -1,0 +1,258 @@
+"""Named model shapes for `node bootstrap --preset NAME` and `[model] preset = "NAME"` (docs/model.md).
+
+A preset fills the [model] section: vocabulary, widths, heads, context, and `layers_per_stage`
+derived from the preset's total layer count and the swarm's block stages (S = num_stages - 1).
+Keys written explicitly (the TOML's [model] table, "model.*" overrides) win over the preset's
+values, so a preset is a starting point ("125m with a 8192-token vocabulary"); an explicit
+`layers_per_stage` also wins, and then the total is layers_per_stage x S, not the preset's. The
+--preset flag wins over the TOML's preset. The preset's name is not kept in
+the swarm config: only the values it filled are, so it is not part of the config hash and
+`tiny` gives exactly the default config (and its hash).
+
+Each shape follows a published LLaMA-style model (RMSNorm, rotary positions, SwiGLU, grouped-query
+attention, no biases), so the published parameter count checks the shape. Those models tie the
+LM head to the embedding; pipeswarm does not (stage 0 holds both, docs/model.md), so a preset has
+exactly vocab_size x hidden_size parameters more than the model it follows.
+
+No torch; only `load_config` reads a file. `node.config.load_config` alone refuses a [model]
+preset: presets sit above the config module, which must not import them back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, fields
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from node import config as node_config
+from node.config import ConfigError, ModelConfig, SwarmConfig, load_toml
+
+__all__ = [
+    "PRESETS",
+    "ModelPreset",
+    "PresetName",
+    "load_config",
+    "preset_named",
+    "preset_of",
+    "preset_values",
+    "valid_block_stage_counts",
+]
+
+
+class PresetName(StrEnum):
+    """The presets, named by the size of the published model each follows (ours adds an untied head)."""
+
+    TINY = "tiny"  # today's defaults: 133k parameters at 3 stages, one layer per block stage
+    STORIES_15M = "15m"  # llama2.c stories15M: 24.4M here, the smallest real shape
+    MOBILELLM_125M = "125m"  # MobileLLM-125M: 143M here
+    MOBILELLM_350M = "350m"  # MobileLLM-350M: 376M here
+    MOBILELLM_1B = "1b"  # MobileLLM-1B: 1.05B here
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """One shape: the [model] values it fills and the published model it follows."""
+
+    name: PresetName
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    num_layers: int | None
+    """Decoder layers in the whole model, split evenly over the block stages; None: one per block stage."""
+    max_position_embeddings: int
+    follows: str
+    """The published model whose shape this is, and where its parameter count is stated."""
+    published_parameters: int | None
+    """The parameter count the publication states (None: nothing published, tiny)."""
+    published_ties_embeddings: bool
+    """Whether the published model shares the embedding with the LM head (pipeswarm never does)."""
+
+    def layers_per_stage(self, num_stages: int) -> int:
+        """The preset's layers over S = num_stages - 1 block stages; ConfigError when S does not divide them."""
+        block_stages = num_stages - 1
+        if self.num_layers is None:
+            return 1
+        if block_stages < 1 or self.num_layers % block_stages:
+            choices = ", ".join(str(s + 1) for s in valid_block_stage_counts(self.num_layers))
+            raise ConfigError(
+                f"preset {self.name} has {self.num_layers} layers, which {block_stages} block stages "
+                f"(num_stages = {num_stages}) cannot split evenly: choose num_stages among {choices}"
+            )
+        return self.num_layers // block_stages
+
+    def model_values(self, num_stages: int) -> dict[str, Any]:
+        """The [model] section this preset gives a swarm of `num_stages` stages."""
+        values = {
+            spec.name: getattr(self, spec.name) for spec in fields(ModelConfig) if spec.name != "layers_per_stage"
+        }
+        return {**values, "layers_per_stage": self.layers_per_stage(num_stages)}
+
+    def model_config(self, num_stages: int) -> ModelConfig:
+        return ModelConfig(**self.model_values(num_stages))
+
+    @property
+    def rms_norm_eps(self) -> float:
+        return ModelConfig.rms_norm_eps  # every published model below uses LLaMA's 1e-5
+
+    @property
+    def rope_theta(self) -> float:
+        return ModelConfig.rope_theta  # and LLaMA's 10000
+
+
+_DEFAULT = ModelConfig()
+
+PRESETS: dict[PresetName, ModelPreset] = {
+    preset.name: preset
+    for preset in (
+        ModelPreset(
+            name=PresetName.TINY,
+            vocab_size=_DEFAULT.vocab_size,
+            hidden_size=_DEFAULT.hidden_size,
+            intermediate_size=_DEFAULT.intermediate_size,
+            num_attention_heads=_DEFAULT.num_attention_heads,
+            num_key_value_heads=_DEFAULT.num_key_value_heads,
+            num_layers=None,  # so that any num_stages keeps today's defaults (and the demo and tests work)
+            max_position_embeddings=_DEFAULT.max_position_embeddings,
+            follows="pipeswarm's defaults (node/config/__init__.py), no published model",
+            published_parameters=None,
+            published_ties_embeddings=False,
+        ),
+        ModelPreset(
+            name=PresetName.STORIES_15M,
+            vocab_size=32000,
+            hidden_size=288,
+            intermediate_size=768,
+            num_attention_heads=6,
+            num_key_value_heads=6,
+            num_layers=6,
+            max_position_embeddings=256,
+            follows=(
+                "Karpathy's llama2.c stories15M (TinyStories; dim 288, 6 layers, 6 heads, hidden_dim 768, "
+                "LLaMA-2 vocabulary of 32000, context 256); its README rounds the count to 15M, the published "
+                "checkpoint (karpathy/tinyllamas stories15M.pt, HF Xenova/llama2.c-stories15M) holds "
+                "15,191,712 parameters with tied embeddings"
+            ),
+            published_parameters=15_191_712,
+            published_ties_embeddings=True,
+        ),
+        ModelPreset(
+            name=PresetName.MOBILELLM_125M,
+            vocab_size=32000,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            num_layers=30,
+            max_position_embeddings=2048,
+            follows=(
+                "MobileLLM-125M (Liu et al., ICML 2024, arXiv:2402.14905; HF facebook/MobileLLM-125M: "
+                "30 layers, 9 heads, 3 KV heads, dim 576, FFN 1536, vocabulary 32000, context 2048), "
+                "published as 124.6M parameters with shared embeddings"
+            ),
+            published_parameters=124_600_000,
+            published_ties_embeddings=True,
+        ),
+        ModelPreset(
+            name=PresetName.MOBILELLM_350M,
+            vocab_size=32000,
+            hidden_size=960,
+            intermediate_size=2560,
+            num_attention_heads=15,
+            num_key_value_heads=5,
+            num_layers=32,
+            max_position_embeddings=2048,
+            follows=(
+                "MobileLLM-350M (same paper; HF facebook/MobileLLM-350M: 32 layers, 15 heads, 5 KV heads, "
+                "dim 960, FFN 2560, vocabulary 32000, context 2048), published as 345.3M parameters with "
+                "shared embeddings"
+            ),
+            published_parameters=345_300_000,
+            published_ties_embeddings=True,
+        ),
+        ModelPreset(
+            name=PresetName.MOBILELLM_1B,
+            vocab_size=32000,
+            hidden_size=1280,
+            intermediate_size=3584,
+            num_attention_heads=20,
+            num_key_value_heads=5,
+            num_layers=54,
+            max_position_embeddings=2048,
+            follows=(
+                "MobileLLM-1B (same paper, updated release; HF facebook/MobileLLM-1B: 54 layers, 20 heads, "
+                "5 KV heads, dim 1280, FFN 3584, vocabulary 32000, context 2048), published as 1.01B "
+                "parameters with shared embeddings"
+            ),
+            published_parameters=1_010_000_000,
+            published_ties_embeddings=True,
+        ),
+    )
+}
+
+
+def valid_block_stage_counts(num_layers: int) -> list[int]:
+    """The block-stage counts S that split `num_layers` evenly (num_stages = S + 1 must stay <= 64)."""
+    return [s for s in range(1, min(num_layers, 63) + 1) if num_layers % s == 0]
+
+
+def preset_named(name: Any) -> ModelPreset:
+    """The preset called `name`; ConfigError naming the choices otherwise."""
+    try:
+        return PRESETS[PresetName(name)]
+    except ValueError:
+        choices = ", ".join(member.value for member in PresetName)
+        raise ConfigError(f"model.preset: {name!r} is not one of {choices}") from None
+
+
+def preset_values(name: Any, num_stages: Any, explicit: Collection[str]) -> dict[str, Any]:
+    """The [model] values preset `name` gives a swarm of `num_stages` stages (its final count, after
+    files and flags), but for the keys in `explicit` (those the user wrote, which win)."""
+    preset = preset_named(name)
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int):
+        raise ConfigError(f"num_stages: expected int, got {type(num_stages).__name__}")
+    if "layers_per_stage" in explicit:
+        # the user chose the split; the preset's total then does not apply, nor its divisibility
+        values = {key: value for key, value in preset.model_values(2).items() if key != "layers_per_stage"}
+    else:
+        values = preset.model_values(num_stages)
+    return {key: value for key, value in values.items() if key not in explicit}
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> SwarmConfig:
+    """node.config.load_config with a model preset resolved: `overrides["model.preset"]` (the
+    --preset flag), else the TOML's [model] preset, fills the [model] keys that neither the TOML nor
+    the overrides set. The preset's name is dropped: it is no part of the config or its hash."""
+    table = dict(load_toml(path)) if path is not None else {}
+    toml_model = table.get("model")
+    toml_preset = None
+    if isinstance(toml_model, Mapping):
+        table["model"] = {key: value for key, value in toml_model.items() if key != "preset"}
+        toml_preset = toml_model.get("preset")
+    flag_preset = overrides.pop("model.preset", None)
+    name = toml_preset if flag_preset is None else flag_preset
+    if name is not None:
+        explicit = set(table["model"]) if isinstance(toml_model, Mapping) else set()
+        explicit |= {
+            key.split(".", 1)[1] for key, value in overrides.items() if key.startswith("model.") and value is not None
+        }
+        num_stages = overrides.get("num_stages")
+        if num_stages is None:
+            num_stages = table.get("num_stages", SwarmConfig.num_stages)
+        filled = {f"model.{key}": value for key, value in preset_values(name, num_stages, explicit).items()}
+        overrides = {**filled, **overrides}
+    return node_config.load_config(table, **overrides)
+
+
+def preset_of(config: SwarmConfig) -> PresetName | None:
+    """The preset whose values `config.model` holds exactly, or None (a custom shape)."""
+    for preset in PRESETS.values():
+        try:
+            if preset.model_config(config.num_stages) == config.model:
+                return preset.name
+        except ConfigError:
+            continue
+    return None

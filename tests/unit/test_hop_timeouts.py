@@ -1,0 +1,153 @@
+"""SWARM's rule for a routed hop (docs/algorithms.md, "SWARM routing"): a peer that errors is banned
+until its record expires; a peer that times out is only skipped, the hop retried on another peer."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dht.records import PeerRecord, PeerState
+from node.p2p.transport import Transport, TransportError
+from node.pipeline.routing import Router
+from node.pipeline.traffic import HopSender, PipelineStats, timed_out
+from protocol import MessageKind
+
+# valid base58 peer ids (Transport parses them before opening a stream)
+PEER_IDS = ("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", "QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z")
+
+
+def timeout_error(peer_id: str) -> TransportError:
+    try:
+        raise TransportError(f"forward to {peer_id} timed out after 0.1 s") from TimeoutError()
+    except TransportError as e:
+        return e
+
+
+def refused_error(peer_id: str) -> TransportError:
+    try:
+        raise TransportError(f"cannot open forward stream to {peer_id}") from ConnectionRefusedError()
+    except TransportError as e:
+        return e
+
+
+class ScriptedTransport:
+    """Each peer answers with what `failures` says (an exception to raise) or ACKs."""
+
+    def __init__(self, failures: dict[str, TransportError]) -> None:
+        self.failures = failures
+        self.sent_to: list[str] = []
+
+    def message(self, kind, meta, tensors):
+        return SimpleNamespace(kind=kind, meta=meta, tensors=tensors)
+
+    async def request(self, peer_id, service, message, timeout):
+        self.sent_to.append(peer_id)
+        if peer_id in self.failures:
+            raise self.failures[peer_id]
+        return SimpleNamespace(kind=MessageKind.ACK)
+
+
+def setup(failures: dict[str, TransportError], peers: tuple[str, ...] = ("a", "b")):
+    # "a" announces 10x the throughput of "b": on an idle stage load-aware routing tries "a" first
+    router = Router(random.Random(0), num_stages=2)
+    speeds = {"a": 10.0, "b": 1.0, "c": 1.0}
+    router.refresh({1: [PeerRecord(p, 1, PeerState.ONLINE, throughput=speeds[p]) for p in peers]})
+    transport = ScriptedTransport(failures)
+    stats = PipelineStats()
+    hops = HopSender(transport, router, stats, 0.1, 3, lambda peer_id: 0.0)
+    return router, transport, stats, hops
+
+
+def send(hops: HopSender, microbatch_id: int = 1) -> bool:
+    return asyncio.run(hops.send_routed(1, "forward", MessageKind.FORWARD, {"microbatch_id": microbatch_id}, {}))
+
+
+def test_a_timed_out_peer_is_retried_elsewhere_and_not_banned():
+    router, transport, stats, hops = setup({"a": timeout_error("a")})
+    assert send(hops)
+    assert transport.sent_to == ["a", "b"]
+    assert not router.bans.is_banned("a") and router.bans.active() == {}
+    assert stats.timeouts == 1
+    # the next microbatch may try it again (it was only slow): it is still a candidate
+    assert "a" in router.for_stage(1) and router.choose(1, exclude={"b"}) == "a"
+
+
+def test_a_peer_that_errors_is_banned_and_the_hop_retried_elsewhere():
+    router, transport, stats, hops = setup({"a": refused_error("a")})
+    assert send(hops)
+    assert transport.sent_to == ["a", "b"]
+    assert router.bans.is_banned("a") and not router.bans.is_banned("b")
+    assert stats.timeouts == 0
+    assert send(hops, 2) and transport.sent_to[-1] == "b"  # the banned peer is avoided from then on
+
+
+def test_a_hop_whose_every_peer_times_out_fails_without_any_ban():
+    router, transport, stats, hops = setup({p: timeout_error(p) for p in "abc"}, peers=("a", "b", "c"))
+    assert not send(hops)
+    assert sorted(transport.sent_to) == ["a", "b", "c"]  # each tried once (excluded after its timeout)
+    assert router.bans.active() == {} and stats.timeouts == 3
+
+
+def test_a_timeout_keeps_the_peer_charged_an_error_releases_it():
+    # SWARM's balancer keeps the heap entry a timed-out call pushed; a banned peer is un-charged
+    router, _, _, hops = setup({"a": timeout_error("a")})
+    assert send(hops)
+    load_a = {p: load for p, load, _ in router.for_stage(1).loads()}["a"]
+    assert load_a > 0.0
+    router, _, _, hops = setup({"a": refused_error("a")})
+    assert send(hops)
+    assert {p: load for p, load, _ in router.for_stage(1).loads()}["a"] == 0.0
+
+
+# ------------------------------------------------------------------ what the real Transport raises
+
+
+class SilentWriter:
+    def write(self, data: bytes) -> None:
+        pass
+
+    async def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class SilentP2P:
+    """Opens streams whose peer never answers, or refuses to open them."""
+
+    def __init__(self, refuse: bool) -> None:
+        self.refuse = refuse
+
+    async def call_binary_stream_handler(self, peer_id, protocol):
+        if self.refuse:
+            raise ConnectionRefusedError("p2pd: failed to dial")
+        return None, asyncio.StreamReader(), SilentWriter()
+
+
+def forward_message(transport: Transport):
+    origin = PEER_IDS[1]
+    meta = {"microbatch_id": 1, "origin": origin, "path": [origin], "order": [1], "hop": 1}
+    return transport.message(MessageKind.FORWARD, meta, {"hidden": torch.zeros(1, 2, 4)})
+
+
+def request_error(refuse: bool) -> TransportError:
+    async def main() -> TransportError:
+        transport = Transport(SilentP2P(refuse), "swarm", 0)  # type: ignore[arg-type]
+        with pytest.raises(TransportError) as caught:
+            await transport.request(PEER_IDS[0], "forward", forward_message(transport), 0.05)
+        return caught.value
+
+    return asyncio.run(main())
+
+
+def test_transport_timeouts_are_told_apart_from_failures():
+    silent, refused = request_error(refuse=False), request_error(refuse=True)
+    assert "timed out" in str(silent) and timed_out(silent)  # no reply within the hop timeout
+    assert "cannot open" in str(refused) and not timed_out(refused)  # the stream could not be opened
+    assert not timed_out(TransportError("peer refused forward: not this stage"))  # an ERROR reply
+    assert timed_out(TimeoutError())
