@@ -1,4 +1,4 @@
-"""`node` / `pipeswarm` / `python -m node`: bootstrap, join, status, dashboard."""
+"""`node` / `pipeswarm` / `python -m node`: bootstrap, join, doctor, status, dashboard, keygen."""
 
 from __future__ import annotations
 
@@ -126,6 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="hold a place in the registry without serving a stage (for DHT tests)",
     )
+
+    doctor = commands.add_parser(
+        "doctor", help="pre-flight before joining: one line per check, exit 0 when a join would work"
+    )
+    add_network_flags(doctor)
+    add_initial_peers(doctor)
+    doctor.add_argument("--stage", default="auto", help="the stage to check the device for (as for join)")
+    doctor.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:N")
+    doctor.add_argument("--find-timeout", type=float, default=20.0, help="seconds to wait for the swarm config")
 
     keygen = commands.add_parser("keygen", help="write a new random key for a private swarm")
     keygen.add_argument("--swarm-key", dest="swarm_key_path", required=True, metavar="FILE", help="where to write it")
@@ -255,6 +264,29 @@ def cmd_join(args: argparse.Namespace) -> int:
     return daemon.run(daemon.join(node_options(args), serve))
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from node.server import daemon
+    from node.server.doctor import DoctorOptions, run_doctor
+
+    if args.stage != "auto" and not args.stage.isdigit():
+        logger.error(f"--stage must be 'auto' or a stage number, not {args.stage!r}")
+        return 2
+    options = DoctorOptions(initial_peers=list(args.initial_peers))
+    for name in vars(options):
+        if name != "initial_peers" and hasattr(args, name):
+            setattr(options, name, getattr(args, name))
+    from node.p2p.swarm_key import load_swarm_key
+
+    options.swarm_key = load_swarm_key(args.swarm_key_path)  # SwarmKeyError: one line in main()
+
+    async def check() -> int:
+        ready = await run_doctor(options, lambda result: print(result.line(), flush=True))
+        print("ready to join" if ready else "not ready to join: fix the failed checks above", flush=True)
+        return 0 if ready else 1
+
+    return daemon.run(check())
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from node.monitor.observer import observe_once
     from node.monitor.status import format_table
@@ -314,6 +346,7 @@ COMMANDS = {
     "status": cmd_status,
     "dashboard": cmd_dashboard,
     "keygen": cmd_keygen,
+    "doctor": cmd_doctor,
 }
 
 
@@ -323,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from node.p2p.peer_conduct import raise_fd_soft_limit
     from node.p2p.swarm_key import SwarmKeyError
 
-    if args.command in ("bootstrap", "join"):
+    if args.command in ("bootstrap", "join", "doctor"):
         # before p2pd starts, so that it inherits the limit: many peers and streams need many descriptors
         logger.info(f"open-file limit: {raise_fd_soft_limit()}")
 
