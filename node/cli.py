@@ -374,6 +374,9 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
     except (PreparedDataError, OSError) as e:  # OSError: --out cannot be written
         logger.error(f"cannot prepare data: {e}")
         return 2
+    except KeyboardInterrupt:  # meta.json comes last: what was written is never read
+        logger.error(f"interrupted: {args.out} holds no usable prepared data")
+        return 130
     seconds = time.monotonic() - start
     size = sum(os.path.getsize(f) for f in args.files)
     print(

@@ -12,8 +12,10 @@ import torch
 from node.config import SwarmConfig
 from node.model.hf import (
     ExportError,
+    MissingExtra,
     assemble_state_dict,
     generate,
+    require_transformers,
     split_state_dict,
     write_checkpoint,
 )
@@ -105,3 +107,12 @@ def test_outer_weights_win_when_complete() -> None:
     assert weights_of(StageState(stage=1, weights=theta, outer=partial, outer_round=1))[1] == WeightsKind.INNER
     # before the first round phi is the initial weights: the trained theta is exported
     assert weights_of(StageState(stage=1, weights=theta, outer=phi, outer_round=0))[1] == WeightsKind.INNER
+
+
+def test_missing_extra_is_one_line(monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    with pytest.raises(MissingExtra, match=r"pip install 'pipeswarm\[export\]'") as refused:
+        require_transformers()
+    assert "\n" not in str(refused.value)
