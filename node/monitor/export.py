@@ -28,7 +28,7 @@ from node.p2p.dialer import PeerDialer
 from node.p2p.network import start_network
 from node.p2p.transport import Transport, TransportError
 from node.recovery.state_transfer import download_from_any
-from node.server.daemon import JoinRefused, check_compatible, find_swarm
+from node.server.daemon import check_compatible, find_swarm
 from protocol.stage_state import StageState, StatePart
 
 OUTER_WEIGHTS_PREFIX = "phi."  # node/averaging/outer_replica.py: export_outer's names for phi
@@ -147,4 +147,4 @@ def describe(collected: Collected) -> str:
     )
 
 
-__all__ = ["Collected", "ExportRefused", "JoinRefused", "WeightsKind", "collect_stages", "describe", "weights_of"]
+__all__ = ["Collected", "ExportRefused", "WeightsKind", "collect_stages", "describe", "weights_of"]

@@ -7,6 +7,7 @@ refused in one line, and an export while a stage has no live peer is refused.
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 import subprocess
@@ -101,6 +102,9 @@ def test_prepared_corpus_trains_exports_and_generates(swarm: Swarm, tmp_path):
     assert all(f"stage {s}:" in result.stdout for s in range(3)), result.stdout
     for name in ("config.json", WEIGHTS_FILE, "tokenizer.json", "pipeswarm.json"):
         assert (export_dir / name).is_file(), name
+    provenance = json.loads((export_dir / "pipeswarm.json").read_text())["stages"]
+    assert [p["stage"] for p in provenance] == [0, 1, 2] and all(p["inner_step"] > 0 for p in provenance)
+    print("exported: " + ", ".join(f"stage {p['stage']} {p['weights']} (round {p['outer_round']})" for p in provenance))
 
     # the swarm's own forward: the exported weights in our stage modules, chained stage by stage
     config = SwarmConfig().replace(num_stages=3, model={"vocab_size": prepared.vocab_size})
