@@ -1,4 +1,5 @@
-"""`node` / `pipeswarm` / `python -m node`: bootstrap, join, doctor, status, dashboard, keygen."""
+"""`node` / `pipeswarm` / `python -m node`: bootstrap, join, doctor, status, dashboard, keygen, prepare-data,
+export, generate."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"model shape ({', '.join(p.value for p in PresetName)}; docs/model.md): fills the [model] "
         "section, keys written there win",
     )
+    boot.add_argument(
+        "--data",
+        dest="data_path",
+        metavar="DIR",
+        help="a directory of `node prepare-data`: the swarm records its tokenizer's hash (stage-0 peers "
+        "must bring data made with it) and takes its vocabulary size",
+    )
     boot.add_argument("--heartbeat-period", type=float, help="seconds between peer record announcements")
     boot.add_argument("--heartbeat-ttl", type=float, help="seconds a peer record lives without a heartbeat")
     add_initial_peers(boot, required=False, founder=False)
@@ -110,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument(
         "--data",
         dest="data_path",
-        help="stage 0 data: UTF-8 text file or uint16 token .bin file (default: the swarm's synthetic source)",
+        help="stage 0 data: a directory of `node prepare-data`, a UTF-8 text file or a uint16 token .bin "
+        "file (default: the swarm's synthetic source)",
     )
     join.add_argument("--threads", type=int, help="torch CPU threads for this peer")
     join.add_argument(
@@ -148,7 +158,47 @@ def build_parser() -> argparse.ArgumentParser:
     dashboard.add_argument("--once", action="store_true", help="print one frame and exit")
     dashboard.add_argument("--width", type=int, help="frame width for --once (default: the terminal's)")
     dashboard.add_argument("--refresh", type=float, default=1.5, help="seconds between refreshes")
+    add_data_commands(commands)
     return parser
+
+
+def add_data_commands(commands: Any) -> None:
+    """prepare-data, export, generate: a corpus in, a Hugging Face model out (docs/model.md)."""
+    from node.model.corpus import DEFAULT_VAL_FRACTION, MAX_VAL_FRACTION
+
+    prepare = commands.add_parser("prepare-data", help="train a BPE tokenizer on text files and write token files")
+    prepare.add_argument("files", nargs="+", metavar="TEXT_FILE", help="UTF-8 text files")
+    prepare.add_argument("--out", required=True, metavar="DIR", help="directory for tokenizer.json, train.bin, val.bin")
+    prepare.add_argument("--vocab-size", type=int, required=True, help="tokens of the byte-level BPE (>= 257)")
+    prepare.add_argument(
+        "--val-fraction",
+        type=float,
+        default=DEFAULT_VAL_FRACTION,
+        help=f"tail of every file held out in val.bin (0..{MAX_VAL_FRACTION}; default {DEFAULT_VAL_FRACTION})",
+    )
+    prepare.add_argument("--force", action="store_true", help="replace prepared data already in --out")
+
+    export = commands.add_parser("export", help="write the swarm's current model as a Hugging Face checkpoint")
+    add_initial_peers(export)
+    export.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory")
+    export.add_argument(
+        "--data", dest="data_path", metavar="DIR", help="the swarm's prepared data: its tokenizer goes into the export"
+    )
+    export.add_argument(
+        "--swarm-key",
+        dest="swarm_key_path",
+        metavar="FILE",
+        help="a private swarm's key (default: $PIPESWARM_SWARM_KEY_FILE)",
+    )
+    export.add_argument("--timeout", type=float, default=60.0, help="seconds any one message of a download may take")
+
+    generate = commands.add_parser("generate", help="continue a prompt with an exported model")
+    generate.add_argument("--model", required=True, metavar="DIR", help="a directory `node export` wrote")
+    generate.add_argument("--prompt", required=True, help="text (token ids separated by spaces without a tokenizer)")
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampling")
+    generate.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    generate.add_argument("--seed", type=int, default=0, help="sampling seed")
 
 
 def configure_logging(level: str) -> None:
@@ -174,9 +224,11 @@ def print_bootstrap_addresses(maddrs: list[str]) -> None:
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
+    from node.model.corpus import PreparedDataError, load_prepared
     from node.server import daemon
 
     try:
+        prepared = load_prepared(args.data_path) if args.data_path is not None else None
         config = load_config(
             args.config,
             swarm_id=args.swarm_id,
@@ -186,9 +238,15 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
                 "heartbeat.period": args.heartbeat_period,
                 "heartbeat.ttl": args.heartbeat_ttl,
                 "model.preset": args.preset,
+                # prepared data: the model's vocabulary is the tokenizer's, and the swarm remembers which one
+                **(
+                    {"model.vocab_size": prepared.vocab_size, "data.tokenizer_hash": prepared.tokenizer_hash}
+                    if prepared
+                    else {}
+                ),
             },
         )
-    except ConfigError as e:
+    except (ConfigError, PreparedDataError) as e:
         logger.error(f"bad config: {e}")
         return 2
     from dht.signing import MAX_RECORD_TTL
@@ -340,7 +398,101 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     return daemon.run(once() if args.once else live())
 
 
+def cmd_prepare_data(args: argparse.Namespace) -> int:
+    from node.model.corpus import PreparedDataError, prepare_corpus
+
+    start = time.monotonic()
+    try:
+        prepared = prepare_corpus(args.files, args.out, args.vocab_size, args.val_fraction, force=args.force)
+    except (PreparedDataError, OSError) as e:  # OSError: --out cannot be written
+        logger.error(f"cannot prepare data: {e}")
+        return 2
+    except KeyboardInterrupt:  # meta.json comes last: what was written is never read
+        logger.error(f"interrupted: {args.out} holds no usable prepared data")
+        return 130
+    seconds = time.monotonic() - start
+    size = sum(os.path.getsize(f) for f in args.files)
+    print(
+        f"wrote {prepared.directory}: {prepared.train_tokens:,} train + {prepared.val_tokens:,} val tokens "
+        f"({prepared.dtype}), vocabulary {prepared.vocab_size:,}, tokenizer {prepared.tokenizer_hash}; "
+        f"{size / 1e6:.1f} MB in {seconds:.1f} s ({size / 1e6 / max(seconds, 1e-9):.2f} MB/s)",
+        flush=True,
+    )
+    print(f"start a swarm on it with: node bootstrap --data {prepared.directory} (stage-0 peers: node join --data DIR)")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from node.model.corpus import PreparedDataError, load_prepared
+    from node.model.hf import ExportError, MissingExtra, require_transformers, write_checkpoint
+    from node.monitor.export import ExportRefused, collect_stages, describe
+    from node.p2p.swarm_key import load_swarm_key
+    from node.server import daemon
+
+    try:
+        require_transformers()
+        prepared = load_prepared(args.data_path) if args.data_path is not None else None
+    except (MissingExtra, PreparedDataError) as e:
+        logger.error(f"cannot export: {e}")
+        return 2
+    collected = []
+
+    async def collect() -> int:
+        try:
+            collected.append(
+                await collect_stages(
+                    args.initial_peers,
+                    args.swarm_id,
+                    args.swarm_founder,
+                    load_swarm_key(args.swarm_key_path),
+                    timeout=args.timeout,
+                )
+            )
+        except ExportRefused as e:
+            logger.error(f"cannot export: {e}")
+            return 5
+        return 0
+
+    code = daemon.run(collect())
+    if code != 0:
+        return code
+    result = collected[0]
+    expected = result.config.data.tokenizer_hash
+    if prepared is not None and prepared.tokenizer_hash != expected:
+        logger.error(
+            f"cannot export: {args.data_path} has tokenizer {prepared.tokenizer_hash}, the swarm trains with "
+            f"{expected or 'no prepared tokenizer'}"
+        )
+        return 2
+    if prepared is None and expected:
+        logger.warning(f"the swarm trains with tokenizer {expected}: pass --data DIR to include it in the export")
+    try:
+        out = write_checkpoint(
+            result.config, result.stages, args.out, prepared.tokenizer_path if prepared else None, result.provenance
+        )
+    except ExportError as e:
+        logger.error(f"cannot export: {e}")
+        return 2
+    print(f"exported swarm {result.config.swarm_id} to {out}:\n{describe(result)}", flush=True)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from node.model.hf import ExportError, MissingExtra, generate
+
+    try:
+        text = generate(args.model, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    except (MissingExtra, ExportError) as e:
+        logger.error(f"cannot generate: {e}")
+        return 2
+    print(text, flush=True)
+    return 0
+
+
 COMMANDS = {
+    "prepare-data": cmd_prepare_data,
+    "export": cmd_export,
+    "generate": cmd_generate,
     "bootstrap": cmd_bootstrap,
     "join": cmd_join,
     "status": cmd_status,

@@ -179,6 +179,8 @@ class DataConfig:
     """synthetic (a seeded Markov chain) or a path: a uint16 .bin token file, else UTF-8 text; a peer's --data overrides it."""
     markov_branching: int = 4
     """Successors per token of the synthetic chain (clipped to 1..vocab_size); 4 is learnable with a known loss floor (~1.10)."""
+    tokenizer_hash: str = ""
+    """Hash of the tokenizer of `node prepare-data` the swarm trains with (set by `node bootstrap --data DIR`); stage-0 peers refuse data prepared with another; empty: no prepared data."""
 
 
 @dataclass(frozen=True)
@@ -326,6 +328,14 @@ def validate(config: SwarmConfig) -> None:
     h = config.heartbeat
     need(0 < h.period < h.ttl, "heartbeat: 0 < period < ttl")
     need(config.data.source == "synthetic" or len(config.data.source) > 0, "data.source must be set")
+    need(
+        config.data.tokenizer_hash == "" or _is_short_hash(config.data.tokenizer_hash),
+        "data.tokenizer_hash must be empty or 16 lowercase hex characters (as `node prepare-data` writes it)",
+    )
+
+
+def _is_short_hash(text: str) -> bool:
+    return len(text) == 16 and all(c in "0123456789abcdef" for c in text)
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:

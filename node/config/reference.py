@@ -47,6 +47,9 @@ file and the code disagree).
 | `--heartbeat-ttl` | `heartbeat.ttl` |
 | `--preset` | `model.preset` |
 
+`node bootstrap --data DIR` (a directory of `node prepare-data`) sets two keys from it:
+`data.tokenizer_hash` (the hash of its tokenizer) and `model.vocab_size` (the tokenizer's size).
+
 TOML: top-level keys first, then one table per section; omitted keys keep their defaults.
 
 ```toml

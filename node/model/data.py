@@ -5,8 +5,9 @@ Three sources share one interface (TokenSource):
 * SyntheticMarkovSource, the embedded default: a random sparse first-order Markov chain over the
   vocabulary, derived from the swarm seed. Nothing to download, and its entropy rate is the exact
   loss floor, which the dashboard draws under the loss curve.
-* TokenFileSource over a UTF-8 text file (byte-level tokens, ids 0..255) or a nanoGPT-style
-  ``.bin`` file of uint16 token ids, read through np.memmap at random offsets.
+* TokenFileSource over a UTF-8 text file (byte-level tokens, ids 0..255), a nanoGPT-style
+  ``.bin`` file of uint16 token ids, or the train.bin of a directory `node prepare-data` wrote
+  (uint16 or uint32 as its meta.json says), read through np.memmap at random offsets.
 
 Every stage-0 peer opens its source with a different stream_id (stream_id_from_peer) so peers draw
 different batches; a given (swarm seed, stream_id) always yields the same sequence of batches.
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from node.config import SwarmConfig
+from node.model.corpus import PreparedData, PreparedDataError, load_prepared
 
 SCAN_CHUNK = 1 << 22  # tokens per chunk when checking a file's largest token id
 
@@ -146,17 +148,27 @@ class SyntheticMarkovSource:
 
 
 class TokenFileSource:
-    """Random windows of seq_len + 1 tokens from a token file (text bytes or uint16 .bin)."""
+    """Random windows of seq_len + 1 tokens from a token file (text bytes, uint16 .bin, or
+    `dtype` tokens when given: a prepared directory's meta.json says which)."""
 
-    def __init__(self, path: str | Path, vocab_size: int, seed: int, stream_id: int = 0, min_tokens: int = 2) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        vocab_size: int,
+        seed: int,
+        stream_id: int = 0,
+        min_tokens: int = 2,
+        dtype: np.dtype | None = None,
+    ) -> None:
         self.path = Path(path)
         if not self.path.is_file():
             raise DataError(f"data file {self.path} does not exist or is not a file")
-        self.kind = "uint16 tokens" if self.path.suffix == ".bin" else "text bytes"
-        dtype = np.uint16 if self.path.suffix == ".bin" else np.uint8
+        if dtype is None:
+            dtype = np.dtype("<u2") if self.path.suffix == ".bin" else np.dtype(np.uint8)
+        self.kind = "text bytes" if dtype.itemsize == 1 else f"{dtype.name} tokens"
         size = self.path.stat().st_size
-        if size % np.dtype(dtype).itemsize:
-            raise DataError(f"{self.path}: size {size} bytes is not a whole number of uint16 tokens")
+        if size % dtype.itemsize:
+            raise DataError(f"{self.path}: size {size} bytes is not a whole number of {dtype.name} tokens")
         if size == 0:
             raise DataError(f"{self.path} is empty")
         self.tokens = np.memmap(self.path, dtype=dtype, mode="r")
@@ -194,17 +206,53 @@ class TokenFileSource:
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
+def open_prepared(config: SwarmConfig, directory: str | Path) -> PreparedData:
+    """A directory of `node prepare-data`, if the swarm trains on data made with its tokenizer:
+    the same token id must mean the same text on every stage-0 peer (DataError otherwise)."""
+    try:
+        prepared = load_prepared(directory)
+    except PreparedDataError as e:
+        raise DataError(str(e)) from None
+    expected = config.data.tokenizer_hash
+    if not expected:
+        raise DataError(
+            f"{directory} was prepared with tokenizer {prepared.tokenizer_hash}, but this swarm records no "
+            "tokenizer (data.tokenizer_hash): its founder starts it with `node bootstrap --data DIR`"
+        )
+    if prepared.tokenizer_hash != expected:
+        raise DataError(
+            f"{directory} was prepared with tokenizer {prepared.tokenizer_hash}, this swarm trains with "
+            f"tokenizer {expected}: use the swarm's prepared data (or its tokenizer.json)"
+        )
+    if prepared.vocab_size > config.model.vocab_size:
+        raise DataError(
+            f"{directory}: its tokenizer has {prepared.vocab_size} tokens, the model only {config.model.vocab_size}"
+        )
+    return prepared
+
+
 def open_source(config: SwarmConfig, data_path: str | None, stream_id: int) -> TokenSource:
     """The data source of a stage-0 peer.
 
     data_path (the peer's --data flag) wins; otherwise config.data.source, where "synthetic"
-    means the embedded Markov chain. A path ending in .bin is read as uint16 token ids, any other
-    path as text bytes. Files are checked at open time (exists, non-empty, long enough for one
-    sequence, all ids < vocab_size) and raise DataError with the reason.
+    means the embedded Markov chain. A directory is prepared data (open_prepared: its tokenizer
+    must be the swarm's; train.bin is read); a path ending in .bin is read as uint16 token ids,
+    any other path as text bytes. A swarm that records a tokenizer trains on prepared data only.
+    Files are checked at open time (exists, non-empty, long enough for one sequence, all ids <
+    vocab_size) and raise DataError with the reason.
     """
     path = data_path if data_path is not None else config.data.source
+    min_tokens = config.training.sequence_length + 1
+    if path != "synthetic" and Path(path).is_dir():
+        prepared = open_prepared(config, path)
+        return TokenFileSource(
+            prepared.train_path, config.model.vocab_size, config.seed, stream_id, min_tokens, prepared.dtype.numpy
+        )
+    if config.data.tokenizer_hash:
+        raise DataError(
+            f"this swarm trains on data prepared with tokenizer {config.data.tokenizer_hash}: stage-0 peers "
+            "need --data DIR, a directory of `node prepare-data` made with it"
+        )
     if path == "synthetic":
         return SyntheticMarkovSource(config.model.vocab_size, config.seed, config.data.markov_branching, stream_id)
-    return TokenFileSource(
-        path, config.model.vocab_size, config.seed, stream_id, min_tokens=config.training.sequence_length + 1
-    )
+    return TokenFileSource(path, config.model.vocab_size, config.seed, stream_id, min_tokens=min_tokens)

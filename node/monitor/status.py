@@ -33,7 +33,7 @@ def stage_requirements(config: SwarmConfig) -> tuple[dict[str, int], ...]:
 @functools.lru_cache(maxsize=8)
 def loss_floor(config: SwarmConfig) -> float | None:
     """The entropy rate of the swarm's synthetic source, when it trains on one (nats/token)."""
-    if config.data.source != "synthetic":
+    if config.data.source != "synthetic" or config.data.tokenizer_hash:  # prepared data: the floor is unknown
         return None
     return open_source(config, None, 0).loss_floor
 

@@ -22,7 +22,7 @@ from dht.registry import SwarmRegistry, swarm_key_of
 from dht.swarm_view import SwarmView
 from node.averaging.gossip import Gossip
 from node.config import SwarmConfig
-from node.model.data import open_source, stream_id_from_peer
+from node.model.data import DataError, open_source, stream_id_from_peer
 from node.model.memory import available_memory, estimate_stage_memory, format_bytes, memory_refusal
 from node.p2p.dialer import PeerDialer, keep_connected
 from node.p2p.network import Network
@@ -293,7 +293,10 @@ async def serve_current_stage(
         mover = asyncio.create_task(watch_for_move(service, watch), name="rebalance")
         tasks = [asyncio.create_task(progress.run(), name="display"), mover]
         if me.stage == 0:
-            source = open_source(config, options.data_path, stream_id_from_peer(me.peer_id))
+            try:
+                source = open_source(config, options.data_path, stream_id_from_peer(me.peer_id))
+            except DataError as e:  # one line and exit code 3 (daemon.run), not a traceback
+                raise JoinRefused(f"stage 0 cannot train on its data: {e}") from None
             tasks.append(asyncio.create_task(drive_when_ready(service, source, stop, watch), name="driver"))
         stopped = asyncio.create_task(stop.wait())
         try:

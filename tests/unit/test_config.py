@@ -37,7 +37,7 @@ from protocol.version import PROTOCOL_VERSION
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "config.md"
 REGENERATE = ".venv/bin/python -m node.config > docs/config.md"
-DEFAULT_HASH = "b9d49096e891334a"  # protocol version 2 + training.routing: changing it splits old and new peers
+DEFAULT_HASH = "3ee3644eaf5adaa1"  # protocol version 2 + training.routing + data.tokenizer_hash: changing it splits old and new peers
 SECTIONS = {
     "model": ModelConfig,
     "training": TrainingConfig,
@@ -134,7 +134,12 @@ def test_an_integer_written_for_a_float_hashes_like_the_float():
 
 def other_value(key: str, value: Any) -> Any:
     """A valid value different from `value` for `key`."""
-    special = {"model.hidden_size": 128, "model.num_attention_heads": 8, "model.num_key_value_heads": 2}
+    special = {
+        "model.hidden_size": 128,
+        "model.num_attention_heads": 8,
+        "model.num_key_value_heads": 2,
+        "data.tokenizer_hash": "0123456789abcdef",  # 16 hex digits, as prepare-data writes it
+    }
     if key in special:
         return special[key]
     if isinstance(value, bool):
