@@ -23,6 +23,7 @@ from node.config import (
     GossipMode,
     HeartbeatConfig,
     ModelConfig,
+    Precision,
     RecoveryConfig,
     RecoveryStrategy,
     RoutingMode,
@@ -37,7 +38,7 @@ from protocol.version import PROTOCOL_VERSION
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "config.md"
 REGENERATE = ".venv/bin/python -m node.config > docs/config.md"
-DEFAULT_HASH = "b9d49096e891334a"  # protocol version 2 + training.routing: changing it splits old and new peers
+DEFAULT_HASH = "cb0c47f3eacdef95"  # protocol version 2 + training.routing + training.precision: changing it splits old and new peers
 SECTIONS = {
     "model": ModelConfig,
     "training": TrainingConfig,
@@ -139,7 +140,7 @@ def other_value(key: str, value: Any) -> Any:
         return special[key]
     if isinstance(value, bool):
         return not value
-    if isinstance(value, (GossipMode, RecoveryStrategy, RoutingMode, Compression)):
+    if isinstance(value, (GossipMode, RecoveryStrategy, RoutingMode, Compression, Precision)):
         return next(member for member in type(value) if member != value)
     if value is None:
         return 0.5
