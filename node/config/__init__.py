@@ -51,6 +51,18 @@ class RoutingMode(StrEnum):
     RANDOM = "random"  # NoLoCo: uniformly among the live, unbanned peers, which mixes gradients across replicas
 
 
+class Precision(StrEnum):
+    """Arithmetic of a stage's forward and backward (node/pipeline/precision.py, docs/model.md "Precision").
+
+    Weights, optimizer moments and the NoLoCo outer state are float32 whatever is chosen: only the
+    compute runs under autocast."""
+
+    AUTO = "auto"  # per peer from its device: bf16 on a CUDA device with native bf16, else fp32
+    FP32 = "fp32"  # no autocast
+    BF16 = "bf16"  # autocast to bfloat16 (fp32's exponent range: no loss scaling needed)
+    FP16 = "fp16"  # autocast to float16 with a dynamic loss scaler on every stage
+
+
 class ConfigError(ValueError):
     """A configuration value is missing, of the wrong type or out of range."""
 
@@ -113,6 +125,8 @@ class TrainingConfig:
     """Extra attempts, on other peers, for a microbatch whose hop failed or timed out, >= 0; 3 rides out a dead peer."""
     routing: RoutingMode = RoutingMode.LOAD_AWARE
     """How the next stage's peer is chosen (members below); load_aware, SWARM's rule, keeps fast and slow peers equally busy."""
+    precision: Precision = Precision.AUTO
+    """Compute precision of every stage (members below), weights and optimizer stay fp32; auto resolves per peer (bf16 on a bf16 GPU, fp32 on CPU) since a swarm mixes devices."""
 
 
 @dataclass(frozen=True)
@@ -267,6 +281,7 @@ def _build(cls: type, raw: Mapping[str, Any], where: str) -> Any:
 _ENUM_TYPES: dict[str, type[StrEnum]] = {
     "Compression": Compression,
     "GossipMode": GossipMode,
+    "Precision": Precision,
     "RecoveryStrategy": RecoveryStrategy,
     "RoutingMode": RoutingMode,
 }

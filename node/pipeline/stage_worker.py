@@ -31,6 +31,10 @@ the weights, e.g. a gossip update through load_state_dict) and backpropagated af
 its stored autograd graph (the saved weights were modified in place). The worker notices through
 the parameters' version counters and then recomputes the forward from the stored input with the
 current weights before backpropagating, as SWARM / hivemind expert backends always do.
+
+Precision (node/pipeline/precision.py): every forward runs under the stage's autocast and every
+backward through ``StagePrecision.grad``, which applies and removes fp16's loss scale within the
+stage; weights, gradients, optimizer state and the tensors this worker returns stay fp32.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from node.pipeline.admission import (
     check_state_dict,
     check_tokens,
 )
+from node.pipeline.precision import StagePrecision
 
 T = TypeVar("T")
 
@@ -115,7 +120,8 @@ class StageWorker:
         self.device = torch.device(device)
         self.module: nn.Module = module.to(self.device).train()
         self._params = [p for p in self.module.parameters()]
-        self.dtype = self._params[0].dtype
+        self.dtype = self._params[0].dtype  # of the master weights and the wire tensors: fp32
+        self.precision = StagePrecision(t.precision, self.device)  # compute: autocast, fp16's loss scale
         self.max_stored = max_stored if max_stored is not None else 4 * t.max_in_flight
         self.max_batch = max_batch if max_batch is not None else t.microbatch_size
         if self.max_stored < 1 or self.max_batch < 1:
@@ -252,7 +258,7 @@ class StageWorker:
         start = time.perf_counter()
         x = self._check_hidden("forward input", hidden)
         leaf = x.requires_grad_(True)
-        with torch.enable_grad():
+        with torch.enable_grad(), self.precision.autocast():
             out = self.module(leaf)
         elapsed = time.perf_counter() - start
         self.store.put(
@@ -271,12 +277,12 @@ class StageWorker:
         leaf, out = item.leaf, item.output
         if item.versions != self._versions():  # weights changed since the forward: recompute
             leaf = item.inputs.detach().requires_grad_(True)
-            with torch.enable_grad():
+            with torch.enable_grad(), self.precision.autocast():
                 out = self.module(leaf)
         assert leaf is not None
         # this microbatch's gradients alone first: a hostile gradient must not poison the step's
         # accumulation (it is dropped here, the honest ones already added survive)
-        grad_in, *param_grads = torch.autograd.grad(out, [leaf, *self._params], grad, allow_unused=True)
+        grad_in, *param_grads = self.precision.grad(out, [leaf, *self._params], grad)  # unscaled, fp32
         check_finite("gradients of this microbatch", [grad_in, *param_grads])
         accumulate(self._params, param_grads)
         self.gradient_gate.accept(norm)
@@ -291,7 +297,7 @@ class StageWorker:
         self._need(block=False)
         start = time.perf_counter()
         ids = self._check_tokens("embed tokens", tokens)
-        with torch.enable_grad():
+        with torch.enable_grad(), self.precision.autocast():
             out = self.module.embed(ids)
         elapsed = time.perf_counter() - start
         self.store.put(key, StoredMicrobatch("edge", ids, None, out, self._versions(), time.monotonic(), elapsed))
@@ -312,11 +318,9 @@ class StageWorker:
         tgt = self._check_tokens("targets", targets, shape=item.inputs.shape)
         h.requires_grad_(True)
         head_params = [p for n, p in self.module.named_parameters() if not n.startswith("embed_tokens.")]
-        with torch.enable_grad():
+        with torch.enable_grad(), self.precision.autocast():
             loss = self.module.loss(h, tgt)
-            grads = torch.autograd.grad(
-                loss / self.config.training.microbatches_per_step, [h, *head_params], allow_unused=True
-            )
+        grads = self.precision.grad(loss / self.config.training.microbatches_per_step, [h, *head_params])
         loss_value = float(loss.detach())
         if not math.isfinite(loss_value):
             raise RejectedInput(f"loss is not finite ({loss_value}): the returned hidden states are unusable")
@@ -338,10 +342,10 @@ class StageWorker:
         self.store.take(key, item)
         out = item.output
         if item.versions != self._versions():
-            with torch.enable_grad():
+            with torch.enable_grad(), self.precision.autocast():
                 out = self.module.embed(item.inputs)
         embed_params = [p for n, p in self.module.named_parameters() if n.startswith("embed_tokens.")]
-        embed_grads = torch.autograd.grad(out, embed_params, g, allow_unused=True)
+        embed_grads = self.precision.grad(out, embed_params, g)
         check_finite("embedding gradients of this microbatch", embed_grads)
         head_params = [p for n, p in self.module.named_parameters() if not n.startswith("embed_tokens.")]
         accumulate(embed_params, embed_grads)
@@ -376,16 +380,12 @@ class StageWorker:
     def measure_throughput(self, batch: int | None = None, seq: int | None = None, repeats: int = 3) -> float:
         """Time forward+backward on random inputs (no .grad touched, no stored state) and set
         `throughput` (microbatches/s). Run it through the executor before the first announcement."""
-        seconds = time_forward_backward(
-            self.module,
-            self.config,
-            self.stage,
-            self.device,
-            self.dtype,
-            batch or self.config.training.microbatch_size,
-            seq or self.config.training.sequence_length,
-            repeats,
-        )
+        t = self.config.training
+        with self.precision.autocast():  # time the arithmetic this peer trains in (routing weighs it)
+            seconds = time_forward_backward(
+                self.module, self.config, self.stage, self.device, self.dtype,
+                batch or t.microbatch_size, seq or t.sequence_length, repeats,
+            )  # fmt: skip
         self.throughput = 1.0 / max(seconds, 1e-9)
         return self.throughput
 

@@ -129,6 +129,8 @@ async def build_service(
     router = Router(rng, config.num_stages, mode=config.training.routing)
     view.on_refresh(router.refresh)
     worker = StageWorker(config, me.stage, device=pick_device(options.device))
+    # `auto` is resolved per peer (node/pipeline/precision.py): say what this peer computes in
+    logger.info(f"stage {me.stage} computes in {worker.precision.precision} on {worker.device}")
 
     def ban_until(peer_id: str) -> float:
         record = view.record_of(peer_id)

@@ -23,6 +23,7 @@ from node.config import (
     GossipMode,
     HeartbeatConfig,
     ModelConfig,
+    Precision,
     RecoveryConfig,
     RecoveryStrategy,
     RoutingMode,
@@ -37,7 +38,7 @@ from protocol.version import PROTOCOL_VERSION
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "config.md"
 REGENERATE = ".venv/bin/python -m node.config > docs/config.md"
-DEFAULT_HASH = "3ee3644eaf5adaa1"  # protocol version 2 + training.routing + data.tokenizer_hash: changing it splits old and new peers
+DEFAULT_HASH = "85973c53f0278090"  # protocol version 2 + training.routing/precision + data.tokenizer_hash: changing it splits old and new peers
 SECTIONS = {
     "model": ModelConfig,
     "training": TrainingConfig,
@@ -144,7 +145,7 @@ def other_value(key: str, value: Any) -> Any:
         return special[key]
     if isinstance(value, bool):
         return not value
-    if isinstance(value, (GossipMode, RecoveryStrategy, RoutingMode, Compression)):
+    if isinstance(value, (GossipMode, RecoveryStrategy, RoutingMode, Compression, Precision)):
         return next(member for member in type(value) if member != value)
     if value is None:
         return 0.5
