@@ -37,7 +37,9 @@ from protocol.version import PROTOCOL_VERSION
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "config.md"
 REGENERATE = ".venv/bin/python -m node.config > docs/config.md"
-DEFAULT_HASH = "b9d49096e891334a"  # protocol version 2 + training.routing: changing it splits old and new peers
+DEFAULT_HASH = (
+    "717081a649609fdb"  # protocol version 2 + the order-2 markov source: changing it splits old and new peers
+)
 SECTIONS = {
     "model": ModelConfig,
     "training": TrainingConfig,
@@ -134,7 +136,12 @@ def test_an_integer_written_for_a_float_hashes_like_the_float():
 
 def other_value(key: str, value: Any) -> Any:
     """A valid value different from `value` for `key`."""
-    special = {"model.hidden_size": 128, "model.num_attention_heads": 8, "model.num_key_value_heads": 2}
+    special = {
+        "model.hidden_size": 128,
+        "model.num_attention_heads": 8,
+        "model.num_key_value_heads": 2,
+        "data.markov_order": 1,  # order 3 over 16 tokens would exceed the chain's context limit
+    }
     if key in special:
         return special[key]
     if isinstance(value, bool):
@@ -198,6 +205,9 @@ RULES = [
     ("heartbeat.period", 15.0, 14.9, "heartbeat: 0 < period < ttl"),
     ("heartbeat.ttl", 4.0, 5.1, "heartbeat: 0 < period < ttl"),
     ("data.source", "", "corpus.txt", "data.source must be set"),
+    ("data.markov_order", 0, 1, "data: markov_order and markov_alphabet must be >= 1"),
+    ("data.markov_alphabet", 0, 1, "data: markov_order and markov_alphabet must be >= 1"),
+    ("data.markov_alphabet", 33, 32, "the markov chain has 1089 contexts"),
 ]
 
 
