@@ -1,6 +1,7 @@
 """A real training swarm: 3 stages x 2 peers, each its own process with its own p2pd, on loopback.
 
-The loss at stage 0 falls from ln(256) = 5.55 at init toward the synthetic source's floor (1.10);
+The loss at stage 0 falls from ln(256) = 5.55 at init toward the embedded chain's floor (0.860),
+below 2.2, which needs the block stages (stage 0 alone stops at 2.454, docs/model.md);
 killing a block-stage peer mid-run does not stop training: its microbatches go elsewhere.
 """
 
