@@ -1,9 +1,11 @@
 """`make demo`: a real training swarm on loopback with the embedded defaults.
 
 A bootstrap peer plus `stages x peers-per-stage` joiners, each its own process with its own libp2p
-daemon, train the default model on the synthetic source. Every few seconds the demo reads the
-swarm from the DHT (as `node status` does) and prints the loss falling toward the source's floor,
-then stops every process it started.
+daemon, train the default model on the embedded order-2 Markov chain (data.source = markov). Every
+few seconds the demo reads the swarm from the DHT (as `node status` does) and prints the loss
+falling toward the chain's exact floor, past the level stage 0 alone cannot beat (the best
+prediction from the current token only: getting below it takes the block stages' attention), then
+stops every process it started.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from rich.console import Console
 from dht.records import PeerState
 from node.config import SwarmConfig
 from node.local_swarm import Swarm, peers_by_stage, wait_for
-from node.model.data import open_source
+from node.model.synthetic import markov_source
 
 
 def summarize(snapshot: dict) -> dict:
@@ -76,12 +78,14 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console(soft_wrap=True)  # one line per report, also when piped
     config = SwarmConfig(num_stages=args.stages)
-    floor = open_source(config, None, 0).loss_floor
+    source = markov_source(config, 0)  # what the default config (data.source = markov) trains on
+    floor = source.floor_at(config.training.sequence_length)  # = source.loss_floor, typed float
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pipeswarm-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     console.print(
         f"[bold]pipeswarm demo[/]: {args.stages} stages x {args.peers_per_stage} peers on 127.0.0.1, logs in {workdir}"
     )
+    console.print(f"data: {source.description}")
     swarm = Swarm(workdir)
     try:
         swarm.bootstrap("--num-stages", str(args.stages), "--heartbeat-period", "2", "--heartbeat-ttl", "8")
@@ -101,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"{total} peers online; training (ctrl-c stops early)")
         losses = asyncio.run(watch(swarm, args.duration, args.interval, console, floor))
         if len(losses) >= 2:
-            console.print(f"[bold green]stage-0 loss {losses[0]:.3f} -> {losses[-1]:.3f}[/] (floor {floor:.3f})")
+            # below context_free_floor only the block stages' attention gets the loss (stage 0 alone stops there)
+            console.print(
+                f"[bold green]stage-0 loss {losses[0]:.3f} -> {losses[-1]:.3f}[/] (floor {floor:.3f}, "
+                f"stage 0 alone stops at {source.context_free_floor:.3f})"
+            )
         return 0
     except KeyboardInterrupt:
         return 130

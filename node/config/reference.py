@@ -16,7 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import node.config as config_module
-from node.config import _ENUM_TYPES, _SECTION_TYPES, _SECTIONS, SwarmConfig
+from node.config import _ENUM_TYPES, _SECTION_TYPES, _SECTIONS, SOURCE_ALIASES, SwarmConfig, SyntheticSource
+
+# str fields that name an enum member or something else (a path): listed with the enums all the same
+_NAMED_VALUES: dict[tuple[str, str], type[StrEnum]] = {("data", "source"): SyntheticSource}
 
 _INTRO = """\
 # Configuration reference
@@ -145,9 +148,14 @@ def render_reference() -> str:
     lines += ["", "## Enum values"]
     for section, cls in _SECTION_TYPES.items():
         for spec in fields(cls):
-            enum_type = _ENUM_TYPES.get(spec.type)  # type: ignore[arg-type]
+            enum_type = _ENUM_TYPES.get(spec.type) or _NAMED_VALUES.get((section, spec.name))  # type: ignore[arg-type]
             if enum_type is not None:
                 lines += ["", f"`{section}.{spec.name}` ({enum_type.__name__}): {inspect.getdoc(enum_type)}", ""]
                 lines += ["| value | meaning |", "|---|---|"]
                 lines += [f"| `{value}` | {_cell(doc)} |" for value, doc in enum_member_docs(enum_type).items()]
+                lines += [
+                    f"| `{alias}` | the same as `{member.value}` (an older name, stored as `{member.value}`) |"
+                    for alias, member in SOURCE_ALIASES.items()
+                    if enum_type is SyntheticSource
+                ]
     return "\n".join(lines) + "\n"

@@ -2,9 +2,9 @@
 
 Three sources share one interface (TokenSource):
 
-* SyntheticMarkovSource, the embedded default: a random sparse first-order Markov chain over the
-  vocabulary, derived from the swarm seed. Nothing to download, and its entropy rate is the exact
-  loss floor, which the dashboard draws under the loss curve.
+* SyntheticMarkovSource (node/model/synthetic.py), the embedded default ("markov"): a random sparse
+  k-th order Markov chain derived from the swarm seed. Nothing to download, and its exact loss
+  floor is what the dashboard draws under the loss curve; with order >= 2 it needs the blocks.
 * TokenFileSource over a UTF-8 text file (byte-level tokens, ids 0..255), a nanoGPT-style
   ``.bin`` file of uint16 token ids, or the train.bin of a directory `node prepare-data` wrote
   (uint16 or uint32 as its meta.json says), read through np.memmap at random offsets.
@@ -22,8 +22,10 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from node.config import SwarmConfig
+from node.config import SwarmConfig, SyntheticSource, synthetic_source
 from node.model.corpus import PreparedData, PreparedDataError, load_prepared
+from node.model.synthetic import SyntheticMarkovSource as SyntheticMarkovSource  # re-exported: its old home
+from node.model.synthetic import markov_source, stable_seed
 
 SCAN_CHUNK = 1 << 22  # tokens per chunk when checking a file's largest token id
 
@@ -44,102 +46,10 @@ class DataError(ValueError):
     """A data file cannot be used with this swarm's model (missing, empty, too short, bad ids)."""
 
 
-def _stable_seed(*parts: object) -> int:
-    """A 128-bit seed from any printable parts, stable across processes and machines."""
-    digest = hashlib.sha256("/".join(str(p) for p in ("pipeswarm/data/v1", *parts)).encode()).digest()
-    return int.from_bytes(digest[:16], "little")
-
-
 def stream_id_from_peer(peer_id: str | bytes) -> int:
     """A stream id for a peer: a stable 63-bit hash of its peer id (bytes or base58 string)."""
     raw = peer_id if isinstance(peer_id, bytes) else str(peer_id).encode()
     return int.from_bytes(hashlib.sha256(b"pipeswarm/stream/" + raw).digest()[:8], "little") >> 1
-
-
-# ------------------------------------------------------------------------------------------------
-# Synthetic Markov chain
-# ------------------------------------------------------------------------------------------------
-
-
-class SyntheticMarkovSource:
-    """Token x_{t+1} ~ P[x_t, :], P a sparse random transition matrix fixed by the swarm seed.
-
-    Each token i has `branching` successors: (i + 1) mod V, which makes the chain irreducible (one
-    ring through all tokens), plus branching - 1 other distinct tokens drawn at random, with
-    probabilities drawn from a flat Dirichlet. branching is clipped to 1..vocab_size. The chain
-    (P) depends on (seed, vocab_size, branching) only; the sampling stream also on stream_id.
-
-    Every sequence starts from the stationary distribution pi, so every target position has the
-    same expected optimal loss: the entropy rate H = -sum_i pi_i sum_j P_ij ln P_ij.
-    """
-
-    def __init__(self, vocab_size: int, seed: int, branching: int, stream_id: int = 0) -> None:
-        if vocab_size < 2:
-            raise ValueError("vocab_size must be >= 2")
-        self.vocab_size = vocab_size
-        self.branching = b = max(1, min(int(branching), vocab_size))
-        chain_rng = np.random.default_rng(_stable_seed("markov", seed, vocab_size, b))
-        V = vocab_size
-        successors = np.empty((V, b), dtype=np.int64)
-        successors[:, 0] = (np.arange(V) + 1) % V
-        for i in range(V):
-            others = np.delete(np.arange(V), successors[i, 0])
-            successors[i, 1:] = chain_rng.choice(others, size=b - 1, replace=False)
-        probs = chain_rng.dirichlet(np.ones(b), size=V)  # [V, b], rows sum to 1
-        self.successors = successors
-        self.probs = probs
-        self._cumulative = np.cumsum(probs, axis=1)
-        self._cumulative[:, -1] = 1.0
-        self.stationary = self._stationary_distribution()
-        self._stationary_cumulative = np.cumsum(self.stationary)
-        self._stationary_cumulative[-1] = 1.0
-        self.loss_floor: float | None = self.entropy_rate()
-        self.rng = np.random.default_rng(_stable_seed("markov-stream", seed, stream_id))
-        self.description = f"synthetic Markov chain (V={V}, {b} successors/token, floor {self.loss_floor:.4f} nats)"
-
-    def transition_matrix(self) -> np.ndarray:
-        """The dense [V, V] transition matrix P (rows sum to 1)."""
-        P = np.zeros((self.vocab_size, self.vocab_size))
-        np.add.at(
-            P, (np.repeat(np.arange(self.vocab_size), self.branching), self.successors.ravel()), self.probs.ravel()
-        )
-        return P
-
-    def _stationary_distribution(self) -> np.ndarray:
-        """pi with pi P = pi, sum(pi) = 1: an exact linear solve (unique since the chain is
-        irreducible; no aperiodicity needed, unlike power iteration)."""
-        V = self.vocab_size
-        A = self.transition_matrix().T - np.eye(V)
-        A[-1, :] = 1.0  # replace one (redundant) balance equation by the normalisation
-        rhs = np.zeros(V)
-        rhs[-1] = 1.0
-        pi = np.linalg.solve(A, rhs)
-        pi = np.clip(pi, 0.0, None)
-        return pi / pi.sum()
-
-    def entropy_rate(self) -> float:
-        """H = sum_i pi_i * H(P[i, :]) in nats/token: the loss floor of next-token prediction."""
-        p = self.probs
-        row_entropy = -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0), axis=1)
-        return float(np.dot(self.stationary, row_entropy))
-
-    def sample(self, rows: int, length: int, rng: np.random.Generator | None = None) -> np.ndarray:
-        """int64 [rows, length] sequences, each started from the stationary distribution."""
-        rng = self.rng if rng is None else rng
-        out = np.empty((rows, length), dtype=np.int64)
-        state = np.searchsorted(self._stationary_cumulative, rng.random(rows), side="right")
-        state = np.minimum(state, self.vocab_size - 1)
-        out[:, 0] = state
-        draws = rng.random((rows, length - 1))
-        for t in range(1, length):
-            k = (self._cumulative[state] <= draws[:, t - 1, None]).sum(axis=1)
-            state = self.successors[state, np.minimum(k, self.branching - 1)]
-            out[:, t] = state
-        return out
-
-    def next_batch(self, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        seq = torch.from_numpy(self.sample(batch_size, seq_len + 1))
-        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -179,7 +89,7 @@ class TokenFileSource:
         self._check_vocab(vocab_size)
         self.vocab_size = vocab_size
         self.loss_floor: float | None = None
-        self.rng = np.random.default_rng(_stable_seed("file-stream", seed, stream_id))
+        self.rng = np.random.default_rng(stable_seed("file-stream", seed, stream_id))
         self.description = f"{self.path.name} ({len(self.tokens):,} {self.kind})"
 
     def _check_vocab(self, vocab_size: int) -> None:
@@ -234,16 +144,17 @@ def open_prepared(config: SwarmConfig, directory: str | Path) -> PreparedData:
 def open_source(config: SwarmConfig, data_path: str | None, stream_id: int) -> TokenSource:
     """The data source of a stage-0 peer.
 
-    data_path (the peer's --data flag) wins; otherwise config.data.source, where "synthetic"
-    means the embedded Markov chain. A directory is prepared data (open_prepared: its tokenizer
-    must be the swarm's; train.bin is read); a path ending in .bin is read as uint16 token ids,
-    any other path as text bytes. A swarm that records a tokenizer trains on prepared data only.
-    Files are checked at open time (exists, non-empty, long enough for one sequence, all ids <
-    vocab_size) and raise DataError with the reason.
+    data_path (the peer's --data flag) wins; otherwise config.data.source, which names an embedded
+    source (SyntheticSource: "markov", or its old name "synthetic") or a file. A directory is
+    prepared data (open_prepared: its tokenizer must be the swarm's; train.bin is read); a path
+    ending in .bin is read as uint16 token ids, any other path as text bytes. A swarm that records
+    a tokenizer trains on prepared data only. Files are checked at open time (exists, non-empty,
+    long enough for one sequence, all ids < vocab_size) and raise DataError with the reason.
     """
     path = data_path if data_path is not None else config.data.source
     min_tokens = config.training.sequence_length + 1
-    if path != "synthetic" and Path(path).is_dir():
+    embedded = synthetic_source(path)
+    if embedded is None and Path(path).is_dir():
         prepared = open_prepared(config, path)
         return TokenFileSource(
             prepared.train_path, config.model.vocab_size, config.seed, stream_id, min_tokens, prepared.dtype.numpy
@@ -253,6 +164,6 @@ def open_source(config: SwarmConfig, data_path: str | None, stream_id: int) -> T
             f"this swarm trains on data prepared with tokenizer {config.data.tokenizer_hash}: stage-0 peers "
             "need --data DIR, a directory of `node prepare-data` made with it"
         )
-    if path == "synthetic":
-        return SyntheticMarkovSource(config.model.vocab_size, config.seed, config.data.markov_branching, stream_id)
+    if embedded is SyntheticSource.MARKOV:
+        return markov_source(config, stream_id)
     return TokenFileSource(path, config.model.vocab_size, config.seed, stream_id, min_tokens=min_tokens)

@@ -10,7 +10,7 @@ from typing import Any
 from dht.records import ConfigRecord, PeerRecord, PeerState
 from dht.registry import SwarmRegistry
 from node import __version__
-from node.config import SwarmConfig
+from node.config import SwarmConfig, synthetic_source
 from node.model.data import open_source
 from node.model.llama import count_parameters
 from node.model.memory import estimate_stage_memory, format_bytes
@@ -32,8 +32,9 @@ def stage_requirements(config: SwarmConfig) -> tuple[dict[str, int], ...]:
 
 @functools.lru_cache(maxsize=8)
 def loss_floor(config: SwarmConfig) -> float | None:
-    """The entropy rate of the swarm's synthetic source, when it trains on one (nats/token)."""
-    if config.data.source != "synthetic" or config.data.tokenizer_hash:  # prepared data: the floor is unknown
+    """The best mean loss on the swarm's embedded source, when it trains on one (nats/token): the
+    chain's floor over training.sequence_length targets (node/model/synthetic.py)."""
+    if synthetic_source(config.data.source) is None or config.data.tokenizer_hash:  # prepared data: unknown
         return None
     return open_source(config, None, 0).loss_floor
 

@@ -38,7 +38,7 @@ from protocol.version import PROTOCOL_VERSION
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "config.md"
 REGENERATE = ".venv/bin/python -m node.config > docs/config.md"
-DEFAULT_HASH = "85973c53f0278090"  # protocol version 2 + training.routing/precision + data.tokenizer_hash: changing it splits old and new peers
+DEFAULT_HASH = "5eede0aeadf507eb"  # protocol 2 + routing, precision, tokenizer_hash, the order-2 markov source: changing it splits old and new peers
 SECTIONS = {
     "model": ModelConfig,
     "training": TrainingConfig,
@@ -140,6 +140,7 @@ def other_value(key: str, value: Any) -> Any:
         "model.num_attention_heads": 8,
         "model.num_key_value_heads": 2,
         "data.tokenizer_hash": "0123456789abcdef",  # 16 hex digits, as prepare-data writes it
+        "data.markov_order": 1,  # order 3 over 16 tokens would exceed the chain's context limit
     }
     if key in special:
         return special[key]
@@ -204,6 +205,9 @@ RULES = [
     ("heartbeat.period", 15.0, 14.9, "heartbeat: 0 < period < ttl"),
     ("heartbeat.ttl", 4.0, 5.1, "heartbeat: 0 < period < ttl"),
     ("data.source", "", "corpus.txt", "data.source must be set"),
+    ("data.markov_order", 0, 1, "data: markov_order and markov_alphabet must be >= 1"),
+    ("data.markov_alphabet", 0, 1, "data: markov_order and markov_alphabet must be >= 1"),
+    ("data.markov_alphabet", 33, 32, "the markov chain has 1089 contexts"),
 ]
 
 
