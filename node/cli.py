@@ -26,7 +26,22 @@ def add_network_flags(parser: argparse.ArgumentParser, listening: bool = True) -
         parser.add_argument("--host", default="0.0.0.0", help="listen address (default: all interfaces)")
         parser.add_argument("--port", type=int, default=0, help="listen port (default: any free port)")
         parser.add_argument(
-            "--identity", dest="identity_path", help="private key file: keeps the peer id across restarts"
+            "--identity",
+            dest="identity_path",
+            metavar="FILE",
+            help="private key file (created if missing); default: a key kept per swarm (bootstrap) or per "
+            "--name (join) in $XDG_STATE_HOME/pipeswarm, so a restart keeps the peer id",
+        )
+        parser.add_argument(
+            "--metrics-port",
+            type=int,
+            metavar="PORT",
+            help="serve Prometheus metrics on http://METRICS_HOST:PORT/metrics (0: any free port; default: off)",
+        )
+        parser.add_argument(
+            "--metrics-host",
+            default="127.0.0.1",
+            help="address the metrics server listens on (default: 127.0.0.1, this machine only)",
         )
         parser.add_argument(
             "--swarm-key",
@@ -157,8 +172,8 @@ def print_bootstrap_addresses(maddrs: list[str]) -> None:
         print(f"  node join --initial-peers {maddr}", flush=True)
     founder = maddrs[0].rsplit("/p2p/", 1)[-1] if maddrs else "?"
     print(
-        f"(joining through any other peer: add --swarm-founder {founder}; keep this founder's key with "
-        "--identity FILE to restart it)",
+        f"(joining through any other peer: add --swarm-founder {founder}; restarting this bootstrap on this "
+        "machine keeps the founder's key, or choose its file with --identity FILE)",
         flush=True,
     )
     print(f"INITIAL_PEERS {' '.join(maddrs)}", flush=True)
@@ -191,7 +206,13 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         )
         return 2
     logger.info(f"starting swarm {config.swarm_id}: {config.num_stages} stages, config {config.config_hash()}")
-    return daemon.run(daemon.bootstrap(config, node_options(args), print_bootstrap_addresses))
+    from node.monitor.metrics import NodeRole, serving_metrics
+
+    options = node_options(args)
+    with serving_metrics(args.metrics_host, args.metrics_port, NodeRole.FOUNDER, swarm_id=config.swarm_id) as metrics:
+        if metrics is not None:
+            options.on_network = metrics.attach_network
+        return daemon.run(daemon.bootstrap(config, options, print_bootstrap_addresses))
 
 
 def node_options(args: argparse.Namespace) -> Any:
@@ -238,21 +259,25 @@ def cmd_join(args: argparse.Namespace) -> int:
     if args.stage != "auto" and not args.stage.isdigit():
         logger.error(f"--stage must be 'auto' or a stage number, not {args.stage!r}")
         return 2
-    serve = None
-    if args.train:
-        from functools import partial
+    from functools import partial
 
-        from node.server.stage_service import ServiceOptions, serve_stage
+    from node.monitor.metrics import NodeRole, serving_metrics
+    from node.server.stage_service import ServiceOptions, serve_stage
 
-        options = ServiceOptions(
-            device=args.device,
-            data_path=args.data_path,
-            threads=args.threads,
-            quiet=args.quiet,
-            check_memory=args.check_memory,
-        )
-        serve = partial(serve_stage, options=options)
-    return daemon.run(daemon.join(node_options(args), serve))
+    options = node_options(args)
+    service_options = ServiceOptions(
+        device=args.device,
+        data_path=args.data_path,
+        threads=args.threads,
+        quiet=args.quiet,
+        check_memory=args.check_memory,
+    )
+    with serving_metrics(args.metrics_host, args.metrics_port, NodeRole.PEER, name=args.name) as metrics:
+        if metrics is not None:
+            options.on_network = metrics.attach_network
+            service_options.meter, service_options.on_service = metrics.meter, metrics.attach_service
+        serve = partial(serve_stage, options=service_options) if args.train else None
+        return daemon.run(daemon.join(options, serve))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -320,6 +345,7 @@ COMMANDS = {
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
+    from node.monitor.metrics import MetricsError
     from node.p2p.peer_conduct import raise_fd_soft_limit
     from node.p2p.swarm_key import SwarmKeyError
 
@@ -329,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return COMMANDS[args.command](args)
-    except SwarmKeyError as e:
+    except (SwarmKeyError, MetricsError) as e:
         logger.error(f"refusing to start: {e}")
         return 2
 

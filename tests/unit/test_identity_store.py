@@ -133,8 +133,16 @@ def test_node_join_refuses_a_corrupt_default_key(tmp_path):
     (state / "pipeswarm" / "peer-volunteer.key").write_bytes(b"garbage")
     founder = Identity.generate().peer_id
     result = subprocess.run(
-        [sys.executable, "-m", "node", "join", "--name", "volunteer", "--initial-peers"]
-        + [f"/ip4/127.0.0.1/tcp/9/p2p/{founder}"],
+        [
+            sys.executable,
+            "-m",
+            "node",
+            "join",
+            "--name",
+            "volunteer",
+            "--initial-peers",
+            f"/ip4/127.0.0.1/tcp/9/p2p/{founder}",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
