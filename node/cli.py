@@ -259,24 +259,28 @@ def cmd_join(args: argparse.Namespace) -> int:
     if args.stage != "auto" and not args.stage.isdigit():
         logger.error(f"--stage must be 'auto' or a stage number, not {args.stage!r}")
         return 2
-    from functools import partial
-
     from node.monitor.metrics import NodeRole, serving_metrics
-    from node.server.stage_service import ServiceOptions, serve_stage
 
     options = node_options(args)
-    service_options = ServiceOptions(
-        device=args.device,
-        data_path=args.data_path,
-        threads=args.threads,
-        quiet=args.quiet,
-        check_memory=args.check_memory,
-    )
     with serving_metrics(args.metrics_host, args.metrics_port, NodeRole.PEER, name=args.name) as metrics:
         if metrics is not None:
             options.on_network = metrics.attach_network
-            service_options.meter, service_options.on_service = metrics.meter, metrics.attach_service
-        serve = partial(serve_stage, options=service_options) if args.train else None
+        serve = None
+        if args.train:  # `--no-train`: a place in the registry, no stage service
+            from functools import partial
+
+            from node.server.stage_service import ServiceOptions, serve_stage
+
+            service_options = ServiceOptions(
+                device=args.device,
+                data_path=args.data_path,
+                threads=args.threads,
+                quiet=args.quiet,
+                check_memory=args.check_memory,
+            )
+            if metrics is not None:
+                service_options.meter, service_options.on_service = metrics.meter, metrics.attach_service
+            serve = partial(serve_stage, options=service_options)
         return daemon.run(daemon.join(options, serve))
 
 
