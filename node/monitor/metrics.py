@@ -22,6 +22,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.core import (
@@ -39,7 +40,9 @@ from node import __version__
 from node.averaging.outer_replica import RoundStatus
 from node.p2p.network import Network
 from node.runtime.meter import Direction, Meter, Tally
-from node.server.stage_service import StageService
+
+if TYPE_CHECKING:  # for types only: every `node` command imports this module, few need the stage service
+    from node.server.stage_service import StageService
 
 logger = logging.getLogger(__name__)
 
