@@ -349,13 +349,13 @@ COMMANDS = {
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
-    from node.monitor.metrics import MetricsError
     from node.p2p.peer_conduct import raise_fd_soft_limit
     from node.p2p.swarm_key import SwarmKeyError
 
     if args.command in ("bootstrap", "join"):
         # before p2pd starts, so that it inherits the limit: many peers and streams need many descriptors
         logger.info(f"open-file limit: {raise_fd_soft_limit()}")
+    from node.monitor.metrics import MetricsError  # after the first log line: it imports hivemind and torch
 
     try:
         return COMMANDS[args.command](args)
