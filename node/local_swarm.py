@@ -1,7 +1,9 @@
 """Real multi-process swarms on loopback: `make demo`, the tests and the benchmarks use it.
 
 Every process is started here, remembered with its whole process tree (p2pd included), and ended
-by pid in `close()`, whatever the test did: no orphaned daemons, no fixed ports.
+by pid in `close()`, whatever the test did: no orphaned daemons, no fixed ports. Each process gets
+its own state directory (XDG_STATE_HOME under the work directory), so it starts with a fresh peer
+id of its own, as a new volunteer would: never the user's keys, never another local peer's.
 """
 
 from __future__ import annotations
@@ -72,8 +74,10 @@ class Swarm:
         (e.g. `ip netns exec NS`, which execs in place: the pid is still the node's)."""
         log_path = self.workdir / f"{name}.log"
         command = [*(launcher or []), sys.executable, *(python_prefix or ["-m", "node"]), *args]
+        # a name may be started again (a restart): a new directory per process keeps every id fresh
+        env = {**self.env, "XDG_STATE_HOME": str(self.workdir / "state" / f"{len(self.nodes)}-{name}")}
         with open(log_path, "wb") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir)
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir)
         node = NodeProcess(name, process, log_path)
         self.nodes.append(node)
         return node

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 from torch import Tensor
@@ -62,6 +62,7 @@ class RoundContext:
         self.wire = GossipWire(transport, settings, self.replica)
         self.round_start_step = worker.inner_step  # the inner step the last counted round started at
         self.history: deque[RoundOutcome] = deque(maxlen=256)
+        self.outcomes: Counter[RoundStatus] = Counter()  # every round since start, by how it ended (metrics)
         self.last_partner: str | None = None
         self.divergence: float | None = None
         self.divergences = DivergenceMemory()  # recent honest divergences: the partner check scales with them
@@ -167,6 +168,7 @@ class RoundContext:
 
     def record(self, outcome: RoundOutcome) -> RoundOutcome:
         self.history.append(outcome)
+        self.outcomes[outcome.status] += 1
         if outcome.status in STEPPED:
             who = ",".join(short_peer_id(p) for p in outcome.partners) or "alone"
             div = "" if outcome.divergence is None else f", divergence {outcome.divergence:.3g}"

@@ -5,9 +5,11 @@ hivemind.DHT's extra process: one loop per process, and p2pd is the only child t
 
 The peer's identity key is always held here, not only by p2pd: records are signed with it
 (dht/signing.py), and the peer id p2pd announces is derived from it, so anyone can check that a
-record comes from the peer it describes. With `--identity FILE` the key is read from (or created
-in) that file; otherwise a fresh key is written to a private temporary file for p2pd to read at
-start-up, and that file is removed as soon as p2pd runs.
+record comes from the peer it describes. With `identity_path` the key is read from (or created
+in) that file (`node bootstrap` and `node join` always pass one: `--identity FILE`, else a key
+under the per-user state directory, node/p2p/identity_store.py); otherwise (observers, tests) a
+fresh key is written to a private temporary file for p2pd to read at start-up, and that file is
+removed as soon as p2pd runs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from multiaddr import Multiaddr
 
 from dht.signing import Identity, SignedRecordValidator
 from node.p2p.dht_guard import DHT_MESSAGE_LIMIT, DHTRequestGuard
+from node.p2p.identity_store import IdentityError
 from node.p2p.reachability import NatReachability, announced_addresses
 from node.runtime.loop_watch import LoopWatch
 
@@ -141,18 +144,27 @@ def load_identity(identity_path: str | None) -> tuple[Identity, str, str | None,
     the key is new).
 
     A file given by the user is read, or created there if it does not exist yet; without one the
-    key is fresh and lives on disk only until p2pd has read it."""
+    key is fresh and lives on disk only until p2pd has read it. IdentityError (one line, with the
+    fix) when the file cannot be read or holds no usable key: a peer must not silently change id."""
     if identity_path is not None:
         if os.path.exists(identity_path):
             try:
                 return Identity.from_file(identity_path), identity_path, None, False
-            except (OSError, ValueError) as e:
-                raise NetworkError(f"cannot use identity file {identity_path}: {e}") from None
+            except OSError as e:
+                raise IdentityError(
+                    f"cannot read identity file {identity_path}: {e.strerror or e} (fix its permissions, "
+                    "or give another file with --identity FILE)"
+                ) from None
+            except ValueError as e:
+                raise IdentityError(
+                    f"identity file {identity_path} is unusable: {e} (remove it for a new peer id, "
+                    "or give another file with --identity FILE)"
+                ) from None
         identity = Identity.generate()
         try:
             identity.save(identity_path)
         except OSError as e:
-            raise NetworkError(f"cannot write identity file {identity_path}: {e}") from None
+            raise IdentityError(f"cannot write identity file {identity_path}: {e.strerror or e}") from None
         logger.info(f"new identity {identity.peer_id} saved to {identity_path}")
         return identity, identity_path, None, True
     identity = Identity.generate()

@@ -13,13 +13,16 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from hivemind.p2p import P2P, PeerID
 
 from dht.records import short_peer_id
 from node.p2p.dialer import PeerDialer
+from node.p2p.metered_stream import metered
 from node.p2p.peer_conduct import PeerConduct
+from node.runtime.meter import Meter
 from node.runtime.timeouts import within
 from protocol import DEFAULT_LIMITS, Limits, Message, MessageKind, ProtocolError, recv_message, send_message
 
@@ -46,6 +49,19 @@ PEER_FAILURES: tuple[type[BaseException], ...] = (
 )
 
 
+def timed_out(error: BaseException) -> bool:
+    """Whether `error` (a TransportError, raised `from` what went wrong) was a timeout rather than
+    a failure: Transport.request wraps a TimeoutError, so look down the cause chain (bounded)."""
+    cause: BaseException | None = error
+    for _ in range(8):
+        if cause is None:
+            return False
+        if isinstance(cause, TimeoutError):
+            return True
+        cause = cause.__cause__
+    return False
+
+
 class Transport:
     """Sends and serves messages for one swarm. `stage` is this peer's current stage (it moves)."""
 
@@ -59,8 +75,10 @@ class Transport:
         conduct: PeerConduct | None = None,
         swarm_key: bytes | None = None,
         dialer: PeerDialer | None = None,
+        meter: Meter | None = None,
     ):
         self.p2p = p2p
+        self.meter = meter or Meter()  # bytes per service and hop latencies (node/runtime/meter.py)
         self.dialer = dialer  # dials a peer at its announced addresses before a stream (None: p2pd's routing only)
         self.swarm_key = swarm_key  # a private swarm: every message carries a MAC under it
         self.conduct = conduct or PeerConduct()
@@ -118,6 +136,7 @@ class Transport:
 
         async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             sender = info.peer_id.to_base58()
+            reader, writer = metered(reader, writer, self.meter, service)
             refusal = self.conduct.admit(sender)
             if refusal is not None:
                 await self._refuse(sender, service, writer, refusal)
@@ -179,6 +198,7 @@ class Transport:
     async def request(self, peer_id: str, service: str, message: Message, timeout: float) -> Message:
         """Send one message and wait for the reply. Raises TransportError on any failure, including
         an ERROR reply (BUSY is returned, not raised: the caller decides where to go next)."""
+        began = time.monotonic()
         try:
             async with self.session(peer_id, service, timeout) as (reader, writer):
                 await within(send_message(writer, message, self.compression, self.limits, self.swarm_key), timeout)
@@ -191,6 +211,7 @@ class Transport:
             raise TransportError(f"{service} to {short_peer_id(peer_id)} failed: {e!r}") from e
         if reply.kind == MessageKind.ERROR:
             raise TransportError(f"{short_peer_id(peer_id)} refused {service}: {reply.meta.get('reason')}")
+        self.meter.hop(service, time.monotonic() - began)  # answered hops only: timeouts are counted apart
         return reply
 
     def _forget(self, peer_id: str) -> None:
@@ -216,6 +237,6 @@ class Transport:
             self._forget(peer_id)
             raise TransportError(f"cannot open {service} stream to {short_peer_id(peer_id)}: {e}") from e
         try:
-            yield reader, writer
+            yield metered(reader, writer, self.meter, service)
         finally:
             writer.close()

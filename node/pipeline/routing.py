@@ -89,6 +89,7 @@ class BanList:
         self._min_seconds = float(min_seconds)
         self._bans: dict[str, tuple[float, str]] = {}
         self._lock = threading.Lock()
+        self.total = 0  # bans imposed (a ban extended while it runs is not a new one): a metric
 
     def ban(self, peer_id: str, until: float, reason: str) -> None:
         """Ban `peer_id` until max(until, now + min_seconds); an existing longer ban is kept."""
@@ -96,7 +97,9 @@ class BanList:
         until = max(until, self._clock() + self._min_seconds)
         with self._lock:
             previous = self._bans.get(peer_id)
-            if previous is not None and previous[0] > until:
+            if previous is None or previous[0] <= self._clock():
+                self.total += 1
+            elif previous[0] > until:
                 until = previous[0]
             self._bans[peer_id] = (until, str(reason))
 

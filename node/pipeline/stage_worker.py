@@ -63,6 +63,7 @@ from node.pipeline.admission import (
     check_tokens,
 )
 from node.pipeline.precision import StagePrecision
+from node.runtime.meter import Meter
 
 T = TypeVar("T")
 
@@ -134,6 +135,7 @@ class StageWorker:
         self.microbatches_done = 0  # completed backward passes on this stage
         self.accumulated = 0  # completed backward passes since the last step
         self.throughput = 0.0  # microbatches/s of compute, EMA; 0.0 = not measured yet
+        self.meter = Meter()  # times forward/backward/head on the compute thread; a service hands its own
         self.store = ActivationStore(stage, self.max_stored)
         bounds = {
             "max_batch": self.max_batch,
@@ -151,7 +153,7 @@ class StageWorker:
 
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on this stage's compute thread and wait for it from the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, self.meter.timed(fn), *args)
 
     # ------------------------------------------------------------------------------------------
     # Optimizer, schedule, state

@@ -40,7 +40,7 @@ import torch
 from dht.announcer import PeerAnnouncer
 from dht.records import PeerState, short_peer_id
 from node.config import SwarmConfig
-from node.p2p.transport import Transport, TransportError
+from node.p2p.transport import Transport, TransportError, timed_out
 from node.pipeline.admission import RejectedInput
 from node.pipeline.in_flight_window import InFlightWindow, keep_in_flight
 from node.pipeline.order import pipeline_order
@@ -100,6 +100,7 @@ class PipelineStats:
     backwarded: int = 0
     busy_replies: int = 0
     timeouts: int = 0  # routed hops that timed out (retried elsewhere, never banned)
+    rerouted: int = 0  # routed hops sent to another peer after a timeout, error or BUSY reply
     completions: deque = field(default_factory=lambda: deque(maxlen=64))  # monotonic times of completions
 
     @property
@@ -112,19 +113,6 @@ class PipelineStats:
         if len(recent) < 2:
             return 0.0
         return (len(recent) - 1) / max(recent[-1] - recent[0], 1e-6)
-
-
-def timed_out(error: BaseException) -> bool:
-    """Whether `error` (a TransportError, raised `from` what went wrong) was a timeout rather than
-    a failure: Transport.request wraps a TimeoutError, so look down the cause chain (bounded)."""
-    cause: BaseException | None = error
-    for _ in range(8):
-        if cause is None:
-            return False
-        if isinstance(cause, TimeoutError):
-            return True
-        cause = cause.__cause__
-    return False
 
 
 class HopSender:
@@ -174,6 +162,7 @@ class HopSender:
                 peer_id = stage_router.choose(exclude=tried, bans=None)
             if peer_id is None:
                 break
+            self.stats.rerouted += bool(tried)  # the second and later peers asked for this hop
             tried.add(peer_id)
             try:
                 reply = await self.transport.request(peer_id, service, message, self.hop_timeout)

@@ -49,6 +49,7 @@ from node.recovery.checkpoints import checkpoint_root, load_latest
 from node.recovery.lost_stages import live_peers
 from node.recovery.state_transfer import StageParts, download_from_any
 from node.runtime.events import EventPublisher
+from node.runtime.meter import Tally
 from node.runtime.tasks import BackgroundTasks
 from protocol.stage_state import StageState, StatePart
 
@@ -285,6 +286,7 @@ async def rebuild_into_service(
     logger.info(
         f"rebuilt {result.detail} in {result.seconds:.2f} s; inner step {result.inner_step}, lr x {result.lr_scale:g}"
     )
+    service.transport.meter.count(Tally.REBUILDS)
     _first_microbatch_watchers.spawn(log_first_microbatch(service.worker, me.stage), name="first-microbatch")
     # awaited, not in the background: the event is out before this peer goes online
     event = SwarmEvent(

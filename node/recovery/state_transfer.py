@@ -38,6 +38,7 @@ from node.config import SwarmConfig
 from node.p2p.tensor_stream import ChunkIndex, Session, TensorStream
 from node.p2p.transport import Transport, TransportError
 from node.pipeline.stage_worker import StageWorker
+from node.runtime.meter import Tally
 from protocol import MessageKind, ProtocolError
 from protocol.stage_state import (
     CHUNK_BYTES,
@@ -154,19 +155,25 @@ async def download_state(
         raise ValueError(f"unknown state part {part!r}; expected one of {[str(p) for p in PARTS]}")
     part = StatePart(part)
     who = short_peer_id(peer_id)
-    async with transport.session(peer_id, SERVICE, timeout) as (reader, writer):
-        session = Session(transport, reader, writer, timeout)
-        try:
-            payload, layout, header = await _receive_state(session, who, stage, part, max_bytes, expect)
-        except TimeoutError:  # before OSError: TimeoutError is one
-            raise TransportError(f"state download from {who} stalled for {timeout:.0f} s") from None
-        except EOFError:  # the donor closed the stream between two messages
-            raise ProtocolError(f"state download from {who}: stream ended early") from None
-        except (ConnectionError, OSError) as e:
-            raise TransportError(f"state download from {who} broke: {e!r}") from e
-        except ProtocolError as e:
-            raise ProtocolError(f"state download from {who}: {e}") from None
-    return dataclasses.replace(decode_payload(payload, layout, header), donor=peer_id)
+    try:
+        async with transport.session(peer_id, SERVICE, timeout) as (reader, writer):
+            session = Session(transport, reader, writer, timeout)
+            try:
+                payload, layout, header = await _receive_state(session, who, stage, part, max_bytes, expect)
+            except TimeoutError:  # before OSError: TimeoutError is one
+                raise TransportError(f"state download from {who} stalled for {timeout:.0f} s") from None
+            except EOFError:  # the donor closed the stream between two messages
+                raise ProtocolError(f"state download from {who}: stream ended early") from None
+            except (ConnectionError, OSError) as e:
+                raise TransportError(f"state download from {who} broke: {e!r}") from e
+            except ProtocolError as e:
+                raise ProtocolError(f"state download from {who}: {e}") from None
+        state = dataclasses.replace(decode_payload(payload, layout, header), donor=peer_id)
+    except (TransportError, ProtocolError):
+        transport.meter.count(Tally.STATE_DOWNLOAD_FAILURES)
+        raise
+    transport.meter.count(Tally.STATE_DOWNLOADS)
+    return state
 
 
 async def _receive_state(

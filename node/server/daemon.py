@@ -1,8 +1,9 @@
 """The life of a peer process: start networking, find the swarm, claim a stage, serve, leave.
 
 `bootstrap` starts a swarm and stays up as its DHT anchor; its identity is the swarm's *founder*,
-the one key whose signature makes a swarm config genuine (`--identity FILE` keeps it across
-restarts). `join` reads the config signed by the founder it was pointed at (the peer id in the
+the one key whose signature makes a swarm config genuine. Both keep their key across restarts:
+`--identity FILE`, else a key per swarm (founder) or per `--name` (peer) under the per-user state
+directory (node/p2p/identity_store.py). `join` reads the config signed by the founder it was pointed at (the peer id in the
 bootstrap multiaddr, or `--swarm-founder`), ignores any other config under that swarm id, refuses a
 mismatching protocol or config, claims a stage and keeps its record alive. Every serving peer
 re-publishes the founder's signed config verbatim, so the swarm outlives its bootstrapper. Both
@@ -28,6 +29,7 @@ from dht.registry import SwarmRegistry, list_swarm_configs, swarm_key_of
 from dht.signing import MAX_RECORD_TTL
 from node import __version__
 from node.config import ConfigError, SwarmConfig
+from node.p2p.identity_store import ClaimedKey, IdentityError, IdentityRole, claim_identity
 from node.p2p.network import Network, NetworkError, peer_id_of_maddr, start_network
 from node.p2p.reachability import NatReachability
 from node.p2p.swarm_key import key_fingerprint
@@ -59,6 +61,7 @@ class NodeOptions:
     join_jitter: float = 2.0
     find_timeout: float = 30.0
     reachability: str = "auto"  # NatReachability: may this peer need relays (node/p2p/reachability.py)
+    on_network: Callable[[Network], None] | None = None  # told once networking runs (`--metrics-port`)
 
 
 def install_stop_signals() -> asyncio.Event:
@@ -98,16 +101,31 @@ async def keep_addresses_current(network: Network, me: PeerAnnouncer, period: fl
         await asyncio.sleep(period)
 
 
-async def start_peer_network(options: NodeOptions) -> Network:
-    return await start_network(
-        host=options.host,
-        port=options.port,
-        initial_peers=options.initial_peers,
-        identity_path=options.identity_path,
-        announce_maddrs=options.announce_maddrs,
-        swarm_key=options.swarm_key,
-        reachability=NatReachability(options.reachability),
-    )
+async def start_peer_network(options: NodeOptions, role: IdentityRole, label: str) -> tuple[Network, ClaimedKey | None]:
+    """Networking under `--identity FILE`, else under this role's and label's key in the state
+    directory, claimed for this process (the caller releases it; the kernel does at any exit)."""
+    claimed, identity_path = None, options.identity_path
+    if identity_path is None:
+        claimed = claim_identity(role, label)
+        identity_path = str(claimed.path)
+    try:
+        network = await start_network(
+            host=options.host,
+            port=options.port,
+            initial_peers=options.initial_peers,
+            identity_path=identity_path,
+            announce_maddrs=options.announce_maddrs,
+            swarm_key=options.swarm_key,
+            reachability=NatReachability(options.reachability),
+        )
+    except BaseException:
+        if claimed is not None:
+            claimed.release()
+        raise
+    logger.info(f"peer id {network.peer_id} (key {identity_path})")
+    if options.on_network is not None:
+        options.on_network(network)
+    return network, claimed
 
 
 def is_peer_id(text: str) -> bool:
@@ -144,7 +162,7 @@ def expected_founder(initial_peers: Sequence[str], swarm_founder: str | None = N
 
 async def bootstrap(config: SwarmConfig, options: NodeOptions, announce: Callable[[list[str]], None]) -> int:
     stop = install_stop_signals()
-    network = await start_peer_network(options)
+    network, claimed = await start_peer_network(options, IdentityRole.FOUNDER, config.swarm_id)
     try:
         network.validator.learn_swarm_ttl(config.swarm_id, config.heartbeat.ttl)
         registry = SwarmRegistry(network.dht, config.swarm_id)
@@ -157,6 +175,8 @@ async def bootstrap(config: SwarmConfig, options: NodeOptions, announce: Callabl
         publisher.cancel()
     finally:
         await network.shutdown()
+        if claimed is not None:
+            claimed.release()
     return 0
 
 
@@ -257,7 +277,7 @@ async def join(options: NodeOptions, serve: StageService | None = None) -> int:
     runtime); without it the peer only holds its place in the registry."""
     stop = install_stop_signals()
     founder = expected_founder(options.initial_peers, options.swarm_founder)  # before starting anything
-    network = await start_peer_network(options)
+    network, claimed = await start_peer_network(options, IdentityRole.PEER, options.name)
     tasks: list[asyncio.Task] = []
     me: PeerAnnouncer | None = None
     try:
@@ -315,6 +335,8 @@ async def join(options: NodeOptions, serve: StageService | None = None) -> int:
         if me is not None:
             await me.farewell()
         await network.shutdown()
+        if claimed is not None:
+            claimed.release()
 
 
 def run(coroutine: Awaitable[int]) -> int:
@@ -326,6 +348,9 @@ def run(coroutine: Awaitable[int]) -> int:
     except JoinRefused as e:
         logger.error(f"refusing to join: {e}")
         return 3
+    except IdentityError as e:
+        logger.error(f"refusing to start: {e}")
+        return 2
     except NetworkError as e:
         logger.error(str(e))
         return 4

@@ -11,8 +11,8 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +38,7 @@ from node.recovery.lost_stages import LostStageWatch, must_rebuild
 from node.recovery.rebalance import Rebalancer, plan_move
 from node.recovery.rebuild import rebuild_into_service, refresh_until_seen
 from node.recovery.state_transfer import join_live_stage, serve_state, state_provider
+from node.runtime.meter import Meter
 from node.server.daemon import JoinRefused
 from node.server.progress import ProgressDisplay, ServiceSummary
 
@@ -51,6 +52,9 @@ class ServiceOptions:
     threads: int | None = None
     quiet: bool = False
     check_memory: bool = True  # refuse a stage whose estimated memory exceeds what the device has free
+    meter: Meter = field(default_factory=Meter)  # one per process: its totals outlive a move to another stage
+    # told of each stage service as it starts (and None as it ends): `--metrics-port` reads it at scrape time
+    on_service: Callable[[StageService | None], None] | None = None
 
 
 def check_stage_fits(config: SwarmConfig, stage: int, device: str) -> None:
@@ -131,6 +135,7 @@ async def build_service(
     worker = StageWorker(config, me.stage, device=pick_device(options.device))
     # `auto` is resolved per peer (node/pipeline/precision.py): say what this peer computes in
     logger.info(f"stage {me.stage} computes in {worker.precision.precision} on {worker.device}")
+    worker.meter = options.meter  # the process's meter: compute latencies survive a move to another stage
 
     def ban_until(peer_id: str) -> float:
         record = view.record_of(peer_id)
@@ -149,6 +154,7 @@ async def build_service(
         swarm_key=swarm_key_of(network.dht),  # a private swarm: every message carries a MAC
         # dial peers where their signed records say, not only where p2pd's routing thinks they are
         dialer=PeerDialer(network.p2p, lambda peer_id: record.addrs if (record := view.record_of(peer_id)) else ()),
+        meter=options.meter,
     )
 
     pipeline = Pipeline(
@@ -201,6 +207,8 @@ async def running_service(
 ) -> AsyncIterator[StageService]:
     """A started stage service: handlers registered, swarm view running, this peer `online`."""
     service = await build_service(network, config, me, options)
+    if options.on_service is not None:
+        options.on_service(service)
     tasks = [asyncio.create_task(service.view.run(), name="swarm-view")]
     if service.transport.dialer is not None:  # a peer behind a NAT is reached over connections it made
         connections = keep_connected(service.transport.dialer, lambda: neighbours(service))
@@ -258,6 +266,8 @@ async def running_service(
         await service.pipeline.close()
         await service.transport.close()  # this stage's handlers go: a move may serve another stage next
         service.worker.close()
+        if options.on_service is not None:
+            options.on_service(None)
 
 
 async def serve_stage(

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from dht.records import PeerRecord, PeerState
-from node.p2p.transport import Transport, TransportError
+from node.p2p.transport import Transport, TransportError, timed_out
 from node.pipeline.routing import Router
-from node.pipeline.traffic import HopSender, PipelineStats, timed_out
+from node.pipeline.traffic import HopSender, PipelineStats
 from protocol import MessageKind
 
 # valid base58 peer ids (Transport parses them before opening a stream)

@@ -9,68 +9,18 @@ import json
 import logging
 import os
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")  # before hivemind is imported: its logs are noisy
 
 from node import __version__
+from node.cli.data_commands import add_data_commands, cmd_export, cmd_generate, cmd_prepare_data
+from node.cli.flags import add_initial_peers, add_network_flags
 from node.config import ConfigError
 from node.model.presets import PresetName, load_config
-from node.p2p.reachability import NatReachability
 
 logger = logging.getLogger("node")
-
-
-def add_network_flags(parser: argparse.ArgumentParser, listening: bool = True) -> None:
-    if listening:
-        parser.add_argument("--host", default="0.0.0.0", help="listen address (default: all interfaces)")
-        parser.add_argument("--port", type=int, default=0, help="listen port (default: any free port)")
-        parser.add_argument(
-            "--identity", dest="identity_path", help="private key file: keeps the peer id across restarts"
-        )
-        parser.add_argument(
-            "--swarm-key",
-            dest="swarm_key_path",
-            metavar="FILE",
-            help="private swarm: the shared key file (`node keygen --swarm-key FILE`); "
-            "default: $PIPESWARM_SWARM_KEY_FILE, else an open swarm",
-        )
-        parser.add_argument(
-            "--announce",
-            dest="announce_maddrs",
-            nargs="*",
-            default=[],
-            help="multiaddrs to announce instead of the listen ones (a port forwarded on a home router)",
-        )
-        parser.add_argument(
-            "--reachability",
-            choices=[r.value for r in NatReachability],
-            default=NatReachability.AUTO.value,
-            help="auto: let AutoNAT tell whether others can dial us, and take relay reservations if "
-            "not; private: behind a NAT for sure (reserve relay slots at once); public: never use relays",
-        )
-
-
-def add_initial_peers(parser: argparse.ArgumentParser, required: bool = True, founder: bool = True) -> None:
-    parser.add_argument(
-        "--initial-peers",
-        nargs="+",
-        required=required,
-        default=[],
-        metavar="MADDR",
-        help="multiaddr(s) of peers already in the swarm, as printed by `node bootstrap`",
-    )
-    parser.add_argument("--swarm", dest="swarm_id", help="swarm id, when several swarms share one DHT")
-    if founder:
-        parser.add_argument(
-            "--swarm-founder",
-            metavar="PEER_ID",
-            help="peer id of the swarm's founder (its bootstrapper), whose signed config is the "
-            "only one trusted; default: the peer id in --initial-peers (needed when those name "
-            "another peer, or several)",
-        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,45 +112,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_data_commands(commands: Any) -> None:
-    """prepare-data, export, generate: a corpus in, a Hugging Face model out (docs/model.md)."""
-    from node.model.corpus import DEFAULT_VAL_FRACTION, MAX_VAL_FRACTION
-
-    prepare = commands.add_parser("prepare-data", help="train a BPE tokenizer on text files and write token files")
-    prepare.add_argument("files", nargs="+", metavar="TEXT_FILE", help="UTF-8 text files")
-    prepare.add_argument("--out", required=True, metavar="DIR", help="directory for tokenizer.json, train.bin, val.bin")
-    prepare.add_argument("--vocab-size", type=int, required=True, help="tokens of the byte-level BPE (>= 257)")
-    prepare.add_argument(
-        "--val-fraction",
-        type=float,
-        default=DEFAULT_VAL_FRACTION,
-        help=f"tail of every file held out in val.bin (0..{MAX_VAL_FRACTION}; default {DEFAULT_VAL_FRACTION})",
-    )
-    prepare.add_argument("--force", action="store_true", help="replace prepared data already in --out")
-
-    export = commands.add_parser("export", help="write the swarm's current model as a Hugging Face checkpoint")
-    add_initial_peers(export)
-    export.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory")
-    export.add_argument(
-        "--data", dest="data_path", metavar="DIR", help="the swarm's prepared data: its tokenizer goes into the export"
-    )
-    export.add_argument(
-        "--swarm-key",
-        dest="swarm_key_path",
-        metavar="FILE",
-        help="a private swarm's key (default: $PIPESWARM_SWARM_KEY_FILE)",
-    )
-    export.add_argument("--timeout", type=float, default=60.0, help="seconds any one message of a download may take")
-
-    generate = commands.add_parser("generate", help="continue a prompt with an exported model")
-    generate.add_argument("--model", required=True, metavar="DIR", help="a directory `node export` wrote")
-    generate.add_argument("--prompt", required=True, help="text (token ids separated by spaces without a tokenizer)")
-    generate.add_argument("--max-new-tokens", type=int, default=64)
-    generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampling")
-    generate.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
-    generate.add_argument("--seed", type=int, default=0, help="sampling seed")
-
-
 def configure_logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
@@ -216,8 +127,8 @@ def print_bootstrap_addresses(maddrs: list[str]) -> None:
         print(f"  node join --initial-peers {maddr}", flush=True)
     founder = maddrs[0].rsplit("/p2p/", 1)[-1] if maddrs else "?"
     print(
-        f"(joining through any other peer: add --swarm-founder {founder}; keep this founder's key with "
-        "--identity FILE to restart it)",
+        f"(joining through any other peer: add --swarm-founder {founder}; restarting this bootstrap on this "
+        "machine keeps the founder's key, or choose its file with --identity FILE)",
         flush=True,
     )
     print(f"INITIAL_PEERS {' '.join(maddrs)}", flush=True)
@@ -258,7 +169,13 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         )
         return 2
     logger.info(f"starting swarm {config.swarm_id}: {config.num_stages} stages, config {config.config_hash()}")
-    return daemon.run(daemon.bootstrap(config, node_options(args), print_bootstrap_addresses))
+    from node.monitor.metrics import NodeRole, serving_metrics
+
+    options = node_options(args)
+    with serving_metrics(args.metrics_host, args.metrics_port, NodeRole.FOUNDER, swarm_id=config.swarm_id) as metrics:
+        if metrics is not None:
+            options.on_network = metrics.attach_network
+        return daemon.run(daemon.bootstrap(config, options, print_bootstrap_addresses))
 
 
 def node_options(args: argparse.Namespace) -> Any:
@@ -305,21 +222,29 @@ def cmd_join(args: argparse.Namespace) -> int:
     if args.stage != "auto" and not args.stage.isdigit():
         logger.error(f"--stage must be 'auto' or a stage number, not {args.stage!r}")
         return 2
-    serve = None
-    if args.train:
-        from functools import partial
+    from node.monitor.metrics import NodeRole, serving_metrics
 
-        from node.server.stage_service import ServiceOptions, serve_stage
+    options = node_options(args)
+    with serving_metrics(args.metrics_host, args.metrics_port, NodeRole.PEER, name=args.name) as metrics:
+        if metrics is not None:
+            options.on_network = metrics.attach_network
+        serve = None
+        if args.train:  # `--no-train`: a place in the registry, no stage service
+            from functools import partial
 
-        options = ServiceOptions(
-            device=args.device,
-            data_path=args.data_path,
-            threads=args.threads,
-            quiet=args.quiet,
-            check_memory=args.check_memory,
-        )
-        serve = partial(serve_stage, options=options)
-    return daemon.run(daemon.join(node_options(args), serve))
+            from node.server.stage_service import ServiceOptions, serve_stage
+
+            service_options = ServiceOptions(
+                device=args.device,
+                data_path=args.data_path,
+                threads=args.threads,
+                quiet=args.quiet,
+                check_memory=args.check_memory,
+            )
+            if metrics is not None:
+                service_options.meter, service_options.on_service = metrics.meter, metrics.attach_service
+            serve = partial(serve_stage, options=service_options)
+        return daemon.run(daemon.join(options, serve))
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -398,97 +323,6 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     return daemon.run(once() if args.once else live())
 
 
-def cmd_prepare_data(args: argparse.Namespace) -> int:
-    from node.model.corpus import PreparedDataError, prepare_corpus
-
-    start = time.monotonic()
-    try:
-        prepared = prepare_corpus(args.files, args.out, args.vocab_size, args.val_fraction, force=args.force)
-    except (PreparedDataError, OSError) as e:  # OSError: --out cannot be written
-        logger.error(f"cannot prepare data: {e}")
-        return 2
-    except KeyboardInterrupt:  # meta.json comes last: what was written is never read
-        logger.error(f"interrupted: {args.out} holds no usable prepared data")
-        return 130
-    seconds = time.monotonic() - start
-    size = sum(os.path.getsize(f) for f in args.files)
-    print(
-        f"wrote {prepared.directory}: {prepared.train_tokens:,} train + {prepared.val_tokens:,} val tokens "
-        f"({prepared.dtype}), vocabulary {prepared.vocab_size:,}, tokenizer {prepared.tokenizer_hash}; "
-        f"{size / 1e6:.1f} MB in {seconds:.1f} s ({size / 1e6 / max(seconds, 1e-9):.2f} MB/s)",
-        flush=True,
-    )
-    print(f"start a swarm on it with: node bootstrap --data {prepared.directory} (stage-0 peers: node join --data DIR)")
-    return 0
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    from node.model.corpus import PreparedDataError, load_prepared
-    from node.model.hf import ExportError, MissingExtra, require_transformers, write_checkpoint
-    from node.monitor.export import ExportRefused, collect_stages, describe
-    from node.p2p.swarm_key import load_swarm_key
-    from node.server import daemon
-
-    try:
-        require_transformers()
-        prepared = load_prepared(args.data_path) if args.data_path is not None else None
-    except (MissingExtra, PreparedDataError) as e:
-        logger.error(f"cannot export: {e}")
-        return 2
-    collected = []
-
-    async def collect() -> int:
-        try:
-            collected.append(
-                await collect_stages(
-                    args.initial_peers,
-                    args.swarm_id,
-                    args.swarm_founder,
-                    load_swarm_key(args.swarm_key_path),
-                    timeout=args.timeout,
-                )
-            )
-        except ExportRefused as e:
-            logger.error(f"cannot export: {e}")
-            return 5
-        return 0
-
-    code = daemon.run(collect())
-    if code != 0:
-        return code
-    result = collected[0]
-    expected = result.config.data.tokenizer_hash
-    if prepared is not None and prepared.tokenizer_hash != expected:
-        logger.error(
-            f"cannot export: {args.data_path} has tokenizer {prepared.tokenizer_hash}, the swarm trains with "
-            f"{expected or 'no prepared tokenizer'}"
-        )
-        return 2
-    if prepared is None and expected:
-        logger.warning(f"the swarm trains with tokenizer {expected}: pass --data DIR to include it in the export")
-    try:
-        out = write_checkpoint(
-            result.config, result.stages, args.out, prepared.tokenizer_path if prepared else None, result.provenance
-        )
-    except ExportError as e:
-        logger.error(f"cannot export: {e}")
-        return 2
-    print(f"exported swarm {result.config.swarm_id} to {out}:\n{describe(result)}", flush=True)
-    return 0
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    from node.model.hf import ExportError, MissingExtra, generate
-
-    try:
-        text = generate(args.model, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
-    except (MissingExtra, ExportError) as e:
-        logger.error(f"cannot generate: {e}")
-        return 2
-    print(text, flush=True)
-    return 0
-
-
 COMMANDS = {
     "prepare-data": cmd_prepare_data,
     "export": cmd_export,
@@ -511,10 +345,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in ("bootstrap", "join", "doctor"):
         # before p2pd starts, so that it inherits the limit: many peers and streams need many descriptors
         logger.info(f"open-file limit: {raise_fd_soft_limit()}")
+    from node.monitor.metrics import MetricsError  # after the first log line: it imports hivemind and torch
 
     try:
         return COMMANDS[args.command](args)
-    except SwarmKeyError as e:
+    except (SwarmKeyError, MetricsError) as e:
         logger.error(f"refusing to start: {e}")
         return 2
 
