@@ -17,6 +17,7 @@ from node import __version__
 from node.config import ConfigError
 from node.model.presets import PresetName, load_config
 from node.p2p.reachability import NatReachability
+from node.simulate.names import ExperimentName, SimPreset
 
 logger = logging.getLogger("node")
 
@@ -139,7 +140,39 @@ def build_parser() -> argparse.ArgumentParser:
     dashboard.add_argument("--once", action="store_true", help="print one frame and exit")
     dashboard.add_argument("--width", type=int, help="frame width for --once (default: the terminal's)")
     dashboard.add_argument("--refresh", type=float, default=1.5, help="seconds between refreshes")
+    add_simulate_parser(commands)
     return parser
+
+
+def add_simulate_parser(commands: Any) -> None:
+    """`node simulate EXPERIMENT`: flags left unset keep the preset's value (node/simulate/experiments.py)."""
+    sim = commands.add_parser("simulate", help="S stages x R replicas in one process on a simulated clock")
+    sim.add_argument("experiment", choices=[e.value for e in ExperimentName])
+    sim.add_argument("--preset", choices=[p.value for p in SimPreset], default=SimPreset.DEFAULT.value)
+    sim.add_argument("--out", default="simulate-out", help="directory for CSV, JSON and PNG files")
+    sim.add_argument("--no-progress", action="store_true", help="no progress bar")
+    numbers = {
+        "--steps": (int, "iterations per run"),
+        "--stages": (int, "pipeline stages counting stage 0"),
+        "--replicas": (int, "replicas per stage"),
+        "--seed": (int, "seed of the model, data and failure schedule"),
+        "--latency-ms": (float, "one-way link latency (default 50)"),
+        "--bandwidth-mbit": (float, "link bandwidth (default 100)"),
+        "--compute-ms": (float, "clock charge of one microbatch-stage (default: measured)"),
+        "--inner-steps": (int, "H: inner steps between outer rounds"),
+        "--failures-from": (int, "recovery: first iteration that may fail"),
+        "--checkpoint-every": (int, "recovery: K iterations between saves"),
+        "--checkpoint-save-s": (float, "recovery: fixed cost of a save"),
+        "--restart-s": (float, "recovery: restart cost after a rollback"),
+        "--target-loss": (float, "recovery: loss whose wall-clock is reported"),
+        "--max-replicas": (int, "sync-scaling: largest N"),
+    }
+    for flag, (kind, text) in numbers.items():
+        sim.add_argument(flag, type=kind, help=text)
+    sim.add_argument(
+        "--failure-rate-per-hour", dest="failure_percent_per_hour", type=float, help="recovery: per stage, in %%/h"
+    )
+    sim.add_argument("--model-preset", choices=[p.value for p in PresetName], help="sync-scaling: the payload model")
 
 
 def configure_logging(level: str) -> None:
@@ -308,12 +341,26 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     return daemon.run(once() if args.once else live())
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from node.simulate.experiments import run_experiment
+
+    skip = {"command", "log_level", "experiment", "preset", "out", "no_progress"}
+    overrides = {key: value for key, value in vars(args).items() if key not in skip and value is not None}
+    if "model_preset" in overrides:
+        overrides["model_preset"] = PresetName(overrides["model_preset"])
+    summary = run_experiment(args.experiment, args.out, args.preset, overrides, progress=not args.no_progress)
+    print(json.dumps(summary.get("variants") or summary.get("largest"), indent=1, default=str))
+    print(f"results in {args.out}", flush=True)
+    return 0
+
+
 COMMANDS = {
     "bootstrap": cmd_bootstrap,
     "join": cmd_join,
     "status": cmd_status,
     "dashboard": cmd_dashboard,
     "keygen": cmd_keygen,
+    "simulate": cmd_simulate,
 }
 
 

@@ -179,7 +179,15 @@ class SimulatedSwarm:
                 for first in range(0, len(due), 2):
                     self._pairwise(stage, due[first : first + 2], starts)
                 seconds = noloco_round_seconds(2, self.stage_bytes[stage], self.link)
-            else:  # DiLoCo and every-step averaging: one group of every due replica
+            else:  # DiLoCo and every-step averaging: once one replica is due, every replica takes part
+                due = list(range(self.replicas))  # (one that took no step brings a zero Delta), so all share phi
+                starts.update(
+                    {
+                        r: self.outer[stage][r].capture_start(self.workers[stage][r].inner_step)
+                        for r in due
+                        if r not in starts
+                    }
+                )
                 for r in due:
                     others = [starts[o].delta for o in due if o != r]
                     self.outer[stage][r].apply(starts[r], self.outer[stage][r].group_step(starts[r], others))
