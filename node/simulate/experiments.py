@@ -26,8 +26,8 @@ from node.simulate.sync_scaling import SyncScalingSettings, run_sync_scaling
 # so the failure rate is raised to give a comparable number of failures per run (docs/results.md).
 RECOVERY_PRESETS = {
     SimPreset.DEFAULT: (
-        SimSettings(steps=200, compute_ms=13000.0, eval_every=10),
-        RecoverySettings(failure_percent_per_hour=100.0, failures_from=50),
+        SimSettings(steps=160, compute_ms=13000.0, eval_every=10),
+        RecoverySettings(failure_percent_per_hour=100.0, failures_from=40),
     ),
     SimPreset.TINY: (
         SimSettings(steps=10, stages=4, compute_ms=13000.0, eval_every=3, eval_batches=1, hidden=32),
@@ -35,7 +35,7 @@ RECOVERY_PRESETS = {
     ),
 }
 GOSSIP_PRESETS = {
-    SimPreset.DEFAULT: SimSettings(steps=150, replicas=4, stages=3, inner_steps=20, eval_every=10),
+    SimPreset.DEFAULT: SimSettings(steps=100, replicas=4, stages=3, inner_steps=10, eval_every=10, hidden=32),
     SimPreset.TINY: SimSettings(steps=8, replicas=2, stages=3, inner_steps=4, eval_every=4, eval_batches=1, hidden=32),
 }
 SYNC_PRESETS = {

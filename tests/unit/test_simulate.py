@@ -183,3 +183,29 @@ def test_allreduce_every_step_keeps_replicas_equal():
         assert math.isfinite(swarm.clock.now())
     finally:
         swarm.close()
+
+
+def test_rebuild_drives_the_projects_plans_on_every_replica():
+    from node.config import RecoveryStrategy
+    from node.simulate.recovery import rebuild
+
+    sim = small(stages=4, steps=3)
+    swarm = SimulatedSwarm(sim.config(), sim.replicas, sim.link, sim.compute_seconds, SyncMode.NOLOCO, sim.seed)
+    try:
+        for _ in range(sim.steps):
+            swarm.train_iteration()
+        before = swarm.clock.now()
+        charged = rebuild(swarm, 2, RecoveryStrategy.CHECKFREE, init_seed=1)
+        assert charged > swarm.config.recovery.lost_grace and swarm.clock.now() == pytest.approx(before + charged)
+        rebuilt = [w.state_dict() for w in swarm.workers[2]]
+        assert all(torch.equal(rebuilt[0][k], rebuilt[1][k]) for k in rebuilt[0])  # one rebuild serves all
+        assert all(w.last_grad_norm is None and w.lr_scale == pytest.approx(1.1) for w in swarm.workers[2])
+        # zero: the authors' "random" baseline, an identity stage that never trains again
+        rebuild(swarm, 2, RecoveryStrategy.ZERO, init_seed=2)
+        for _ in range(2):
+            swarm.train_iteration()
+        for worker in swarm.workers[2]:
+            assert all(not p.any() for p in worker.module.parameters() if p.dim() > 1)
+            assert worker.lr_scale == 1.0
+    finally:
+        swarm.close()
