@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test slow bench lint format hostile test-private internet netns-deps chaos
+.PHONY: demo test slow bench lint format hostile test-private internet netns-deps chaos results
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,14 @@ slow: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) tests/benchmarks/bench_all.py
+
+# docs/results.md and its plots in docs/results/: the default presets of `node simulate` (about half
+# an hour on 2 busy CPU cores, minutes on an idle machine), then the page rendered from their JSON
+results: $(STAMP)
+	$(PY) -m node simulate sync-scaling --out docs/results --no-progress
+	$(PY) -m node simulate recovery --out docs/results
+	$(PY) -m node simulate gossip --out docs/results
+	$(PY) -m node.simulate.report docs/results docs/results.md
 
 # ruff (lint + format check) with the rules in pyproject.toml; CI runs it before the tests
 lint: $(STAMP)

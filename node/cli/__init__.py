@@ -17,6 +17,7 @@ os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")  # before hivemind is impo
 from node import __version__
 from node.cli.data_commands import add_data_commands, cmd_export, cmd_generate, cmd_prepare_data
 from node.cli.flags import add_initial_peers, add_network_flags
+from node.cli.simulate_command import add_simulate_parser, cmd_simulate
 from node.config import ConfigError
 from node.model.presets import PresetName, load_config
 
@@ -109,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     dashboard.add_argument("--width", type=int, help="frame width for --once (default: the terminal's)")
     dashboard.add_argument("--refresh", type=float, default=1.5, help="seconds between refreshes")
     add_data_commands(commands)
+    add_simulate_parser(commands)
     return parser
 
 
@@ -333,6 +335,7 @@ COMMANDS = {
     "dashboard": cmd_dashboard,
     "keygen": cmd_keygen,
     "doctor": cmd_doctor,
+    "simulate": cmd_simulate,
 }
 
 

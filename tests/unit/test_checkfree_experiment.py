@@ -39,6 +39,7 @@ from node.config import RecoveryStrategy, load_config
 from node.model.llama import build_stage
 from node.pipeline.stage_worker import StageWorker
 from node.recovery.checkfree import execute_rebuild, plan_rebuild, recovered_lr_scale
+from node.simulate.sources import SecondOrderMarkov
 
 TRAIN_STEPS = 300
 RECOVERY_STEPS = 20
@@ -48,26 +49,6 @@ SEQ, BATCH = 32, 8
 
 # the neighbour-based and fresh-init strategies compared (checkpoint has nothing to compare here)
 STRATEGIES = (RecoveryStrategy.CHECKFREE, RecoveryStrategy.COPY, RecoveryStrategy.RANDOM)
-
-
-class SecondOrderMarkov:
-    """x_t ~ P[x_{t-2}, x_{t-1}, :]: `branching` successors per pair of tokens, Dirichlet(1) weights."""
-
-    def __init__(self, vocab: int, branching: int, seed: int, stream: int) -> None:
-        chain = np.random.default_rng(seed)
-        self.vocab, self.branching = vocab, branching
-        self.successors = chain.integers(0, vocab, size=(vocab, vocab, branching))
-        self.cumulative = np.cumsum(chain.dirichlet(np.ones(branching), size=(vocab, vocab)), axis=-1)
-        self.rng = np.random.default_rng(10_000 + stream)
-
-    def next_batch(self, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x = np.empty((batch, seq + 1), dtype=np.int64)
-        x[:, :2] = self.rng.integers(0, self.vocab, size=(batch, 2))
-        for t in range(2, seq + 1):
-            k = (self.cumulative[x[:, t - 2], x[:, t - 1]] <= self.rng.random((batch, 1))).sum(axis=1)
-            x[:, t] = self.successors[x[:, t - 2], x[:, t - 1], np.minimum(k, self.branching - 1)]
-        tokens = torch.from_numpy(x)
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 def experiment_config(seed: int):

@@ -1,0 +1,67 @@
+"""What every simulated run shares: the model and pipeline shape, the link, the clock's costs.
+
+The model is the project's LLaMA stage model at a small width on a 32-token second-order chain
+(sources.py), so a preset trains in minutes on a CPU; the clock can still be charged as a larger
+model would be, through `compute_ms` (seconds per microbatch-stage) and the link flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from node.config import RoutingMode, SwarmConfig, load_config
+from node.simulate.links import DEFAULT_BANDWIDTH_MBIT, DEFAULT_LATENCY_MS, LinkModel
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    steps: int = 300  # iterations (every stage-0 replica sends microbatches_per_step microbatches)
+    stages: int = 5  # counting stage 0: 4 block stages, so stages 2 and 3 are middle stages
+    replicas: int = 2
+    seed: int = 0
+    hidden: int = 64
+    layers_per_stage: int = 1
+    vocab: int = 32
+    microbatch: int = 8
+    sequence: int = 32
+    microbatches_per_step: int = 1
+    learning_rate: float = 3e-3
+    inner_steps: int = 50  # H of the outer steps
+    routing: RoutingMode = RoutingMode.LOAD_AWARE
+    latency_ms: float = DEFAULT_LATENCY_MS
+    bandwidth_mbit: float = DEFAULT_BANDWIDTH_MBIT
+    compute_ms: float | None = None  # per microbatch-stage (forward + backward); None: measured once
+    eval_every: int = 10
+    eval_batches: int = 4
+
+    @property
+    def link(self) -> LinkModel:
+        return LinkModel.from_flags(self.latency_ms, self.bandwidth_mbit)
+
+    @property
+    def compute_seconds(self) -> float | None:
+        return None if self.compute_ms is None else self.compute_ms / 1000.0
+
+    def config(self, **overrides: object) -> SwarmConfig:
+        """The SwarmConfig of this run; `overrides` are dotted config keys (e.g. recovery.checkfree_plus)."""
+        if self.stages < 2 or self.replicas < 1 or self.steps < 1:
+            raise ValueError("need stages >= 2, replicas >= 1, steps >= 1")
+        values = {
+            "model.vocab_size": self.vocab,
+            "model.hidden_size": self.hidden,
+            "model.intermediate_size": 2 * self.hidden,
+            "model.num_attention_heads": 4,
+            "model.num_key_value_heads": 4,
+            "model.layers_per_stage": self.layers_per_stage,
+            "training.microbatch_size": self.microbatch,
+            "training.sequence_length": self.sequence,
+            "training.microbatches_per_step": self.microbatches_per_step,
+            "training.learning_rate": self.learning_rate,
+            "training.warmup_steps": 20,
+            "training.total_steps": max(self.steps, 21),
+            "training.routing": self.routing,
+            "gossip.inner_steps": self.inner_steps,
+            "recovery.checkfree_plus": False,
+        }
+        values.update(overrides)
+        return load_config(None, swarm_id="simulate", seed=self.seed, num_stages=self.stages, **values)

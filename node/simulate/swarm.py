@@ -1,0 +1,254 @@
+"""S stages x R replicas of the project's own StageWorkers in one process, on a simulated clock.
+
+What is real: every forward, backward and optimizer step (node/pipeline/stage_worker.py on the
+node/model/llama.py stages), every choice of the next-stage replica (node/pipeline/routing.py's
+Router, in load_aware or random mode, reading the simulated clock), the microbatch paths
+(node/pipeline/order.py, CheckFree+ swaps included) and every outer step (node/averaging/
+outer_replica.py: NoLoCo's pairwise step, DiLoCo's group step). What is simulated: time. An
+iteration = every stage-0 replica sends microbatches_per_step microbatches; timeline.py says when
+they finish given per-task compute and the link model, and the clock jumps there. An outer round
+is charged as collectives.py prices it, and blocks training while it runs (the real gossip
+overlaps with training, docs/gossip.md: the charge is an upper bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+
+from dht.records import PeerRecord, PeerState
+from node.averaging.noloco import relative_distance
+from node.averaging.outer_replica import OuterReplica, RoundStart
+from node.config import SwarmConfig
+from node.pipeline.order import pipeline_order
+from node.pipeline.routing import Router
+from node.pipeline.stage_worker import StageWorker
+from node.simulate.clock import SimClock
+from node.simulate.collectives import noloco_round_seconds, ring_allreduce_seconds
+from node.simulate.links import LinkModel
+from node.simulate.sources import SecondOrderMarkov
+from node.simulate.timeline import Microbatch, StageCosts, run_iteration
+from protocol.tensors import Compression
+
+MARKOV_BRANCHING = 2  # successors per token pair: a chain the small model learns well below ln V
+HELD_OUT_STREAM = 999
+
+
+class SyncMode(StrEnum):
+    """How the replicas of a stage are kept together in a simulated run."""
+
+    NOLOCO = "noloco"  # every H inner steps, NoLoCo's outer step with one random partner
+    DILOCO = "diloco"  # every H inner steps, DiLoCo's outer step over every replica
+    ALLREDUCE = "allreduce"  # after every inner step, the replicas' weights averaged (ring all-reduce)
+    NONE = "none"  # replicas never meet
+
+
+# data-parallel every step as an outer step: DiLoCo with H = 1, no momentum, lr 1, i.e.
+# phi <- phi - mean(Delta) = mean(theta): the replicas' weights averaged after every inner step
+ALLREDUCE_OUTER = {"inner_steps": 1, "outer_momentum": 0.0, "outer_lr": 1.0}
+
+WIRE_BYTES = {Compression.NONE: 4, Compression.FP16: 2, Compression.BF16: 2, Compression.INT8: 1}
+
+
+def peer_id(stage: int, replica: int) -> str:
+    return f"stage{stage}-replica{replica}"
+
+
+@dataclass
+class IterationResult:
+    loss: float  # mean training loss of the iteration's microbatches
+    seconds: float  # simulated time the iteration took
+
+
+class SimulatedSwarm:
+    """The workers of every (stage, replica), their routers, data, outer states and the clock."""
+
+    def __init__(
+        self,
+        config: SwarmConfig,
+        replicas: int,
+        link: LinkModel,
+        compute_seconds: float | None,
+        sync: SyncMode,
+        seed: int,
+        extra_forward: float = 0.0,
+    ) -> None:
+        if replicas < 1:
+            raise ValueError(f"need at least one replica per stage, got {replicas}")
+        self.config, self.replicas, self.link, self.sync = config, replicas, link, SyncMode(sync)
+        self.num_stages = config.num_stages
+        self.clock = SimClock()
+        self.rng = random.Random(seed)
+        # replicas of a stage start identical (build_stage is a function of the config's seed)
+        self.workers = [[StageWorker(config, s) for _ in range(replicas)] for s in range(self.num_stages)]
+        gossip = config.gossip
+        if self.sync == SyncMode.ALLREDUCE:
+            gossip = dataclasses.replace(gossip, **ALLREDUCE_OUTER)
+        self.inner_steps = gossip.inner_steps
+        self.outer = [[OuterReplica(w.module, gossip) for w in row] for row in self.workers]
+        self.last_round_step = [[0] * replicas for _ in range(self.num_stages)]
+        self.router = Router(
+            random.Random(seed + 1), self.num_stages, clock=self.clock.now, mode=config.training.routing
+        )
+        self.stage_bytes = [4 * sum(p.numel() for p in row[0].module.parameters()) for row in self.workers]
+        t, m = config.training, config.model
+        self.activation_bytes = t.microbatch_size * t.sequence_length * m.hidden_size * WIRE_BYTES[t.wire_compression]
+        if compute_seconds is None:  # measured once, on this host, for a block stage and for stage 0
+            block = 1.0 / self.workers[1][0].measure_throughput()
+            edge = 1.0 / self.workers[0][0].measure_throughput()
+        else:
+            block = edge = compute_seconds
+        self.costs = StageCosts(block, edge, self.activation_bytes, extra_forward)
+        throughput = 1.0 / max(block, 1e-9)
+        self.router.refresh(
+            {
+                s: [PeerRecord(peer_id(s, r), s, PeerState.ONLINE, throughput=throughput) for r in range(replicas)]
+                for s in range(self.num_stages)
+            }
+        )
+        self.replica_of = {peer_id(s, r): r for s in range(self.num_stages) for r in range(replicas)}
+        vocab = config.model.vocab_size
+        self.sources = [SecondOrderMarkov(vocab, MARKOV_BRANCHING, config.seed, stream=1 + r) for r in range(replicas)]
+        self.sent = [0] * replicas  # microbatches issued per stage-0 replica (CheckFree+ swaps odd ones)
+        self.iteration = 0
+
+    # ---- training ------------------------------------------------------------------------------
+
+    def _choose(self, stage: int, now: float) -> int:
+        self.clock.advance_to(now)
+        chosen = self.router.choose(stage)
+        if chosen is None:  # every replica is always online here; a None would be a routing bug
+            raise RuntimeError(f"the router found no replica of stage {stage}")
+        return self.replica_of[chosen]
+
+    def train_iteration(self) -> IterationResult:
+        """Every stage-0 replica sends microbatches_per_step microbatches through the real workers."""
+        t = self.config.training
+        batches = []
+        for source in range(self.replicas):
+            for _ in range(t.microbatches_per_step):
+                order = pipeline_order(self.num_stages, self.sent[source], self.config.recovery.checkfree_plus)
+                batches.append(Microbatch(source, order))
+                self.sent[source] += 1
+        start = self.clock.now()
+        end = run_iteration(batches, start, self.costs, self.link, self._choose)
+        losses = [self._run_microbatch(index, mb) for index, mb in enumerate(batches)]
+        self.clock.advance_to(end)
+        self.iteration += 1
+        return IterationResult(sum(losses) / len(losses), end - start)
+
+    def _run_microbatch(self, index: int, mb: Microbatch) -> float:
+        t = self.config.training
+        tokens, targets = self.sources[mb.source].next_batch(t.microbatch_size, t.sequence_length)
+        key = (self.iteration, index)
+        edge = self.workers[0][mb.source]
+        hidden = edge.embed(key, tokens)
+        path = [self.workers[stage][replica] for stage, replica in zip(mb.order, mb.replicas)]
+        for worker in path:
+            hidden = worker.forward(key, hidden)
+        loss, grad = edge.head_loss_backward(key, hidden, targets)
+        for worker in reversed(path):
+            grad = worker.backward(key, grad)
+        edge.embed_backward(key, grad)
+        return loss
+
+    # ---- keeping replicas together --------------------------------------------------------------
+
+    def synchronise(self) -> float:
+        """Run the outer rounds that are due (each stage in parallel); returns the seconds charged."""
+        if self.sync == SyncMode.NONE or self.replicas == 1:
+            return 0.0
+        charged = 0.0
+        for stage in range(self.num_stages):
+            due = [
+                r
+                for r in range(self.replicas)
+                if self.workers[stage][r].inner_step - self.last_round_step[stage][r] >= self.inner_steps
+            ]
+            if not due:
+                continue
+            starts = {r: self.outer[stage][r].capture_start(self.workers[stage][r].inner_step) for r in due}
+            if self.sync == SyncMode.NOLOCO:
+                self.rng.shuffle(due)  # a fresh random matching among the due replicas; an odd one steps alone
+                for first in range(0, len(due), 2):
+                    self._pairwise(stage, due[first : first + 2], starts)
+                seconds = noloco_round_seconds(2, self.stage_bytes[stage], self.link)
+            else:  # DiLoCo and every-step averaging: once one replica is due, every replica takes part
+                due = list(range(self.replicas))  # (one that took no step brings a zero Delta), so all share phi
+                starts.update(
+                    {
+                        r: self.outer[stage][r].capture_start(self.workers[stage][r].inner_step)
+                        for r in due
+                        if r not in starts
+                    }
+                )
+                for r in due:
+                    others = [starts[o].delta for o in due if o != r]
+                    self.outer[stage][r].apply(starts[r], self.outer[stage][r].group_step(starts[r], others))
+                seconds = ring_allreduce_seconds(len(due), self.stage_bytes[stage], self.link)
+            for r in due:
+                self.last_round_step[stage][r] = self.workers[stage][r].inner_step
+            charged = max(charged, seconds)
+        self.clock.advance(charged)
+        return charged
+
+    def _pairwise(self, stage: int, pair: Sequence[int], starts: dict[int, RoundStart]) -> None:
+        outer = self.outer[stage]
+        new_states = {}
+        for r in pair:  # both outer steps from the states captured at the round's start
+            partners = [starts[o] for o in pair if o != r]
+            new_states[r] = outer[r].pairwise_step(
+                starts[r], [p.state.phi for p in partners], [p.delta for p in partners]
+            )
+        for r in pair:
+            outer[r].apply(starts[r], new_states[r])
+
+    # ---- measuring ------------------------------------------------------------------------------
+
+    def held_out(self, batches: int, batch_size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        source = SecondOrderMarkov(self.config.model.vocab_size, MARKOV_BRANCHING, self.config.seed, HELD_OUT_STREAM)
+        return [source.next_batch(batch_size, self.config.training.sequence_length) for _ in range(batches)]
+
+    @torch.no_grad()
+    def eval_loss(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Mean loss of each replica's own chain (replica r of every stage), in normal order."""
+        losses = []
+        for r in range(self.replicas):
+            for tokens, targets in batches:
+                hidden = self.workers[0][r].module.embed(tokens)
+                for stage in range(1, self.num_stages):
+                    hidden = self.workers[stage][r].module(hidden)
+                losses.append(float(self.workers[0][r].module.loss(hidden, targets)))
+        return sum(losses) / len(losses)
+
+    @torch.no_grad()
+    def divergence(self) -> float:
+        """Mean relative distance of replicas 1..R-1 from replica 0 (noloco.relative_distance), over stages."""
+        if self.replicas == 1:
+            return 0.0
+        values = []
+        for row in self.workers:
+            reference = list(row[0].module.parameters())
+            values += [relative_distance(reference, list(w.module.parameters())) for w in row[1:]]
+        return sum(values) / len(values)
+
+    def close(self) -> None:
+        for row in self.workers:
+            for worker in row:
+                worker.close()
+
+
+def estimate_iteration_seconds(
+    num_stages: int, replicas: int, microbatches: int, costs: StageCosts, link: LinkModel
+) -> float:
+    """A failure-free iteration's simulated time with replicas taken in turn (what load-aware routing
+    does over equally fast peers), without running any model: the base of the failure rate."""
+    turns = [itertools.cycle(range(replicas)) for _ in range(num_stages)]
+    batches = [Microbatch(r, list(range(1, num_stages))) for r in range(replicas) for _ in range(microbatches)]
+    return run_iteration(batches, 0.0, costs, link, lambda stage, now: next(turns[stage]))
