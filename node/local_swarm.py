@@ -8,6 +8,7 @@ id of its own, as a new volunteer would: never the user's keys, never another lo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -47,6 +48,15 @@ class NodeProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def kill_hard(self) -> None:
+        """SIGKILL the process and every descendant (its p2pd too), as a crash or a pulled plug
+        would end them, and reap it."""
+        self.refresh_family()
+        for pid in self.alive_family():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.process.wait()
 
     def alive_family(self) -> list[int]:
         alive = []

@@ -15,11 +15,8 @@ and the loss at the start and at the end.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
 import re
-import signal
 import time
 from dataclasses import dataclass, field
 
@@ -97,12 +94,7 @@ class ChaosRun:
 
     def kill(self, victims: list[NodeProcess]) -> None:
         for node in victims:
-            node.refresh_family()
-            for pid in node.alive_family():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        for node in victims:
-            node.process.wait()
+            node.kill_hard()
         self.killed += len(victims)
 
     def strike(self) -> None:
