@@ -11,13 +11,29 @@ import pytest
 
 from node.local_swarm import Swarm, peers_by_stage, wait_for
 
+# a node of another protocol version: the same code with PROTOCOL_VERSION patched before it runs
+OTHER_VERSION = [
+    "-c",
+    "import sys, protocol.version as v; v.PROTOCOL_VERSION = 99; from node.cli import main; sys.exit(main())",
+]
+# a stage of ~830 GiB (64 layers of width 4096 in one block stage): no machine of this project holds it
+HUGE_MODEL = """num_stages = 2
+[model]
+hidden_size = 4096
+intermediate_size = 11008
+num_attention_heads = 32
+num_key_value_heads = 32
+layers_per_stage = 64
+"""
 
-def doctor(swarm: Swarm, *args: str, initial_peers: list[str] | None = None) -> subprocess.CompletedProcess:
+
+def doctor(
+    swarm: Swarm, *args: str, initial_peers: list[str] | None = None, prefix: list[str] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [
             sys.executable,
-            "-m",
-            "node",
+            *(prefix or ["-m", "node"]),
             "--log-level",
             "WARNING",
             "doctor",
@@ -82,3 +98,22 @@ def test_doctor_says_ready_for_a_live_swarm_and_names_what_is_wrong_otherwise(sw
     assert dead.returncode == 1, dead.stdout + dead.stderr
     assert "[  ok] daemon" in dead.stdout and "[fail] peers" in dead.stdout
     assert "Traceback" not in dead.stderr
+
+    # software of another protocol version: named, with what to do
+    other = doctor(swarm, prefix=OTHER_VERSION)
+    assert other.returncode == 1, other.stdout + other.stderr
+    versions = lines_by_check(other.stdout)["versions"]
+    assert versions.startswith("[fail]") and "protocol 99 (swarm " in versions and "install" in versions
+    assert "Traceback" not in other.stderr
+
+
+@pytest.mark.timeout(180)
+def test_doctor_refuses_a_stage_the_device_cannot_hold(swarm: Swarm):
+    config = swarm.workdir / "huge.toml"
+    config.write_text(HUGE_MODEL)
+    swarm.bootstrap("--config", str(config))
+    result = doctor(swarm, "--stage", "1", "--device", "cpu")
+    assert result.returncode == 1, result.stdout + result.stderr
+    memory = lines_by_check(result.stdout)["memory"]
+    assert memory.startswith("[fail]") and "stage 1 needs about" in memory and "GiB" in memory, result.stdout
+    assert "not ready to join" in result.stdout and "Traceback" not in result.stderr
