@@ -38,6 +38,8 @@ class PeerProgress:
     throughput: float
     grad_norm: float | None
     loss: float | None
+    val_loss: float | None
+    val_step: int | None
     outer_round: int
     last_partner: str | None
     divergence: float | None
@@ -122,6 +124,7 @@ class PeerAnnouncer:
             None,
             None,
         )
+        record.val_loss = record.val_step = None
         await self.announce_now()
         logger.info(f"moved from stage {old} to stage {stage}")
 

@@ -160,6 +160,9 @@ class PeerRecord:
     outer_round: int = 0
     loss: float | None = None
     grad_norm: float | None = None
+    # stage 0: mean loss on held-out data (node/pipeline/validation.py), and this peer's inner step when measured
+    val_loss: float | None = None
+    val_step: int | None = None
     version: str = ""
     name: str = ""
     last_partner: str | None = None
@@ -199,6 +202,8 @@ class PeerRecord:
             outer_round=_check_int(values.get("outer_round", 0), "outer_round"),
             loss=_check_float(values.get("loss"), "loss", optional=True),
             grad_norm=_check_float(values.get("grad_norm"), "grad_norm", optional=True, low=0.0),
+            val_loss=_check_float(values.get("val_loss"), "val_loss", optional=True, low=0.0),  # cross-entropy >= 0
+            val_step=None if values.get("val_step") is None else _check_int(values["val_step"], "val_step"),
             version=_check_str(values.get("version", ""), "version", 32),
             name=_check_str(values.get("name", ""), "name", MAX_NAME_CHARS),
             last_partner=None

@@ -46,6 +46,10 @@ class DataError(ValueError):
     """A data file cannot be used with this swarm's model (missing, empty, too short, bad ids)."""
 
 
+# stream ids of peers are below 2**63 (stream_id_from_peer), so no stage-0 peer ever trains on this one
+VALIDATION_STREAM = 1 << 63
+
+
 def stream_id_from_peer(peer_id: str | bytes) -> int:
     """A stream id for a peer: a stable 63-bit hash of its peer id (bytes or base58 string)."""
     raw = peer_id if isinstance(peer_id, bytes) else str(peer_id).encode()
@@ -167,3 +171,32 @@ def open_source(config: SwarmConfig, data_path: str | None, stream_id: int) -> T
     if embedded is SyntheticSource.MARKOV:
         return markov_source(config, stream_id)
     return TokenFileSource(path, config.model.vocab_size, config.seed, stream_id, min_tokens=min_tokens)
+
+
+def open_heldout(config: SwarmConfig, data_path: str | None) -> TokenSource:
+    """The held-out data a stage-0 peer validates on (node/pipeline/validation.py), read from the
+    VALIDATION_STREAM so every peer draws the same batches.
+
+    A prepared directory: its val.bin, which no peer trains on. The embedded chain: another stream of
+    the same chain (the same distribution, other sequences; its loss floor still applies). A plain
+    file has no held-out part: DataError, as for a val.bin shorter than one sequence.
+    """
+    path = data_path if data_path is not None else config.data.source
+    min_tokens = config.training.sequence_length + 1
+    embedded = synthetic_source(path)
+    if embedded is None and Path(path).is_dir():
+        prepared = open_prepared(config, path)
+        if prepared.val_tokens < min_tokens:
+            raise DataError(
+                f"{prepared.val_path} holds {prepared.val_tokens} tokens, fewer than the {min_tokens} of one "
+                "sequence: prepare the data with a larger --val-fraction"
+            )
+        return TokenFileSource(
+            prepared.val_path, config.model.vocab_size, config.seed, VALIDATION_STREAM, min_tokens, prepared.dtype.numpy
+        )
+    if embedded is SyntheticSource.MARKOV and not config.data.tokenizer_hash:
+        return markov_source(config, VALIDATION_STREAM)
+    raise DataError(
+        f"{path} has no held-out part: validation needs a directory of `node prepare-data` (its val.bin) "
+        "or the embedded source"
+    )

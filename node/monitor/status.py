@@ -127,8 +127,10 @@ def format_table(snapshot: dict[str, Any]) -> str:
         )
         for peer in stage["peers"]:
             loss = "-" if peer["loss"] is None else f"{peer['loss']:.3f}"
+            # held-out loss, and the inner step it was measured at (stage 0, node/pipeline/validation.py)
+            val = "" if peer.get("val_loss") is None else f"val {peer['val_loss']:.3f} @{peer['val_step']} "
             lines.append(
                 f"  {peer['peer_id'][-12:]}  {peer['state']:<10} step {peer['inner_step']:<6} "
-                f"round {peer['outer_round']:<4} loss {loss:<7} v{peer['version']} {peer['name']}"
+                f"round {peer['outer_round']:<4} loss {loss:<7} {val}v{peer['version']} {peer['name']}"
             )
     return "\n".join(lines)

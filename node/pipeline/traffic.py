@@ -29,9 +29,8 @@ import logging
 import random
 import secrets
 import time
-from collections import deque
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
 
@@ -40,8 +39,10 @@ import torch
 from dht.announcer import PeerAnnouncer
 from dht.records import PeerState, short_peer_id
 from node.config import SwarmConfig
-from node.p2p.transport import Transport, TransportError, timed_out
+from node.p2p.transport import Transport, TransportError
 from node.pipeline.admission import RejectedInput
+from node.pipeline.evaluation import PURPOSE_KEY, MicrobatchPurpose, eval_embed, eval_forward, eval_loss, purpose_of
+from node.pipeline.hops import HopSender, PipelineStats
 from node.pipeline.in_flight_window import InFlightWindow, keep_in_flight
 from node.pipeline.order import pipeline_order
 from node.pipeline.routing import Router
@@ -79,6 +80,13 @@ class InFlight:
     done: asyncio.Future
     token: str  # shared only with the peers on this attempt's path
     loss: float | None = None
+    purpose: MicrobatchPurpose = MicrobatchPurpose.TRAIN
+
+    @classmethod
+    def start(cls, microbatch_id: int, targets: torch.Tensor, order: list[int], purpose: MicrobatchPurpose) -> InFlight:
+        """A new attempt, started now, with a fresh random token (call it on the event loop)."""
+        future = asyncio.get_running_loop().create_future()
+        return cls(microbatch_id, targets, order, time.monotonic(), future, secrets.token_hex(8), purpose=purpose)
 
     def finish(self, loss: float | None = None, error: BaseException | None = None) -> None:
         """Settle the attempt once: an abort can race a backward that just completed."""
@@ -88,105 +96,6 @@ class InFlight:
             self.done.set_exception(error)
         else:
             self.done.set_result(loss)
-
-
-@dataclass
-class PipelineStats:
-    losses: deque = field(default_factory=lambda: deque(maxlen=32))
-    completed: int = 0
-    retried: int = 0
-    dropped: int = 0
-    forwarded: int = 0
-    backwarded: int = 0
-    busy_replies: int = 0
-    timeouts: int = 0  # routed hops that timed out (retried elsewhere, never banned)
-    rerouted: int = 0  # routed hops sent to another peer after a timeout, error or BUSY reply
-    completions: deque = field(default_factory=lambda: deque(maxlen=64))  # monotonic times of completions
-
-    @property
-    def recent_loss(self) -> float | None:
-        return sum(self.losses) / len(self.losses) if self.losses else None
-
-    def rate(self, now: float) -> float:
-        """Completed microbatches per second over the recent window."""
-        recent = [t for t in self.completions if now - t < 30.0]
-        if len(recent) < 2:
-            return 0.0
-        return (len(recent) - 1) / max(recent[-1] - recent[0], 1e-6)
-
-
-class HopSender:
-    """Sends one hop of pipeline traffic: to a given peer, or to a routed choice among a stage's peers
-    with bans and bounded retries (SWARM: a peer that errors is banned until its record expires, a
-    peer that times out is only skipped)."""
-
-    def __init__(
-        self,
-        transport: Transport,
-        router: Router,
-        stats: PipelineStats,
-        hop_timeout: float,
-        max_retries: int,
-        ban_until: Callable[[str], float],
-        unreachable: Callable[[], set[str]] = set,
-    ):
-        self.transport, self.router, self.stats = transport, router, stats
-        self.hop_timeout, self.max_retries, self.ban_until = hop_timeout, max_retries, ban_until
-        # peers we can reach only through a relay, which cannot carry a hop (node/p2p/reachability.py)
-        self.unreachable = unreachable
-
-    async def send_to(self, peer_id: str, service: str, kind: MessageKind, meta: dict, tensors: dict) -> bool:
-        """Send to one specific peer (the origin or the previous hop): no alternative exists."""
-        message = self.transport.message(kind, meta, tensors)
-        try:
-            reply = await self.transport.request(peer_id, service, message, self.hop_timeout)
-        except TransportError as e:
-            logger.info(f"{service} of microbatch {meta['microbatch_id']} lost: {e}")
-            return False
-        return reply.kind == MessageKind.ACK
-
-    async def send_routed(self, stage: int, service: str, kind: MessageKind, meta: dict, tensors: dict) -> bool:
-        """Send to a routed choice among `stage`'s peers; on an error ban it and try another, on a
-        timeout just try another."""
-        message = self.transport.message(kind, meta, tensors)
-        tried: set[str] = set()
-        stage_router = self.router.for_stage(stage)
-        avoid = {peer_id for peer_id in self.unreachable() if peer_id in stage_router}
-        if len(avoid) == len(stage_router):  # only peers behind a relay serve the stage: a slim chance beats none
-            avoid = set()
-        for _ in range(self.max_retries + 1):
-            peer_id = stage_router.choose(exclude=tried | avoid, bans=self.router.bans)
-            if peer_id is None and not tried:
-                # every peer of the stage is banned: after a transient error on a stage's only
-                # peer, trying it again beats stalling the whole pipeline for the ban's length
-                peer_id = stage_router.choose(exclude=tried, bans=None)
-            if peer_id is None:
-                break
-            self.stats.rerouted += bool(tried)  # the second and later peers asked for this hop
-            tried.add(peer_id)
-            try:
-                reply = await self.transport.request(peer_id, service, message, self.hop_timeout)
-            except TransportError as e:
-                if timed_out(e):
-                    # SWARM's balancer leaves a timed-out expert unbanned and its charge in place
-                    # (docs/algorithms.md, "What the authors report"): it may only be slow, and the
-                    # kept charge steers the next tasks elsewhere while it catches up
-                    self.stats.timeouts += 1
-                    logger.info(f"{short_peer_id(peer_id)} (stage {stage}) timed out, trying another peer: {e}")
-                    continue
-                stage_router.release(peer_id, 1.0)
-                self.router.bans.ban(peer_id, self.ban_until(peer_id), str(e))
-                logger.info(f"banned {short_peer_id(peer_id)} (stage {stage}): {e}")
-                continue
-            if reply.kind == MessageKind.BUSY:
-                stage_router.release(peer_id, 1.0)
-                self.stats.busy_replies += 1
-                continue
-            # no observe(): the ACK comes before the compute, so its latency says nothing about the
-            # peer's speed; the router follows the throughput the peer measures and announces
-            return True
-        logger.info(f"no peer of stage {stage} took microbatch {meta['microbatch_id']} (tried {len(tried)})")
-        return False
 
 
 class Pipeline:
@@ -246,6 +155,7 @@ class Pipeline:
         order, path, hop = msg.meta["order"], msg.meta["path"], msg.meta["hop"]
         if not self._valid_order(order):
             raise ProtocolError(f"bad stage order {order}")
+        purpose_of(msg.meta)  # an unknown purpose is a ProtocolError here, not a failure later
         if not 1 <= hop <= len(order) + 1 or len(path) != hop or path[-1] != sender:
             raise ProtocolError(f"inconsistent hop {hop} for a path of {len(path)} peers")
         expected_stage = order[hop - 1] if hop <= len(order) else 0
@@ -309,26 +219,18 @@ class Pipeline:
 
     def _abort(self, origin: str, msg: Message, reason: str) -> None:
         """Tell a microbatch's origin it is lost here (best effort, in the background)."""
-        microbatch_id, token = msg.meta["microbatch_id"], msg.meta.get("token", "")
-
-        async def notify() -> None:
-            notice = self.transport.message(
-                MessageKind.ERROR, {"reason": reason[:200], "microbatch_id": microbatch_id, "token": token}
-            )
-            try:
-                await self.transport.request(origin, ABORT, notice, self.hop_timeout)
-            except TransportError as e:
-                logger.debug(f"could not tell {short_peer_id(origin)} about microbatch {microbatch_id}: {e}")
-
-        self._spawn(notify())
+        self._spawn(self.hops.notify_abort(origin, ABORT, msg.meta["microbatch_id"], msg.meta.get("token", ""), reason))
 
     def _valid_order(self, order: list[int]) -> bool:
         return sorted(order) == list(range(1, self.num_block_stages + 1))
 
     async def _run_block_forward(self, msg: Message) -> None:
+        key = (msg.meta["origin"], msg.meta["microbatch_id"])
         try:
-            key = (msg.meta["origin"], msg.meta["microbatch_id"])
-            hidden = await self.worker.compute(self.worker.forward, key, msg.tensors["hidden"])
+            if purpose_of(msg.meta) is MicrobatchPurpose.EVAL:  # forward only: nothing stored, nothing to drop
+                hidden = await self.worker.compute(eval_forward, self.worker, msg.tensors["hidden"])
+            else:
+                hidden = await self.worker.compute(self.worker.forward, key, msg.tensors["hidden"])
         except ValueError as e:  # a malformed tensor from a stranger: its origin will retry elsewhere
             logger.info(f"rejected forward from {short_peer_id(msg.meta['path'][-1])}: {e}")
             self._reject(msg.meta["path"][-1], msg, f"forward rejected: {e}")
@@ -406,26 +308,26 @@ class Pipeline:
 
         await keep_in_flight(self.window, launch, stop, ready)
 
-    async def run_microbatch(self, tokens: torch.Tensor, targets: torch.Tensor) -> float | None:
-        """One microbatch through the swarm with bounded retries; its loss, or None if dropped."""
+    async def run_microbatch(
+        self, tokens: torch.Tensor, targets: torch.Tensor, purpose: MicrobatchPurpose = MicrobatchPurpose.TRAIN
+    ) -> float | None:
+        """One microbatch through the swarm with bounded retries; its loss, or None if dropped. An
+        EVAL microbatch is forward only, in the normal stage order, and counts in no training statistic."""
         retries = self.config.training.max_retries
         deadline = self.hop_timeout * (self.num_block_stages + 1)
-        index = next(self._microbatch_index)
-        order = pipeline_order(self.config.num_stages, index, self.config.recovery.checkfree_plus)
+        training = purpose is MicrobatchPurpose.TRAIN
+        index = next(self._microbatch_index) if training else 0
+        order = pipeline_order(self.config.num_stages, index, self.config.recovery.checkfree_plus, training)
         for attempt in range(retries + 1):
             microbatch_id = next(self._microbatch_ids)
             key = (self.me.peer_id, microbatch_id)
-            ticket = InFlight(
-                microbatch_id,
-                targets,
-                order,
-                time.monotonic(),
-                asyncio.get_running_loop().create_future(),
-                secrets.token_hex(8),
-            )
+            ticket = InFlight.start(microbatch_id, targets, order, purpose)
             self.in_flight[microbatch_id] = ticket
             try:
-                hidden = await self.worker.compute(self.worker.embed, key, tokens)
+                if training:
+                    hidden = await self.worker.compute(self.worker.embed, key, tokens)
+                else:
+                    hidden = await self.worker.compute(eval_embed, self.worker, tokens)
                 meta = {
                     "microbatch_id": microbatch_id,
                     "origin": self.me.peer_id,
@@ -433,11 +335,14 @@ class Pipeline:
                     "order": order,
                     "hop": 1,
                     "token": ticket.token,
+                    **({} if training else {PURPOSE_KEY: purpose.value}),
                 }
                 if await self.hops.send_routed(
                     order[0], FORWARD, MessageKind.FORWARD, meta, {"hidden": hidden, "targets": targets}
                 ):
                     loss = await within(ticket.done, deadline)
+                    if not training:
+                        return loss
                     now = time.monotonic()
                     self.stats.losses.append(loss)
                     self.stats.completed += 1
@@ -469,6 +374,9 @@ class Pipeline:
             return
         key = (self.me.peer_id, ticket.microbatch_id)
         try:
+            if ticket.purpose is MicrobatchPurpose.EVAL:  # the loss is all it was for: no backward
+                ticket.finish(await self.worker.compute(eval_loss, self.worker, msg.tensors["hidden"], ticket.targets))
+                return
             loss, grad = await self.worker.compute(
                 self.worker.head_loss_backward, key, msg.tensors["hidden"], ticket.targets
             )

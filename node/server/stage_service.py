@@ -29,9 +29,11 @@ from node.p2p.network import Network
 from node.p2p.peer_conduct import PeerConduct
 from node.p2p.reachability import carries_training
 from node.p2p.transport import Transport
+from node.pipeline.evaluation import MicrobatchPurpose
 from node.pipeline.routing import Router
 from node.pipeline.stage_worker import StageWorker
 from node.pipeline.traffic import Pipeline
+from node.pipeline.validation import Validator, open_validator
 from node.recovery.checkpoints import checkpoint_root, run_checkpoints
 from node.recovery.edge_copies import edge_copies_for, run_edge_copy_refresher
 from node.recovery.lost_stages import LostStageWatch, must_rebuild
@@ -92,14 +94,18 @@ class StageService:
     view: SwarmView
     pipeline: Pipeline
     gossip: Gossip
+    validator: Validator | None = None  # stage 0 with held-out data and validation on
 
     def progress(self) -> PeerProgress:
         """What the worker, pipeline and gossip measured, as this peer's record announces it."""
+        validated = self.validator.latest if self.validator is not None else None
         return PeerProgress(
             inner_step=self.worker.inner_step,
             throughput=max(self.worker.throughput, 1e-3),
             grad_norm=self.worker.last_grad_norm,
             loss=self.pipeline.stats.recent_loss if self.me.stage == 0 else None,
+            val_loss=validated.loss if validated is not None else None,
+            val_step=validated.step if validated is not None else None,
             outer_round=self.gossip.outer_state.round,
             last_partner=self.gossip.last_partner,
             divergence=self.gossip.divergence,
@@ -309,7 +315,16 @@ async def serve_current_stage(
                 source = open_source(config, options.data_path, stream_id_from_peer(me.peer_id))
             except DataError as e:  # one line and exit code 3 (daemon.run), not a traceback
                 raise JoinRefused(f"stage 0 cannot train on its data: {e}") from None
-            tasks.append(asyncio.create_task(drive_when_ready(service, source, stop, watch), name="driver"))
+            ready = pipeline_ready(service, watch)
+            tasks.append(asyncio.create_task(service.pipeline.drive(source, stop, ready), name="driver"))
+            service.validator = open_validator(
+                config,
+                options.data_path,
+                lambda tokens, targets: service.pipeline.run_microbatch(tokens, targets, MicrobatchPurpose.EVAL),
+                lambda: service.worker.inner_step,
+            )
+            if service.validator is not None:
+                tasks.append(asyncio.create_task(service.validator.run(stop, ready), name="validation"))
         stopped = asyncio.create_task(stop.wait())
         try:
             await asyncio.wait([stopped, mover], return_when=asyncio.FIRST_COMPLETED)
@@ -350,16 +365,16 @@ async def watch_for_move(service: StageService, watch: LostStageWatch) -> int:
             return confirmed.target
 
 
-async def drive_when_ready(service: StageService, source, stop: asyncio.Event, watch: LostStageWatch) -> None:
-    """Stage 0 sends microbatches whenever every block stage has a peer to receive them, and not
-    while the swarm is unrecoverable (it would train the surviving stages on garbage)."""
+def pipeline_ready(service: StageService, watch: LostStageWatch) -> Callable[[], bool]:
+    """Whether stage 0 may send microbatches now: every block stage has a peer to receive them, and
+    the swarm is not unrecoverable (it would train the surviving stages on garbage)."""
 
     def every_stage_served() -> bool:
         return watch.unrecoverable_reason is None and all(
             service.view.online(stage) for stage in range(1, service.config.num_stages)
         )
 
-    await service.pipeline.drive(source, stop, ready=every_stage_served)
+    return every_stage_served
 
 
 async def publish_progress_loop(service: StageService) -> None:

@@ -14,6 +14,7 @@ import torch
 from node.config import load_config
 from node.model.data import open_source
 from node.model.llama import ReferenceModel
+from node.pipeline.evaluation import MicrobatchPurpose
 from node.pipeline.stage_worker import StageWorker
 from tests.helpers.inprocess_swarm import inprocess_swarm
 
@@ -120,3 +121,32 @@ def test_a_microbatch_lost_mid_pipeline_is_retried_at_once_not_at_the_deadline()
     assert loss is not None and retried == 1 and calls == 2
     # the stage that failed told the origin: far sooner than the 90 s deadline (3 x hop_timeout)
     assert seconds < 15, seconds
+
+
+@pytest.mark.timeout(120)
+def test_evaluation_microbatches_give_the_reference_loss_and_train_nothing():
+    """Validation's microbatches (node/pipeline/evaluation.py) take the normal stage order even with
+    CheckFree+ on, return the loss of the whole model in one process, and leave every peer as it
+    was: no stored activations, no gradients, no step, no training statistic."""
+    config = exact_config(microbatches_per_step=1).replace(recovery={"checkfree_plus": True})
+    batches = [open_source(config, None, stream_id=13).next_batch(4, 32) for _ in range(3)]
+
+    async def run():
+        async with inprocess_swarm(config, stages=[0, 1, 2]) as peers:
+            pipeline = peers[0].service.pipeline
+            losses = [await pipeline.run_microbatch(t, y, MicrobatchPurpose.EVAL) for t, y in batches]
+            workers = [peer.service.worker for peer in peers]
+            untouched = all(
+                w.num_stored == 0 and w.inner_step == 0 and w.microbatches_done == 0 and w.evicted == 0
+                and all(p.grad is None for p in w.module.parameters())
+                for w in workers
+            )  # fmt: skip
+            stats = pipeline.stats
+            return losses, untouched, (stats.completed, len(stats.losses), stats.retried, len(pipeline.in_flight))
+
+    losses, untouched, stats = asyncio.run(run())
+    reference = ReferenceModel(config)  # every stage at its initial weights, chained in the normal order
+    with torch.no_grad():
+        expected = [float(reference(t, y)) for t, y in batches]
+    assert losses == pytest.approx(expected, abs=1e-5)
+    assert untouched and stats == (0, 0, 0, 0)

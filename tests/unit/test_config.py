@@ -29,6 +29,7 @@ from node.config import (
     RoutingMode,
     SwarmConfig,
     TrainingConfig,
+    ValidationConfig,
     load_config,
 )
 from node.config.reference import field_docs, render_reference
@@ -38,7 +39,7 @@ from protocol.version import PROTOCOL_VERSION
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "config.md"
 REGENERATE = ".venv/bin/python -m node.config > docs/config.md"
-DEFAULT_HASH = "5eede0aeadf507eb"  # protocol 2 + routing, precision, tokenizer_hash, the order-2 markov source: changing it splits old and new peers
+DEFAULT_HASH = "cb83dba184d7c5a5"  # protocol 2 + routing, precision, tokenizer_hash, the order-2 markov source, [validation]: changing it splits old and new peers
 SECTIONS = {
     "model": ModelConfig,
     "training": TrainingConfig,
@@ -46,6 +47,7 @@ SECTIONS = {
     "recovery": RecoveryConfig,
     "heartbeat": HeartbeatConfig,
     "data": DataConfig,
+    "validation": ValidationConfig,
 }
 TOP_LEVEL = [f.name for f in dataclasses.fields(SwarmConfig) if f.name not in SECTIONS]
 
@@ -208,6 +210,9 @@ RULES = [
     ("data.markov_order", 0, 1, "data: markov_order and markov_alphabet must be >= 1"),
     ("data.markov_alphabet", 0, 1, "data: markov_order and markov_alphabet must be >= 1"),
     ("data.markov_alphabet", 33, 32, "the markov chain has 1089 contexts"),
+    ("validation.interval", -0.5, 0.0, "validation: interval >= 0 (0: off), batches in 1..256"),
+    ("validation.batches", 0, 1, "validation: interval >= 0 (0: off), batches in 1..256"),
+    ("validation.batches", 257, 256, "validation: interval >= 0 (0: off), batches in 1..256"),
 ]
 
 

@@ -12,8 +12,8 @@ import torch
 
 from dht.records import PeerRecord, PeerState
 from node.p2p.transport import Transport, TransportError, timed_out
+from node.pipeline.hops import HopSender, PipelineStats
 from node.pipeline.routing import Router
-from node.pipeline.traffic import HopSender, PipelineStats
 from protocol import MessageKind
 
 # valid base58 peer ids (Transport parses them before opening a stream)

@@ -15,8 +15,8 @@ from dht.records import PeerState
 from node.averaging.outer_replica import RoundStatus
 from node.monitor.metrics import SERVICE_COUNTERS, MetricsError, NodeMetrics, NodeRole
 from node.p2p.metered_stream import metered
+from node.pipeline.hops import PipelineStats
 from node.pipeline.routing import BanList
-from node.pipeline.traffic import PipelineStats
 from node.runtime.meter import LATENCY_BUCKETS, ComputePass, Direction, Meter, Tally
 
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 from dht.records import PeerRecord, PeerState, Reachability
 from node.p2p.reachability import carries_training
+from node.pipeline.hops import HopSender, PipelineStats
 from node.pipeline.routing import Router
-from node.pipeline.traffic import HopSender, PipelineStats
 from protocol import MessageKind
 
 

@@ -44,13 +44,14 @@ class PeerColumn(StrEnum):
     PARTNER = "partner"  # last gossip partner
     DIVERGENCE = "div"
     LOSS = "loss"
+    VAL_LOSS = "val"  # stage 0: held-out loss
     VERSION = "version"
     LAST_SEEN = "seen"
 
 
 C = PeerColumn
 NARROW_COLUMNS = [C.PEER_ID, C.STAGE, C.STATE, C.LOSS]
-MEDIUM_COLUMNS = [C.PEER_ID, C.NAME, C.STAGE, C.STATE, C.THROUGHPUT, C.INNER_STEP, C.OUTER_ROUND, C.LOSS]
+MEDIUM_COLUMNS = [C.PEER_ID, C.NAME, C.STAGE, C.STATE, C.THROUGHPUT, C.INNER_STEP, C.OUTER_ROUND, C.LOSS, C.VAL_LOSS]
 WIDE_COLUMNS = list(PeerColumn)
 # the optional columns, in the order they are given up when the terminal is too narrow
 DROP_ORDER = (
@@ -61,6 +62,7 @@ DROP_ORDER = (
     C.LAST_SEEN,
     C.INNER_STEP,
     C.OUTER_ROUND,
+    C.VAL_LOSS,
     C.THROUGHPUT,
     C.NAME,
 )
@@ -77,10 +79,11 @@ HEADERS = {
     C.PARTNER: "partner",
     C.DIVERGENCE: "diverg",
     C.LOSS: "loss",
+    C.VAL_LOSS: "val",
     C.VERSION: "version",
     C.LAST_SEEN: "seen",
 }
-NUMERIC_COLUMNS = {C.STAGE, C.THROUGHPUT, C.INNER_STEP, C.OUTER_ROUND, C.DIVERGENCE, C.LOSS, C.LAST_SEEN}
+NUMERIC_COLUMNS = {C.STAGE, C.THROUGHPUT, C.INNER_STEP, C.OUTER_ROUND, C.DIVERGENCE, C.LOSS, C.VAL_LOSS, C.LAST_SEEN}
 SORTED_COLUMN = {
     PeerSortKey.STAGE: C.STAGE,
     PeerSortKey.THROUGHPUT: C.THROUGHPUT,
@@ -137,6 +140,8 @@ def peer_cells(peer: dict, columns: list[PeerColumn], now: float, software_versi
             cells.append(cell(format_float(peer.get("divergence"), 4)))
         elif col == C.LOSS:
             cells.append(cell(format_float(peer.get("loss")), "magenta"))
+        elif col == C.VAL_LOSS:
+            cells.append(cell(format_float(peer.get("val_loss")), "magenta"))
         elif col == C.VERSION:
             version = peer.get("version")
             known = isinstance(version, str) and bool(version)

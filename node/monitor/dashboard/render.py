@@ -115,6 +115,10 @@ def _header(state: DashboardState, width: int, compact: bool = False) -> Rendera
     if spark:
         line2.append(" ")
         line2.append(spark, style="magenta")
+    val_loss = stage0_loss(snapshot, "val_loss") if state.snapshot is not None else None
+    line2.append_text(sep)
+    line2.append("val " if compact else "held-out ", style="dim")
+    line2.append(format_float(val_loss), style="bold magenta" if val_loss is not None else "dim")
     line2.append_text(sep)
     line2.append("floor ", style="dim")
     line2.append(format_float(floor), style="bold" if floor is not None else "dim")

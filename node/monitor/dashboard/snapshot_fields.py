@@ -30,10 +30,11 @@ def peer_identity(peer: dict) -> str | None:
     return f"name:{name}" if isinstance(name, str) and name else None
 
 
-def stage0_loss(snapshot: dict) -> float | None:
-    """Mean loss over the stage-0 peers that report one (stage 0 holds the head)."""
+def stage0_loss(snapshot: dict, key: str = "loss") -> float | None:
+    """Mean training loss (or, with key "val_loss", held-out loss) over the stage-0 peers that
+    report one (stage 0 holds the head)."""
     losses = [
-        v for p in iter_peers(snapshot) if as_int(p.get("stage")) == 0 and (v := as_float(p.get("loss"))) is not None
+        v for p in iter_peers(snapshot) if as_int(p.get("stage")) == 0 and (v := as_float(p.get(key))) is not None
     ]
     return sum(losses) / len(losses) if losses else None
 

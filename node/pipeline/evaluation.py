@@ -1,0 +1,78 @@
+"""Forward-only microbatches: held-out loss measured through the same routed path as training.
+
+A stage-0 peer marks an evaluation microbatch with `purpose = eval` in its FORWARD meta. It then
+takes the normal stage order (CheckFree+'s swaps are a training device), and every peer on its path
+runs its stage under `torch.no_grad()`: nothing is stored, no gradient flows back, no optimizer,
+throughput or gradient-gate state changes. The origin computes the loss on the returned hidden
+states and the microbatch ends there (no BACKWARD).
+
+The functions below run on the stage worker's compute thread (`worker.compute(eval_forward, worker,
+hidden)`), like every other use of its module, and check their inputs with the worker's own
+wire-input checks: an evaluation microbatch from a stranger is no more trusted than a training one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from node.pipeline.admission import RejectedInput
+from node.pipeline.stage_worker import StageWorker
+from protocol import ProtocolError
+
+PURPOSE_KEY = "purpose"  # FORWARD meta key; absent means training (what every older peer sends)
+
+
+class MicrobatchPurpose(StrEnum):
+    """Why a microbatch travels: to train (forward, then backward) or to evaluate (forward only)."""
+
+    TRAIN = "train"
+    EVAL = "eval"
+
+
+def purpose_of(meta: Mapping[str, Any]) -> MicrobatchPurpose:
+    """The purpose a FORWARD message states; ProtocolError for anything but a known value."""
+    raw = meta.get(PURPOSE_KEY, MicrobatchPurpose.TRAIN.value)
+    try:
+        return MicrobatchPurpose(raw)
+    except ValueError:
+        raise ProtocolError(f"unknown microbatch purpose {str(raw)[:32]!r}") from None
+
+
+def _stage_kind(worker: StageWorker, block: bool) -> None:
+    if (worker.stage != 0) != block:
+        raise ValueError(f"stage {worker.stage} cannot run this part of an evaluation microbatch")
+
+
+def eval_embed(worker: StageWorker, tokens: Tensor) -> Tensor:
+    """Stage 0: tokens [B, T] -> hidden [B, T, H] (CPU, fp32), nothing remembered."""
+    _stage_kind(worker, block=False)
+    ids = worker.check_tokens("eval tokens", tokens)
+    with torch.no_grad(), worker.precision.autocast():
+        return worker.module.embed(ids).to("cpu", worker.dtype)
+
+
+def eval_forward(worker: StageWorker, hidden: Tensor) -> Tensor:
+    """A block stage: hidden [B, T, H] -> [B, T, H] (CPU, fp32), nothing remembered."""
+    _stage_kind(worker, block=True)
+    x = worker.check_hidden("eval input", hidden)
+    with torch.no_grad(), worker.precision.autocast():
+        return worker.module(x).to("cpu", worker.dtype)
+
+
+def eval_loss(worker: StageWorker, hidden: Tensor, targets: Tensor) -> float:
+    """Stage 0: mean cross-entropy of the last block stage's output against `targets` (the origin's
+    own copy). RejectedInput when the returned hidden states are misshapen or give no finite loss."""
+    _stage_kind(worker, block=False)
+    tgt = worker.check_tokens("eval targets", targets)
+    h = worker.check_hidden("eval head input", hidden, shape=torch.Size((*tgt.shape, worker.config.model.hidden_size)))
+    with torch.no_grad(), worker.precision.autocast():
+        loss = float(worker.module.loss(h, tgt))
+    if not math.isfinite(loss):
+        raise RejectedInput(f"evaluation loss is not finite ({loss}): the returned hidden states are unusable")
+    return loss
