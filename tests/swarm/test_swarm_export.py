@@ -46,6 +46,14 @@ def stage0_loss(snapshot: dict) -> float | None:
     return sum(losses) / len(losses) if losses else None
 
 
+def stage0_val(snapshot: dict) -> tuple[float, int] | None:
+    """(held-out loss, inner step it was measured at) of the first online stage-0 peer reporting one."""
+    for peer in snapshot["stages"][0]["peers"]:
+        if peer["state"] == "online" and peer.get("val_loss") is not None:
+            return peer["val_loss"], peer["val_step"]
+    return None
+
+
 def node_cli(swarm: Swarm, *args: str, timeout: float = 90.0) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "node", *args],
@@ -68,7 +76,12 @@ def test_prepared_corpus_trains_exports_and_generates(swarm: Swarm, tmp_path):
     prepare_corpus([tmp_path / "corpus.txt"], other, vocab_size=300, val_fraction=0.1, progress=False)
     assert load_prepared(other).tokenizer_hash != prepared.tokenizer_hash
 
-    swarm.bootstrap("--num-stages", "3", "--heartbeat-period", "1", "--heartbeat-ttl", "5", "--data", str(data))
+    # validation every 10 s on 2 held-out microbatches of val.bin (the default is every 60 s)
+    (tmp_path / "swarm.toml").write_text("[validation]\ninterval = 10.0\nbatches = 2\n")
+    swarm.bootstrap(
+        "--num-stages", "3", "--heartbeat-period", "1", "--heartbeat-ttl", "5", "--data", str(data),
+        "--config", str(tmp_path / "swarm.toml"),
+    )  # fmt: skip
     common = ("--threads", "1", "--quiet", "--join-jitter", "0")
     nodes = [
         swarm.join(f"peer{s}", "--stage", str(s), *common, *(["--data", str(data)] if s == 0 else [])) for s in range(3)
@@ -78,6 +91,8 @@ def test_prepared_corpus_trains_exports_and_generates(swarm: Swarm, tmp_path):
         120,
         lambda: "peers never came online:\n" + "\n".join(n.log()[-1500:] for n in nodes),
     )
+    # stage 0 validates as soon as every stage is served: the first value is from (nearly) untrained weights
+    first_val = wait_for(lambda: stage0_val(swarm.observe()), 60, "no validation loss reported")
 
     # the intruder's data was made with another tokenizer: refused, one line, exit code 3
     intruder = swarm.join("intruder", "--stage", "0", *common, "--data", str(other))
@@ -93,6 +108,15 @@ def test_prepared_corpus_trains_exports_and_generates(swarm: Swarm, tmp_path):
         lambda: f"loss did not fall below ln V - 2.5 = {ln_vocab - 2.5:.2f}: {stage0_loss(swarm.observe())}",
     )
     trained_at = time.monotonic()
+    # the held-out loss, as `node status --json` prints it, measured after that training
+    status = wait_for(
+        lambda: (s := swarm.status()) and (v := stage0_val(s)) is not None and v[1] > first_val[1] + 20 and s,
+        60,
+        lambda: f"no later validation than {first_val}: {stage0_val(swarm.observe())}",
+    )
+    val_loss, val_step = stage0_val(status)  # type: ignore[misc]
+    print(f"validation loss {first_val[0]:.3f} at step {first_val[1]} -> {val_loss:.3f} at step {val_step}")
+    assert math.isfinite(val_loss) and val_loss < ln_vocab - 2.0 and val_loss < first_val[0]
 
     export_dir = tmp_path / "export"
     result = node_cli(
