@@ -221,6 +221,7 @@ class NodeMetrics(Collector):
             states.add_metric([str(stage), candidate.value], 1.0 if candidate == state else 0.0)
         yield states
         gossip, worker = service.gossip, service.worker
+        validated = service.validator.latest if service.validator is not None else None
         values: dict[str, tuple[str, float | None]] = {
             "stage": ("the stage this peer serves", stage),
             "inner_step": ("inner optimizer steps of this peer's replica", worker.inner_step),
@@ -230,6 +231,10 @@ class NodeMetrics(Collector):
                 gossip.divergence,
             ),
             "loss": ("stage 0: mean training loss of the recent microbatches", service.pipeline.stats.recent_loss),
+            "val_loss": (
+                "stage 0: mean loss on the held-out microbatches at the last validation",
+                validated.loss if validated is not None else None,
+            ),
             "compute_throughput": ("measured compute speed, microbatches per second (EMA)", worker.throughput),
             "stored_activations": ("microbatches whose activations wait for their backward", worker.num_stored),
             "banned_peers": ("peers banned right now", len(service.router.bans.active())),

@@ -17,6 +17,7 @@ from node.monitor.metrics import SERVICE_COUNTERS, MetricsError, NodeMetrics, No
 from node.p2p.metered_stream import metered
 from node.pipeline.hops import PipelineStats
 from node.pipeline.routing import BanList
+from node.pipeline.validation import ValidationResult
 from node.runtime.meter import LATENCY_BUCKETS, ComputePass, Direction, Meter, Tally
 
 
@@ -86,7 +87,9 @@ def test_metered_streams_count_bytes_by_direction_and_service():
     assert meter.snapshot().traffic == {(Direction.RECEIVED, "forward"): 10, (Direction.SENT, "forward"): 8}
 
 
-def fake_service(stage: int = 1, completed: int = 0, processed: int = 0, banned: int = 0) -> SimpleNamespace:
+def fake_service(
+    stage: int = 1, completed: int = 0, processed: int = 0, banned: int = 0, validated: float | None = None
+) -> SimpleNamespace:
     """Just what the collector reads of a StageService."""
     stats = PipelineStats(completed=completed, forwarded=completed, timeouts=1, rerouted=2)
     bans = BanList()
@@ -106,6 +109,7 @@ def fake_service(stage: int = 1, completed: int = 0, processed: int = 0, banned:
         ),
         worker=SimpleNamespace(inner_step=7, throughput=3.5, num_stored=1, microbatches_done=processed),
         view=SimpleNamespace(peers_by_stage={0: [1, 2], 1: [3]}),
+        validator=None if validated is None else SimpleNamespace(latest=ValidationResult(validated, 40)),
     )
 
 
@@ -120,15 +124,17 @@ def test_counters_keep_growing_when_the_peer_moves_to_another_stage():
     assert before[("pipeswarm_peer_state", (("stage", "1"), ("state", "joining")))] == 0
     assert before[("pipeswarm_replica_divergence", ())] == 0.25
     assert before[("pipeswarm_swarm_peers", ())] == 3
+    assert ("pipeswarm_val_loss", ()) not in before  # not validating (a block stage)
     metrics.attach_service(None)  # the stage service ends; a new one starts for the new stage
-    metrics.attach_service(fake_service(stage=2, completed=1, processed=1))  # type: ignore[arg-type]
+    metrics.attach_service(fake_service(stage=0, completed=1, processed=1, validated=2.5))  # type: ignore[arg-type]
     after = samples(metrics.render().decode())
+    assert after[("pipeswarm_val_loss", ())] == 2.5
     assert after[("pipeswarm_microbatches_processed_total", ())] == 11
     assert after[("pipeswarm_microbatches_completed_total", ())] == 6
     assert after[("pipeswarm_bans_total", ())] == 1
     assert after[("pipeswarm_routing_retries_total", ())] == 4
     assert after[("pipeswarm_gossip_rounds_total", (("outcome", "rejected"),))] == 2
-    assert after[("pipeswarm_stage", ())] == 2
+    assert after[("pipeswarm_stage", ())] == 0
     for name in SERVICE_COUNTERS:
         assert after[(f"pipeswarm_{name}_total", ())] >= before[(f"pipeswarm_{name}_total", ())]
 
