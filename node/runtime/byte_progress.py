@@ -39,7 +39,8 @@ class Outcome(StrEnum):
     """How a transfer ended (its last log line says which)."""
 
     DONE = "done"
-    FAILED = "failed"
+    FAILED = "failed"  # an error ended it (a donor died, a checksum failed)
+    STOPPED = "stopped"  # left unfinished without an error (the caller stopped reading)
 
 
 class ByteTask:
@@ -142,8 +143,10 @@ class ByteProgress:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
-        for task in self.tasks:  # a transfer still open here was cut short by an exception
-            task.finish(Outcome.FAILED)
+        for task in self.tasks:  # a transfer still open here was cut short
+            if task.outcome is None:
+                complete = task.done >= task.total
+                task.finish(Outcome.FAILED if error is not None else Outcome.DONE if complete else Outcome.STOPPED)
         if self._bars is not None:
             self._bars.stop()
             self._bars = None

@@ -78,6 +78,17 @@ def test_tasks_count_apart_and_an_open_task_fails_on_exit(caplog):
     assert lines(caplog)[-1].endswith("failed in 0.0 s")
 
 
+def test_an_open_task_ends_done_or_stopped_on_a_clean_exit(caplog):
+    clock = FakeClock()
+    with log_progress(caplog, clock) as progress:
+        whole = progress.task("whole", 2 * MiB)
+        whole.advance(2 * MiB)
+        short = progress.task("short", 2 * MiB)
+        short.advance(MiB)
+    assert (whole.outcome, short.outcome) == (Outcome.DONE, Outcome.STOPPED)
+    assert lines(caplog)[-1] == "short: 1.0 MiB of 2.0 MiB (50 %), 0 B/s, stopped in 0.0 s"
+
+
 def test_bad_counts_are_refused():
     progress = ByteProgress(bar=False)
     task = progress.task("x", 10)
