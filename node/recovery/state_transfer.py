@@ -204,7 +204,8 @@ async def _receive_state(
     # the header's size was checked above: the bar's total is what the donor promised and may send
     shown: ByteTask | None = None
     if progress is not None:
-        shown = progress.task(f"stage {stage} {part} from {who}", layout.total_bytes)
+        what = f"stage {stage}" if part == StatePart.STAGE else f"stage {stage} {part}"
+        shown = progress.task(f"{what} from {who}", layout.total_bytes)
 
     async def take_chunk(chunk: Tensor) -> None:
         # hashlib releases the GIL on large buffers: a 4 MiB chunk costs the loop nothing

@@ -34,7 +34,7 @@ def lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_chunks_add_up_to_the_total_and_the_rate_is_bytes_over_time(caplog):
     clock = FakeClock()
     with log_progress(caplog, clock) as progress:
-        task = progress.task("stage 1 stage from abc", 10 * MiB)
+        task = progress.task("stage 1 from abc", 10 * MiB)
         for _ in range(4):  # 4 + 4 + 2 MiB, one second apart
             clock.now += 1.0
             task.advance(min(4 * MiB, task.total - task.done))
@@ -44,7 +44,7 @@ def test_chunks_add_up_to_the_total_and_the_rate_is_bytes_over_time(caplog):
         task.finish()
     assert task.outcome == Outcome.DONE
     # no line before log_every passed; the last line tells the whole transfer
-    assert lines(caplog) == ["stage 1 stage from abc: 10.0 MiB of 10.0 MiB (100 %), 2.5 MiB/s, done in 4.0 s"]
+    assert lines(caplog) == ["stage 1 from abc: 10.0 MiB of 10.0 MiB (100 %), 2.5 MiB/s, done in 4.0 s"]
 
 
 def test_log_lines_come_every_log_every_seconds_not_per_chunk(caplog):
@@ -110,14 +110,14 @@ def test_on_a_terminal_a_bar_shows_the_same_bytes_and_nothing_is_logged(caplog):
     caplog.set_level(logging.INFO, logger="test.bytes")
     with ByteProgress(console=console, log=logging.getLogger("test.bytes")) as progress:
         assert progress.show_bar
-        task = progress.task("stage 2 stage from xyz", 4 * MiB)
+        task = progress.task("stage 2 from xyz", 4 * MiB)
         task.advance(3 * MiB)
         bar = progress._bars.tasks[0]
         assert (bar.completed, bar.total) == (3 * MiB, 4 * MiB)
         task.advance(MiB)
         task.finish()
         assert bar.completed == 4 * MiB and bar.finished
-    assert "stage 2 stage from xyz" in out.getvalue()
+    assert "stage 2 from xyz" in out.getvalue()
     assert "4.2/4.2 MB" in out.getvalue()  # rich's DownloadColumn, decimal units
     assert lines(caplog) == []
 
