@@ -115,7 +115,10 @@ def debootstrap_base(name: str = LOCAL_BASE) -> None:
             raise ImageBuildError(f"debootstrap failed: {(result.stdout + result.stderr).strip()[-500:]}")
         for junk in ("var/cache/apt", "var/lib/apt/lists", "usr/share/doc", "usr/share/man", "usr/share/locale"):
             for child in (root / junk).glob("*"):
-                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
         archive = Path(tmp) / "rootfs.tar"
         with tarfile.open(archive, "w") as tar:
             tar.add(root, arcname=".")
