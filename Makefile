@@ -4,7 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test slow bench lint format hostile test-private internet netns-deps chaos results
+.PHONY: demo test slow bench lint format hostile test-private internet netns-deps chaos results \
+	podman-deps docker-image docker-test
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -70,3 +71,31 @@ internet: $(STAMP) netns-deps
 # 10 minutes; a 90 s version runs in `make test`
 chaos: $(STAMP)
 	$(PY) -m pytest -q -s -p no:cacheprovider -m slow tests/swarm/test_chaos.py
+
+# Containers, with podman: Docker's engine does not run on these machines. The flags, measured here:
+# runc (crun fails on this machine's cgroup v1 hierarchy), cgroupfs (no systemd to manage cgroups),
+# events in a file (no journald). tests/container/image.py adds --network host to the build and the
+# test adds explicit --ulimit values (runc cannot apply podman's defaults here).
+PODMAN ?= podman --runtime runc --cgroup-manager cgroupfs --events-backend file
+IMAGE ?= localhost/pipeswarm:cpu
+# a folder holding the torch 2.13.0 CPU wheel for Python 3.11: mounted into the build, never downloaded
+TORCH_WHEELS ?= /opt/wheels
+
+# podman, runc and debootstrap (for a base image when no registry answers), installed where missing
+# and possible (root with apt); otherwise make docker-test skips and says why
+podman-deps:
+	@command -v podman >/dev/null && command -v runc >/dev/null && command -v debootstrap >/dev/null || \
+		{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		  DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null && \
+		  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc catatonit debootstrap >/dev/null; } || \
+		echo "note: podman/runc/debootstrap not installed: make docker-test will skip"
+
+# the image from the Dockerfile: python:3.11-slim when it can be pulled, else a debootstrapped Debian
+# bookworm (docs/operations.md, "In a container"); prints the build time and the image size
+docker-image: $(STAMP) podman-deps
+	PIPESWARM_PODMAN="$(PODMAN)" $(PY) -m tests.container.image build --image $(IMAGE) --torch-wheels $(TORCH_WHEELS)
+
+# the image, then a bootstrap and two joining containers train on loopback; every container removed
+docker-test: $(STAMP) podman-deps
+	@if command -v podman >/dev/null; then $(MAKE) --no-print-directory docker-image; fi
+	PIPESWARM_PODMAN="$(PODMAN)" PIPESWARM_IMAGE=$(IMAGE) $(PY) -m pytest -q -s -p no:cacheprovider -m container tests/container

@@ -82,6 +82,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from node.model.hf import ExportError, MissingExtra, require_transformers, write_checkpoint
     from node.monitor.export import ExportRefused, collect_stages, describe
     from node.p2p.swarm_key import load_swarm_key
+    from node.runtime.byte_progress import ByteProgress
     from node.server import daemon
 
     try:
@@ -94,15 +95,18 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     async def collect() -> int:
         try:
-            collected.append(
-                await collect_stages(
-                    args.initial_peers,
-                    args.swarm_id,
-                    args.swarm_founder,
-                    load_swarm_key(args.swarm_key_path),
-                    timeout=args.timeout,
+            # a byte bar per stage on a terminal, log lines otherwise
+            with ByteProgress() as progress:
+                collected.append(
+                    await collect_stages(
+                        args.initial_peers,
+                        args.swarm_id,
+                        args.swarm_founder,
+                        load_swarm_key(args.swarm_key_path),
+                        timeout=args.timeout,
+                        progress=progress,
+                    )
                 )
-            )
         except ExportRefused as e:
             logger.error(f"cannot export: {e}")
             return 5

@@ -19,12 +19,10 @@ the monitor) do not need it.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import json
 import os
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -32,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from node.runtime.byte_progress import ByteProgress
 
 FORMAT = "pipeswarm-tokens/1"
 META_FILE = "meta.json"
@@ -237,24 +237,6 @@ def check_inputs(files: Sequence[str | Path], vocab_size: int, val_fraction: flo
     return paths
 
 
-@contextlib.contextmanager
-def _progress(enabled: bool) -> Iterator[Callable[[str, int], Callable[[int], None]]]:
-    """A rich progress bar on a terminal; `add(description, total_bytes)` gives an advance callback."""
-    if not enabled:
-        yield lambda description, total: lambda n: None
-        return
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
-    with Progress(*columns, TimeRemainingColumn(), transient=False) as bar:
-
-        def add(description: str, total: int) -> Callable[[int], None]:
-            task = bar.add_task(description, total=total)
-            return lambda n: bar.advance(task, n)
-
-        yield add
-
-
 def prepare_corpus(
     files: Sequence[str | Path],
     out: str | Path,
@@ -266,7 +248,7 @@ def prepare_corpus(
 ) -> PreparedData:
     """Train the tokenizer on the train part of `files`, encode every file into train.bin/val.bin
     and write meta.json last (a directory interrupted mid-way has none, so nobody reads it).
-    `progress` None: a bar when stderr is a terminal."""
+    `progress` None or True: a byte bar when stderr is a terminal (log lines otherwise); False: log lines."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     paths = check_inputs(files, vocab_size, val_fraction)
@@ -275,7 +257,6 @@ def prepare_corpus(
         raise PreparedDataError(f"{out} already holds prepared data (pass --force to replace it)")
     out.mkdir(parents=True, exist_ok=True)
     splits = [_split_file(path, val_fraction) for path in paths]
-    show = sys.stderr.isatty() if progress is None else progress
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -286,15 +267,15 @@ def prepare_corpus(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte is a token: nothing is unknown
         show_progress=False,
     )
-    with _progress(show) as add:
-        advance = add("training tokenizer", sum(s.cut for s in splits))
+    with ByteProgress(bar=progress is not False) as bytes_done:
+        advance = bytes_done.advancer("training tokenizer", sum(s.cut for s in splits))
         texts = itertools.chain.from_iterable(_text_blocks(s.path, 0, s.cut, advance) for s in splits)
         tokenizer.train_from_iterator(texts, trainer=trainer)
         actual_vocab = tokenizer.get_vocab_size()
         dtype = TokenDtype.for_vocab(actual_vocab)
         end_of_text = tokenizer.token_to_id(END_OF_TEXT)
         tokenizer.save(str(out / TOKENIZER_FILE))
-        advance = add("encoding", sum(s.size for s in splits))
+        advance = bytes_done.advancer("encoding", sum(s.size for s in splits))
         counts = {}
         for name, ranges in (
             (TRAIN_FILE, [(s, 0, s.cut) for s in splits]),

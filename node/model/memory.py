@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, fields
 
 from node.config import GossipMode, RecoveryStrategy, SwarmConfig
 from node.model.llama import count_stage_parameters
+from node.runtime.byte_progress import format_bytes  # re-exported: the memory messages' unit
 
 __all__ = [
     "DeviceMemory",
@@ -133,16 +134,6 @@ def estimate_stage_memory(config: SwarmConfig, stage: int) -> StageMemory:
         activations=activations,
         loss_head=loss_head,
     )
-
-
-def format_bytes(count: float) -> str:
-    """1536 -> '1.5 KiB'; binary units, as device memory is reported."""
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
 
 
 @dataclass(frozen=True)

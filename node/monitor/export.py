@@ -28,6 +28,7 @@ from node.p2p.dialer import PeerDialer
 from node.p2p.network import start_network
 from node.p2p.transport import Transport, TransportError
 from node.recovery.state_transfer import download_from_any
+from node.runtime.byte_progress import ByteProgress
 from node.server.daemon import check_compatible, find_swarm
 from protocol.stage_state import StageState, StatePart
 
@@ -76,10 +77,12 @@ async def collect_stages(
     find_timeout: float = 20.0,
     timeout: float = 60.0,
     attempts: int = 3,
+    progress: ByteProgress | None = None,
 ) -> Collected:
     """Download every stage's state from one of its online peers (up to `attempts` donors each).
     Raises ExportRefused when a stage has no online peer or none of its donors delivers, and
-    JoinRefused / NetworkError as `node status` does when the swarm cannot be read."""
+    JoinRefused / NetworkError as `node status` does when the swarm cannot be read. `progress`
+    shows each stage's download in bytes."""
     network = await start_network(initial_peers=initial_peers, client_mode=True, swarm_key=swarm_key)
     transport: Transport | None = None
     try:
@@ -117,6 +120,7 @@ async def collect_stages(
                     attempts,
                     timeout=timeout,
                     expect=stage_shapes(config, stage),
+                    progress=progress,
                 )
             except TransportError as e:
                 raise ExportRefused(str(e)) from None

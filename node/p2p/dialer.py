@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from hivemind.p2p import P2P, PeerID
-from multiaddr import Multiaddr
+from hivemind.utils.multiaddr import Multiaddr  # hivemind vendors it; PyPI's multiaddr comes only with the test extra
 
 from dht.records import short_peer_id
 

@@ -24,7 +24,7 @@ from typing import TypeVar
 
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
-from multiaddr import Multiaddr
+from hivemind.utils.multiaddr import Multiaddr  # hivemind vendors it; PyPI's multiaddr comes only with the test extra
 
 from dht.signing import Identity, SignedRecordValidator
 from node.p2p.dht_guard import DHT_MESSAGE_LIMIT, DHTRequestGuard

@@ -38,6 +38,7 @@ from node.config import SwarmConfig
 from node.p2p.tensor_stream import ChunkIndex, Session, TensorStream
 from node.p2p.transport import Transport, TransportError
 from node.pipeline.stage_worker import StageWorker
+from node.runtime.byte_progress import ByteProgress, ByteTask, Outcome
 from node.runtime.meter import Tally
 from protocol import MessageKind, ProtocolError
 from protocol.stage_state import (
@@ -144,10 +145,12 @@ async def download_state(
     *,
     expect: Mapping[str, Sequence[int]] | None = None,
     max_bytes: int = MAX_STATE_BYTES,
+    progress: ByteProgress | None = None,
 ) -> StageState:
     """Download `part` of `stage` from `peer_id`. `timeout` bounds each message (not the whole
     download, which grows with the stage's size); `expect` (name -> shape of our own weights)
-    rejects a donor serving another architecture before anything is allocated.
+    rejects a donor serving another architecture before anything is allocated; `progress` shows
+    the payload's bytes as they arrive.
 
     Raises TransportError (unreachable, refused, busy, timed out) or ProtocolError (any mismatch).
     """
@@ -159,7 +162,7 @@ async def download_state(
         async with transport.session(peer_id, SERVICE, timeout) as (reader, writer):
             session = Session(transport, reader, writer, timeout)
             try:
-                payload, layout, header = await _receive_state(session, who, stage, part, max_bytes, expect)
+                payload, layout, header = await _receive_state(session, who, stage, part, max_bytes, expect, progress)
             except TimeoutError:  # before OSError: TimeoutError is one
                 raise TransportError(f"state download from {who} stalled for {timeout:.0f} s") from None
             except EOFError:  # the donor closed the stream between two messages
@@ -177,7 +180,13 @@ async def download_state(
 
 
 async def _receive_state(
-    session: Session, who: str, stage: int, part: StatePart, max_bytes: int, expect: Mapping[str, Sequence[int]] | None
+    session: Session,
+    who: str,
+    stage: int,
+    part: StatePart,
+    max_bytes: int,
+    expect: Mapping[str, Sequence[int]] | None,
+    progress: ByteProgress | None,
 ) -> tuple[Tensor, StateLayout, dict]:
     """Request `part`, check the header, receive and checksum the payload: (payload, layout, header meta)."""
     transport = session.transport
@@ -192,14 +201,28 @@ async def _receive_state(
     layout = check_header(header.meta, stage, part, max_bytes, expect)
     payload = torch.empty(layout.total_bytes, dtype=torch.uint8)
     hasher = payload_hasher()
+    # the header's size was checked above: the bar's total is what the donor promised and may send
+    shown: ByteTask | None = None
+    if progress is not None:
+        what = f"stage {stage}" if part == StatePart.STAGE else f"stage {stage} {part}"
+        shown = progress.task(f"{what} from {who}", layout.total_bytes)
 
-    async def hash_chunk(chunk: Tensor) -> None:
+    async def take_chunk(chunk: Tensor) -> None:
         # hashlib releases the GIL on large buffers: a 4 MiB chunk costs the loop nothing
         await asyncio.to_thread(hasher.update, chunk.numpy().data)
+        if shown is not None:
+            shown.advance(chunk.numel())  # uint8: one element per byte
 
-    await state_chunks(layout.chunk_bytes).receive(session, [payload], on_chunk=hash_chunk)
-    end = await session.expect(MessageKind.STATE_END)
-    check_checksum(hasher.hexdigest(), layout, end.meta["checksum"])
+    try:
+        await state_chunks(layout.chunk_bytes).receive(session, [payload], on_chunk=take_chunk)
+        end = await session.expect(MessageKind.STATE_END)
+        check_checksum(hasher.hexdigest(), layout, end.meta["checksum"])
+    except BaseException:
+        if shown is not None:
+            shown.finish(Outcome.FAILED)
+        raise
+    if shown is not None:
+        shown.finish()
     return payload, layout, header.meta
 
 
@@ -227,10 +250,12 @@ async def download_from_any(
     *,
     timeout: float = 60.0,
     expect: Mapping[str, Sequence[int]] | None = None,
+    progress: ByteProgress | None = None,
 ) -> StageState:
     """Download from a donor chosen by choose_donor among the online candidates (never this peer);
     a donor that fails (dies mid-download, refuses, is busy, sends garbage) is not asked again and
-    another is tried, up to `attempts` donors. Raises TransportError when all of them fail."""
+    another is tried, up to `attempts` donors. Raises TransportError when all of them fail.
+    `progress` shows each attempt's bytes (a failed one ends as failed, the next starts anew)."""
     me = transport.p2p.peer_id.to_base58()
     left = [peer for peer in candidates if peer.state == PeerState.ONLINE and peer.peer_id != me]
     failures = []
@@ -240,7 +265,9 @@ async def download_from_any(
         donor = choose_donor(left, rng)
         left.remove(donor)
         try:
-            return await download_state(transport, donor.peer_id, stage, part, timeout, expect=expect)
+            return await download_state(
+                transport, donor.peer_id, stage, part, timeout, expect=expect, progress=progress
+            )
         except (TransportError, ProtocolError) as e:
             logger.warning(
                 f"state download of stage {stage} part {part} from {short_peer_id(donor.peer_id)} failed: {e}"
@@ -361,12 +388,19 @@ class StageParts(Protocol):
     def gossip(self) -> Gossip | None: ...
 
 
-async def join_live_stage(service: StageParts, attempts: int = 3, rounds: int = 5, retry_every: float = 2.0) -> bool:
+async def join_live_stage(
+    service: StageParts,
+    attempts: int = 3,
+    rounds: int = 5,
+    retry_every: float = 2.0,
+    progress: ByteProgress | None = None,
+) -> bool:
     """Before a peer of a live stage goes online: download the stage's state from one of its online
     peers and adopt it (its record stays `joining` meanwhile, so nobody routes to it or gossips
     with it). Up to `attempts` donors per round; between rounds the swarm view is refreshed (donors
     die, others join). Returns False when no donor is left (the stage is lost: the caller rebuilds
-    it instead); raises TransportError after `rounds` failed rounds.
+    it instead); raises TransportError after `rounds` failed rounds. `progress` shows the bytes of
+    each download.
     """
     me, worker = service.me, service.worker
     shapes = await worker.compute(lambda: {name: tuple(t.shape) for name, t in worker.module.state_dict().items()})
@@ -377,7 +411,7 @@ async def join_live_stage(service: StageParts, attempts: int = 3, rounds: int = 
             return False
         try:
             state = await download_from_any(
-                service.transport, donors, me.stage, StatePart.STAGE, rng, attempts, expect=shapes
+                service.transport, donors, me.stage, StatePart.STAGE, rng, attempts, expect=shapes, progress=progress
             )
         except TransportError as e:
             if round_index == rounds:

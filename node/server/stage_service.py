@@ -40,6 +40,7 @@ from node.recovery.lost_stages import LostStageWatch, must_rebuild
 from node.recovery.rebalance import Rebalancer, plan_move
 from node.recovery.rebuild import rebuild_into_service, refresh_until_seen
 from node.recovery.state_transfer import join_live_stage, serve_state, state_provider
+from node.runtime.byte_progress import ByteProgress
 from node.runtime.meter import Meter
 from node.server.daemon import JoinRefused
 from node.server.progress import ProgressDisplay, ServiceSummary
@@ -228,8 +229,10 @@ async def running_service(
         await serve_state(service.transport, state_provider(service.worker, me, edge_copies, service.gossip))
         await refresh_until_seen(service.view, me.peer_id)  # a new DHT node may read nothing at first
         if service.view.online(me.stage, exclude=me.peer_id):
-            # a live stage: continue from its current state (still `joining`); False if the donors vanished
-            await join_live_stage(service)
+            # a live stage: continue from its current state (still `joining`); False if the donors vanished.
+            # The join panel starts later (serve_current_stage), so a byte bar may use the terminal now.
+            with ByteProgress(bar=not options.quiet) as progress:
+                await join_live_stage(service, progress=progress)
         await service.gossip.refresh_fingerprint()
         if must_rebuild(service.view.peers_by_stage, me.stage, me.peer_id):
             # nobody holds this stage any more: rebuild it from the neighbours (node/recovery/rebuild.py)

@@ -28,8 +28,9 @@ from node.recovery.state_transfer import (
     serve_state,
     state_provider,
 )
+from node.runtime.byte_progress import ByteProgress, Outcome
 from protocol import MessageKind, ProtocolError, recv_message, send_message
-from protocol.stage_state import StageState, encode_state
+from protocol.stage_state import StageState, StatePart, encode_state
 
 CHUNK = 16 << 10  # small chunks: a tiny stage still streams as many chunks
 
@@ -169,14 +170,22 @@ def test_joiner_downloads_live_stage_and_computes_like_its_donor():
                 with pytest.raises(TransportError, match="stage 0"):
                     await download_state(joiner, donor_net.peer_id, 1, "embed", 10.0)
 
-                state = await download_from_any(joiner, [donor_me], 1, "stage", random.Random(0), expect=shapes)
+                with ByteProgress(bar=False) as progress:
+                    state = await download_from_any(
+                        joiner, [donor_me], 1, "stage", random.Random(0), expect=shapes, progress=progress
+                    )
                 await adopt_state(joiner_worker, state)
         finally:
             donor_worker.close()
             joiner_worker.close()
-        return donor_worker, joiner_worker, state
+        return donor_worker, joiner_worker, state, progress
 
-    donor_worker, joiner_worker, state = run(scenario())
+    donor_worker, joiner_worker, state, progress = run(scenario())
+    # the progress counted every byte of the payload, in its many chunks
+    (shown,) = progress.tasks
+    _, payload = encode_state(state, StatePart.STAGE, CHUNK)
+    assert payload.numel() > 2 * CHUNK  # three chunks, the last one shorter
+    assert shown.done == shown.total == payload.numel() and shown.outcome == Outcome.DONE
     assert state.stage == 1 and state.inner_step == 5 and state.outer == {}
     assert state.grad_norm == pytest.approx(donor_worker.last_grad_norm)
     assert joiner_worker.inner_step == 5 and joiner_worker.lr_scale == pytest.approx(1.1)
@@ -216,19 +225,30 @@ def test_hostile_donor_fails_cleanly_and_another_donor_is_used():
                 joiner = Transport(joiner_net.p2p, config.swarm_id, 2)
                 # the hostile donor announces a huge throughput, so it is tried first
                 candidates = [record(hostile_net, 2, throughput=1e9), record(honest_net, 2, throughput=1e-3)]
-                results = {}
+                results, shown = {}, {}
                 for mode, error in HOSTILE_MODES.items():
                     modes.append(mode)
                     with pytest.raises((ProtocolError, TransportError), match=error):
                         await download_state(joiner, hostile_net.peer_id, 2, "stage", 10.0)
-                    results[mode] = await download_from_any(
-                        joiner, candidates, 2, "stage", random.Random(0), timeout=10.0
-                    )
-                return served, results, honest_state
+                    with ByteProgress(bar=False) as progress:
+                        results[mode] = await download_from_any(
+                            joiner, candidates, 2, "stage", random.Random(0), timeout=10.0, progress=progress
+                        )
+                    shown[mode] = [(task.outcome, task.done, task.total) for task in progress.tasks]
+                return served, results, honest_state, shown
         finally:
             worker.close()
 
-    served, results, honest_state = run(scenario())
+    served, results, honest_state, shown = run(scenario())
+    # a header the joiner refuses starts no progress; a payload that fails ends its progress as failed,
+    # then the honest donor's download counts its own bytes from zero to its total
+    _, payload = encode_state(honest_state, StatePart.STAGE, CHUNK)
+    honest = (Outcome.DONE, payload.numel(), payload.numel())
+    assert shown["oversized"] == shown["lying_total"] == [honest]
+    assert shown["bad_checksum"] == [(Outcome.FAILED, payload.numel(), payload.numel()), honest]
+    assert shown["oversized_chunk"] == [(Outcome.FAILED, 0, payload.numel()), honest]
+    truncated, after = shown["truncated"]
+    assert truncated[0] == Outcome.FAILED and 0 < truncated[1] < truncated[2] and after == honest
     # each mode: asked once directly, once (and only once) by download_from_any before the honest donor
     assert served == [mode for mode in HOSTILE_MODES for _ in range(2)]
     for mode, state in results.items():
@@ -381,9 +401,13 @@ def test_stage_service_joiner_downloads_before_going_online_and_keeps_edge_copie
     states_during_join = []
     original_join = stage_service.join_live_stage
 
-    async def observed_join(service):
+    progress_during_join: list[ByteProgress] = []
+
+    async def observed_join(service, progress: ByteProgress | None = None):
         states_during_join.append(service.me.state)
-        return await original_join(service)
+        if progress is not None:
+            progress_during_join.append(progress)
+        return await original_join(service, progress=progress)
 
     monkeypatch.setattr(stage_service, "join_live_stage", observed_join)
     source = torch.Generator().manual_seed(5)
@@ -423,6 +447,10 @@ def test_stage_service_joiner_downloads_before_going_online_and_keeps_edge_copie
 
     theirs, mine, steps, embed, copy_state = run(scenario(), timeout=170)
     assert states_during_join == ["joining"]
+    # the join's download showed its bytes (log lines here: no terminal), all of them
+    ((shown,),) = [progress.tasks for progress in progress_during_join]
+    assert not progress_during_join[0].show_bar
+    assert shown.outcome == Outcome.DONE and shown.done == shown.total > 0
     assert steps == (3, 3, "online")
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
     assert copy_state is not None and set(copy_state.weights) == {"embed_tokens.weight"}

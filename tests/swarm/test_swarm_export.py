@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -124,6 +125,10 @@ def test_prepared_corpus_trains_exports_and_generates(swarm: Swarm, tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert all(f"stage {s}:" in result.stdout for s in range(3)), result.stdout
+    # no terminal here: each stage's download is shown as log lines in bytes, the last one complete
+    for s in range(3):
+        done = re.search(rf"stage {s} from \S+: (\S+ \S+) of \1 \(100 %\), \S+ \S+/s, done in", result.stderr)
+        assert done, result.stderr[-3000:]
     for name in ("config.json", WEIGHTS_FILE, "tokenizer.json", "pipeswarm.json"):
         assert (export_dir / name).is_file(), name
     provenance = json.loads((export_dir / "pipeswarm.json").read_text())["stages"]
