@@ -230,6 +230,34 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class VerificationConfig:
+    """Spot-checks of a stage's computation by its other replicas (docs/verification.md)."""
+
+    rate: float = 0.02
+    """Probability that a routed hop is also checked, 0..1; 2 % costs a few percent of tokens/s and catches a peer that is always wrong within minutes."""
+    raised_rate: float = 0.25
+    """Check probability for peers in a disagreement no third replica could arbitrate, rate..1; watched closely, banned by nobody."""
+    raised_seconds: float = 300.0
+    """Seconds the raised rate lasts after such a disagreement, >= 0."""
+    strikes_to_ban: int = 3
+    """Lost arbitrations (after decay) that ban a peer until its record expires, >= 1; 3 keeps one unlucky check from banning an honest peer."""
+    ban_seconds: float = 3600.0
+    """Shortest ban after lost arbitrations, >= 0 (a live peer's record never expires, so its expiry alone would free it within a heartbeat ttl)."""
+    strike_half_life: float = 600.0
+    """Seconds in which a strike decays to half, > 0; 10 minutes forgives rare bad luck, not a peer that is wrong on every check."""
+    tolerance_floor: float = 0.05
+    """Smallest relative distance between two answers that counts as a disagreement, > 0; honest replicas measured far below it."""
+    tolerance_factor: float = 4.0
+    """Tolerance = this x the stage's published replica divergence (within floor..ceiling), > 0."""
+    tolerance_ceiling: float = 0.25
+    """Largest tolerance, >= floor; below 0.33, the distance of outputs scaled by 1.5, the mildest fault checked for."""
+    max_concurrent: int = 2
+    """Checks this peer computes for others at once (more are answered BUSY), >= 1."""
+    audit_seconds: float = 30.0
+    """Seconds between two checks of a random replica of this peer's own stage against itself, > 0; how gossip partners that compute wrong get banned."""
+
+
+@dataclass(frozen=True)
 class SwarmConfig:
     """Everything peers of a swarm must agree on: a few top-level values and one section per component."""
 
@@ -251,6 +279,8 @@ class SwarmConfig:
     """The [heartbeat] section."""
     data: DataConfig = field(default_factory=DataConfig)
     """The [data] section."""
+    verification: VerificationConfig = field(default_factory=VerificationConfig)
+    """The [verification] section."""
 
     def __post_init__(self) -> None:
         validate(self)
@@ -281,15 +311,17 @@ class SwarmConfig:
         return SwarmConfig.from_dict(raw)
 
 
-_SECTION_TYPES: dict[str, type] = {
+# every [section] of a swarm config and its dataclass (the config reference and its tests walk it)
+SECTION_TYPES: dict[str, type] = {
     "model": ModelConfig,
     "training": TrainingConfig,
     "gossip": GossipConfig,
     "recovery": RecoveryConfig,
     "heartbeat": HeartbeatConfig,
     "data": DataConfig,
+    "verification": VerificationConfig,
 }
-_SECTIONS = set(_SECTION_TYPES)
+_SECTIONS = set(SECTION_TYPES)
 
 
 def _build(cls: type, raw: Mapping[str, Any], where: str) -> Any:
@@ -303,8 +335,8 @@ def _build(cls: type, raw: Mapping[str, Any], where: str) -> Any:
     for name, value in raw.items():
         spec = known[name]
         path = f"{where}.{name}" if where else name
-        if cls is SwarmConfig and name in _SECTION_TYPES:
-            values[name] = _build(_SECTION_TYPES[name], value, path)
+        if cls is SwarmConfig and name in SECTION_TYPES:
+            values[name] = _build(SECTION_TYPES[name], value, path)
         else:
             values[name] = _coerce(spec, value, path)
     return cls(**values)
@@ -384,6 +416,19 @@ def validate(config: SwarmConfig) -> None:
             f"data: the markov chain has {contexts} contexts (min(markov_alphabet, vocab_size)^markov_order), "
             f"more than {MAX_MARKOV_CONTEXTS}",
         )
+    v = config.verification
+    need(
+        0 <= v.rate <= v.raised_rate <= 1 and v.raised_seconds >= 0 and v.ban_seconds >= 0,
+        "verification: 0 <= rate <= raised_rate <= 1, raised_seconds >= 0, ban_seconds >= 0",
+    )
+    need(
+        v.strikes_to_ban >= 1 and v.strike_half_life > 0 and v.max_concurrent >= 1 and v.audit_seconds > 0,
+        "verification: strikes_to_ban >= 1, strike_half_life > 0, max_concurrent >= 1, audit_seconds > 0",
+    )
+    need(
+        0 < v.tolerance_floor <= v.tolerance_ceiling and v.tolerance_factor > 0,
+        "verification: 0 < tolerance_floor <= tolerance_ceiling, tolerance_factor > 0",
+    )
     need(
         config.data.tokenizer_hash == "" or _is_short_hash(config.data.tokenizer_hash),
         "data.tokenizer_hash must be empty or 16 lowercase hex characters (as `node prepare-data` writes it)",

@@ -142,7 +142,8 @@ class StageWorker:
             "max_positions": config.model.max_position_embeddings,
             "device": self.device,
         }
-        self._check_hidden = functools.partial(
+        # validates a [batch, seq, hidden] tensor from the wire (raises RejectedInput)
+        self.validate_hidden = functools.partial(
             check_hidden, hidden_size=config.model.hidden_size, dtype=self.dtype, **bounds
         )
         self._check_tokens = functools.partial(check_tokens, vocab_size=config.model.vocab_size, **bounds)
@@ -258,7 +259,7 @@ class StageWorker:
         """Training forward: hidden [B, T, H] -> [B, T, H] (CPU, module dtype); remembers the graph."""
         self._need(block=True)
         start = time.perf_counter()
-        x = self._check_hidden("forward input", hidden)
+        x = self.validate_hidden("forward input", hidden)
         leaf = x.requires_grad_(True)
         with torch.enable_grad(), self.precision.autocast():
             out = self.module(leaf)
@@ -273,7 +274,7 @@ class StageWorker:
         self._need(block=True)
         start = time.perf_counter()
         item = self.store.get(key, "block")
-        grad = self._check_hidden("backward gradient", grad_output, shape=item.output.shape)
+        grad = self.validate_hidden("backward gradient", grad_output, shape=item.output.shape)
         norm = self.gradient_gate.check("backward gradient", grad)
         self.store.take(key, item)
         leaf, out = item.leaf, item.output
@@ -316,7 +317,7 @@ class StageWorker:
         self._need(block=False)
         start = time.perf_counter()
         item = self.store.get(key, "edge")
-        h = self._check_hidden("head input", hidden, shape=item.output.shape)
+        h = self.validate_hidden("head input", hidden, shape=item.output.shape)
         tgt = self._check_tokens("targets", targets, shape=item.inputs.shape)
         h.requires_grad_(True)
         head_params = [p for n, p in self.module.named_parameters() if not n.startswith("embed_tokens.")]
@@ -339,7 +340,7 @@ class StageWorker:
         item = self.store.get(key, "edge")
         if item.head_grads is None:
             raise ValueError(f"stage 0: embed_backward for {key!r} before its head_loss_backward")
-        g = self._check_hidden("embedding gradient", grad, shape=item.output.shape)
+        g = self.validate_hidden("embedding gradient", grad, shape=item.output.shape)
         norm = self.gradient_gate.check("embedding gradient", g)
         self.store.take(key, item)
         out = item.output

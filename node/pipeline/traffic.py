@@ -46,6 +46,7 @@ from node.pipeline.in_flight_window import InFlightWindow, keep_in_flight
 from node.pipeline.order import pipeline_order
 from node.pipeline.routing import Router
 from node.pipeline.stage_worker import StageWorker
+from node.pipeline.verifier import Verifier
 from node.runtime.tasks import BackgroundTasks
 from node.runtime.timeouts import within
 from protocol import Message, MessageKind, ProtocolError
@@ -129,8 +130,10 @@ class HopSender:
         max_retries: int,
         ban_until: Callable[[str], float],
         unreachable: Callable[[], set[str]] = set,
+        verifier: Verifier | None = None,
     ):
         self.transport, self.router, self.stats = transport, router, stats
+        self.verifier = verifier  # spot-checks some of the forward hops routed here (node/pipeline/verifier.py)
         self.hop_timeout, self.max_retries, self.ban_until = hop_timeout, max_retries, ban_until
         # peers we can reach only through a relay, which cannot carry a hop (node/p2p/reachability.py)
         self.unreachable = unreachable
@@ -145,9 +148,9 @@ class HopSender:
             return False
         return reply.kind == MessageKind.ACK
 
-    async def send_routed(self, stage: int, service: str, kind: MessageKind, meta: dict, tensors: dict) -> bool:
+    async def send_routed(self, stage: int, service: str, kind: MessageKind, meta: dict, tensors: dict) -> str | None:
         """Send to a routed choice among `stage`'s peers; on an error ban it and try another, on a
-        timeout just try another."""
+        timeout just try another. Returns the peer that took it, None if none did."""
         message = self.transport.message(kind, meta, tensors)
         tried: set[str] = set()
         stage_router = self.router.for_stage(stage)
@@ -184,9 +187,11 @@ class HopSender:
                 continue
             # no observe(): the ACK comes before the compute, so its latency says nothing about the
             # peer's speed; the router follows the throughput the peer measures and announces
-            return True
+            if self.verifier is not None and kind == MessageKind.FORWARD:
+                self.verifier.after_hop(stage, peer_id, tensors["hidden"])
+            return peer_id
         logger.info(f"no peer of stage {stage} took microbatch {meta['microbatch_id']} (tried {len(tried)})")
-        return False
+        return None
 
 
 class Pipeline:
@@ -203,6 +208,7 @@ class Pipeline:
         max_queue: int | None = None,
         is_member: Callable[[str], bool] | None = None,
         unreachable: Callable[[], set[str]] = set,
+        verifier: Verifier | None = None,
     ):
         self.config = config
         self.transport = transport
@@ -222,7 +228,7 @@ class Pipeline:
         self.window = InFlightWindow(training.min_in_flight, training.max_in_flight)
         self.stats = PipelineStats()
         self.hops = HopSender(
-            transport, router, self.stats, self.hop_timeout, training.max_retries, self.ban_until, unreachable
+            transport, router, self.stats, self.hop_timeout, training.max_retries, self.ban_until, unreachable, verifier
         )
         self._microbatch_ids = itertools.count(self.rng.randrange(1 << 40))
         self._microbatch_index = itertools.count()
@@ -346,7 +352,7 @@ class Pipeline:
         if next_stage == 0:
             sent = await self.hops.send_to(msg.meta["origin"], FORWARD, MessageKind.FORWARD, meta, tensors)
         else:
-            sent = await self.hops.send_routed(next_stage, FORWARD, MessageKind.FORWARD, meta, tensors)
+            sent = await self.hops.send_routed(next_stage, FORWARD, MessageKind.FORWARD, meta, tensors) is not None
         if sent:
             self.stats.forwarded += 1
         else:

@@ -17,14 +17,13 @@ import pytest
 
 import node.config as config_module
 from node.config import (
+    SECTION_TYPES,
     ConfigError,
-    DataConfig,
     GossipConfig,
     GossipMode,
     HeartbeatConfig,
     ModelConfig,
     Precision,
-    RecoveryConfig,
     RecoveryStrategy,
     RoutingMode,
     SwarmConfig,
@@ -38,15 +37,8 @@ from protocol.version import PROTOCOL_VERSION
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "config.md"
 REGENERATE = ".venv/bin/python -m node.config > docs/config.md"
-DEFAULT_HASH = "5eede0aeadf507eb"  # protocol 2 + routing, precision, tokenizer_hash, the order-2 markov source: changing it splits old and new peers
-SECTIONS = {
-    "model": ModelConfig,
-    "training": TrainingConfig,
-    "gossip": GossipConfig,
-    "recovery": RecoveryConfig,
-    "heartbeat": HeartbeatConfig,
-    "data": DataConfig,
-}
+DEFAULT_HASH = "9ccb186d90aa0674"  # protocol 2 + routing, precision, tokenizer_hash, the order-2 markov source, verification: changing it splits old and new peers
+SECTIONS = SECTION_TYPES
 TOP_LEVEL = [f.name for f in dataclasses.fields(SwarmConfig) if f.name not in SECTIONS]
 
 
@@ -154,7 +146,7 @@ def other_value(key: str, value: Any) -> Any:
         return value + "x"
     if isinstance(value, int):
         return value + 1
-    return value + 0.25
+    return value / 2 if value > 0 else value + 0.25  # halved: stays inside every bound below
 
 
 @pytest.mark.parametrize("key", all_keys())
@@ -208,6 +200,18 @@ RULES = [
     ("data.markov_order", 0, 1, "data: markov_order and markov_alphabet must be >= 1"),
     ("data.markov_alphabet", 0, 1, "data: markov_order and markov_alphabet must be >= 1"),
     ("data.markov_alphabet", 33, 32, "the markov chain has 1089 contexts"),
+    ("verification.rate", -0.01, 0.0, "verification: 0 <= rate <= raised_rate <= 1"),
+    ("verification.rate", 0.26, 0.25, "verification: 0 <= rate <= raised_rate <= 1"),
+    ("verification.raised_rate", 1.01, 1.0, "verification: 0 <= rate <= raised_rate <= 1"),
+    ("verification.raised_seconds", -1.0, 0.0, "verification: 0 <= rate <= raised_rate <= 1"),
+    ("verification.ban_seconds", -1.0, 0.0, "verification: 0 <= rate <= raised_rate <= 1"),
+    ("verification.strikes_to_ban", 0, 1, "verification: strikes_to_ban >= 1"),
+    ("verification.strike_half_life", 0.0, 0.01, "verification: strikes_to_ban >= 1"),
+    ("verification.max_concurrent", 0, 1, "verification: strikes_to_ban >= 1"),
+    ("verification.audit_seconds", 0.0, 0.01, "verification: strikes_to_ban >= 1"),
+    ("verification.tolerance_floor", 0.0, 0.01, "verification: 0 < tolerance_floor <= tolerance_ceiling"),
+    ("verification.tolerance_floor", 0.26, 0.25, "verification: 0 < tolerance_floor <= tolerance_ceiling"),
+    ("verification.tolerance_factor", 0.0, 0.01, "verification: 0 < tolerance_floor <= tolerance_ceiling"),
 ]
 
 
