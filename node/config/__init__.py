@@ -245,12 +245,14 @@ class VerificationConfig:
     """Shortest ban after lost arbitrations, >= 0 (a live peer's record never expires, so its expiry alone would free it within a heartbeat ttl)."""
     strike_half_life: float = 600.0
     """Seconds in which a strike decays to half, > 0; 10 minutes forgives rare bad luck, not a peer that is wrong on every check."""
-    tolerance_floor: float = 0.05
-    """Smallest relative distance between two answers that counts as a disagreement, > 0; honest replicas measured far below it."""
+    tolerance_floor: float = 0.2
+    """Tolerance on 1 - cos of two answers' outputs and gradients and on |ln| of their gradients' norm ratio while the stage's divergence is low or unknown, > 0; honest replicas measured up to 0.11 (docs/verification.md)."""
     tolerance_factor: float = 4.0
     """Tolerance = this x the stage's published replica divergence (within floor..ceiling), > 0."""
-    tolerance_ceiling: float = 0.25
-    """Largest tolerance, >= floor; below 0.33, the distance of outputs scaled by 1.5, the mildest fault checked for."""
+    tolerance_ceiling: float = 0.35
+    """Largest tolerance, >= floor; below 0.405, the gradients' scale error of a computation scaled by 1.5, the mildest fault checked for."""
+    output_scale_tolerance: float = 0.8
+    """Tolerance on |ln| of two answers' outputs' norm ratio, > 0; honest replicas early in training measured up to 0.55 (1.7x)."""
     max_concurrent: int = 2
     """Checks this peer computes for others at once (more are answered BUSY), >= 1."""
     audit_seconds: float = 30.0
@@ -426,8 +428,8 @@ def validate(config: SwarmConfig) -> None:
         "verification: strikes_to_ban >= 1, strike_half_life > 0, max_concurrent >= 1, audit_seconds > 0",
     )
     need(
-        0 < v.tolerance_floor <= v.tolerance_ceiling and v.tolerance_factor > 0,
-        "verification: 0 < tolerance_floor <= tolerance_ceiling, tolerance_factor > 0",
+        0 < v.tolerance_floor <= v.tolerance_ceiling and v.tolerance_factor > 0 and v.output_scale_tolerance > 0,
+        "verification: 0 < tolerance_floor <= tolerance_ceiling, tolerance_factor > 0, output_scale_tolerance > 0",
     )
     need(
         config.data.tokenizer_hash == "" or _is_short_hash(config.data.tokenizer_hash),

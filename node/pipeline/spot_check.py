@@ -22,22 +22,33 @@ from enum import StrEnum
 import torch
 from torch import Tensor
 
-# below this norm two answers are both "zero": their distance is 0, not 0/0
+# below this norm an answer is "zero"
 _TINY = 1e-12
 
 
-def relative_distance(a: Tensor, b: Tensor) -> float:
-    """||a - b|| / max(||a||, ||b||): 0 for equal answers, 1 when one is zero, 2 for opposite ones.
-
-    Symmetric, so it does not matter which replica is asked first, and bounded by 2 whatever a
-    faulty replica sends (a huge answer cannot make the honest one look far from a third)."""
+def direction_error(a: Tensor, b: Tensor) -> float:
+    """1 - cos(a, b): 0 for parallel answers, 1 for unrelated ones (noise), 2 for opposite ones."""
     if a.shape != b.shape:
         return math.inf
-    a, b = a.detach().double(), b.detach().double()
-    scale = max(a.norm().item(), b.norm().item())
-    if scale < _TINY:
+    a, b = a.detach().double().flatten(), b.detach().double().flatten()
+    na, nb = a.norm().item(), b.norm().item()
+    if na < _TINY and nb < _TINY:
         return 0.0
-    return (a - b).norm().item() / scale
+    if na < _TINY or nb < _TINY:
+        return 1.0
+    return 1.0 - float(a @ b) / (na * nb)
+
+
+def scale_error(a: Tensor, b: Tensor) -> float:
+    """|ln(||a|| / ||b||)|: 0 for equal norms, 0.405 for a 1.5x scale, infinite against zeros."""
+    if a.shape != b.shape:
+        return math.inf
+    na, nb = a.detach().double().norm().item(), b.detach().double().norm().item()
+    if na < _TINY and nb < _TINY:
+        return 0.0
+    if na < _TINY or nb < _TINY:
+        return math.inf
+    return abs(math.log(na / nb))
 
 
 @dataclass(frozen=True)
@@ -49,47 +60,71 @@ class Answer:
 
 
 @dataclass(frozen=True)
+class Limits:
+    """The tolerances one comparison is held to (see Tolerance)."""
+
+    direction: float  # on 1 - cos of outputs and of gradients, and on |ln| of the gradients' norm ratio
+    output_scale: float  # on |ln| of the outputs' norm ratio
+
+
+@dataclass(frozen=True)
 class Comparison:
-    output_distance: float
-    grad_distance: float
-    limit: float
+    """How two answers differ, measured the ways honest drift and the faults differ (measured on
+    live swarms, docs/verification.md): honest replicas point the same way (cos >= 0.89 seen) and
+    agree on the size of the input gradient (within 11 %), but early in training the size of their
+    outputs differs by up to 1.7x, so the outputs' scale has its own, looser tolerance."""
+
+    output_direction: float
+    grad_direction: float
+    grad_scale: float
+    output_scale: float
+    limits: Limits
 
     @property
     def distance(self) -> float:
-        """The larger of the two distances: what is compared with the limit."""
-        return max(self.output_distance, self.grad_distance)
+        """The largest of the measures held to `limits.direction`."""
+        return max(self.output_direction, self.grad_direction, self.grad_scale)
 
     @property
     def agree(self) -> bool:
-        return self.distance <= self.limit
+        return self.distance <= self.limits.direction and self.output_scale <= self.limits.output_scale
 
     def describe(self) -> str:
-        return f"output {self.output_distance:.3f}, gradient {self.grad_distance:.3f}, tolerance {self.limit:.3f}"
+        return (
+            f"1-cos output {self.output_direction:.3f} gradient {self.grad_direction:.3f}, |ln norm ratio| "
+            f"gradient {self.grad_scale:.3f} output {self.output_scale:.3f}; tolerance {self.limits.direction:.3f}, "
+            f"output scale {self.limits.output_scale:.3f}"
+        )
 
 
-def compare(first: Answer, second: Answer, limit: float) -> Comparison:
+def compare(first: Answer, second: Answer, limits: Limits) -> Comparison:
     return Comparison(
-        relative_distance(first.output, second.output), relative_distance(first.grad_input, second.grad_input), limit
+        direction_error(first.output, second.output),
+        direction_error(first.grad_input, second.grad_input),
+        scale_error(first.grad_input, second.grad_input),
+        scale_error(first.output, second.output),
+        limits,
     )
 
 
 @dataclass(frozen=True)
 class Tolerance:
     """How far two honest answers may be: `factor` x the stage's replica divergence (the relative
-    weight distance its peers publish), within [floor, ceiling].
+    weight distance its peers publish), within [floor, ceiling]; the outputs' scale has a fixed
+    tolerance `output_scale`.
 
-    Measured on honest swarms (docs/verification.md): answers differ far less than the weights do,
-    because a block's residual path carries its input through unchanged. The ceiling stays below
-    the smallest fault the checks are meant to catch (outputs scaled by 1.5: distance 0.33)."""
+    The ceiling stays below the mildest fault the checks are meant to catch (a computation scaled
+    by 1.5: 0.405 on the gradients' scale)."""
 
     floor: float
     factor: float
     ceiling: float
+    output_scale: float
 
-    def limit(self, divergence: float | None) -> float:
+    def limits(self, divergence: float | None) -> Limits:
         if divergence is None or not math.isfinite(divergence):
-            return self.floor
-        return min(self.ceiling, max(self.floor, self.factor * divergence))
+            return Limits(self.floor, self.output_scale)
+        return Limits(min(self.ceiling, max(self.floor, self.factor * divergence)), self.output_scale)
 
 
 class Verdict(StrEnum):

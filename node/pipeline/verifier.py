@@ -86,8 +86,9 @@ class CheckStats:
     arbitrations: int = 0
     unanswered: int = 0  # checks abandoned because a replica did not answer
     served: int = 0  # checks this peer answered for others
-    largest_agreeing: float = 0.0  # the largest distance between two answers that agreed
+    largest_agreeing: float = 0.0  # the largest Comparison.distance between two answers that agreed
     tolerance_then: float = 0.0  # the tolerance that distance was compared with
+    largest_output_scale: float = 0.0  # the largest output scale error between two answers that agreed
 
 
 class Verifier:
@@ -115,7 +116,12 @@ class Verifier:
         self.stage_divergence, self.is_member, self.hop_timeout = stage_divergence, is_member, hop_timeout
         self.rng = rng or random.Random()
         self.generator = torch.Generator().manual_seed(self.rng.randrange(1 << 62))
-        self.tolerance = Tolerance(settings.tolerance_floor, settings.tolerance_factor, settings.tolerance_ceiling)
+        self.tolerance = Tolerance(
+            settings.tolerance_floor,
+            settings.tolerance_factor,
+            settings.tolerance_ceiling,
+            settings.output_scale_tolerance,
+        )
         self.strikes = StrikeBook(settings.strikes_to_ban, settings.strike_half_life)
         self.rate = CheckRate(settings.rate, settings.raised_rate, settings.raised_seconds)
         self.stats = CheckStats()
@@ -190,12 +196,14 @@ class Verifier:
         if answers[0] is None or answers[1] is None:
             self.stats.unanswered += 1
             return None
-        limit = self.tolerance.limit(self.stage_divergence(stage))
-        first_vs_second = compare(answers[0], answers[1], limit)
+        limits = self.tolerance.limits(self.stage_divergence(stage))
+        first_vs_second = compare(answers[0], answers[1], limits)
+        logger.debug(f"check of {short_peer_id(first)} against {short_peer_id(second)}: {first_vs_second.describe()}")
         self.stats.checks += 1
         if first_vs_second.agree:
             if first_vs_second.distance >= self.stats.largest_agreeing:
-                self.stats.largest_agreeing, self.stats.tolerance_then = first_vs_second.distance, limit
+                self.stats.largest_agreeing, self.stats.tolerance_then = first_vs_second.distance, limits.direction
+            self.stats.largest_output_scale = max(self.stats.largest_output_scale, first_vs_second.output_scale)
             return Verdict.AGREED
         self.stats.disagreements += 1
         arbiter = self._other_replica(stage, {first, second})
@@ -204,7 +212,7 @@ class Verifier:
             third = await self._ask(stage, arbiter, hidden, probe)
             if third is not None:
                 self.stats.arbitrations += 1
-                verdict = arbitrate(compare(answers[0], third, limit), compare(answers[1], third, limit))
+                verdict = arbitrate(compare(answers[0], third, limits), compare(answers[1], third, limits))
                 evidence += f", arbiter {short_peer_id(arbiter)}"
         self._act(stage, verdict, first, second, evidence)
         return verdict
@@ -268,6 +276,7 @@ class Verifier:
             served=self.stats.served,
             largest_agreeing=self.stats.largest_agreeing,
             tolerance=self.stats.tolerance_then,
+            largest_output_scale=self.stats.largest_output_scale,
             strikes={peer: round(score, 3) for peer, score in scores},
             bans=bans,
         )

@@ -20,13 +20,15 @@ from node.pipeline.routing import BanList
 from node.pipeline.spot_check import (
     Answer,
     CheckRate,
+    Limits,
     StrikeBook,
     Tolerance,
     Verdict,
     arbitrate,
     compare,
+    direction_error,
     probe_direction,
-    relative_distance,
+    scale_error,
 )
 from node.pipeline.stage_worker import StageWorker
 from node.pipeline.verifier import Verifier, answer_check
@@ -34,7 +36,9 @@ from protocol import Message, MessageKind, decode_message, encode_message
 from tests.helpers.faulty_node import FaultKind, corrupt
 
 SETTINGS = VerificationConfig()
-TOLERANCE = Tolerance(SETTINGS.tolerance_floor, SETTINGS.tolerance_factor, SETTINGS.tolerance_ceiling)
+TOLERANCE = Tolerance(
+    SETTINGS.tolerance_floor, SETTINGS.tolerance_factor, SETTINGS.tolerance_ceiling, SETTINGS.output_scale_tolerance
+)
 
 
 class Clock:
@@ -48,33 +52,35 @@ class Clock:
 # ---- the pure rules --------------------------------------------------------------------------
 
 
-def test_relative_distance_of_the_faults_checked_for() -> None:
+def test_the_measures_of_the_faults_checked_for() -> None:
     x = torch.randn(2, 8, 16)
-    assert relative_distance(x, x.clone()) == 0.0
-    assert relative_distance(x, 1.5 * x) == pytest.approx(1 / 3)
-    assert relative_distance(x, torch.zeros_like(x)) == pytest.approx(1.0)
-    assert relative_distance(x, -x) == pytest.approx(2.0)
-    assert relative_distance(torch.zeros(3), torch.zeros(3)) == 0.0
-    assert relative_distance(x, x[:1]) == float("inf")
-    # bounded whatever a faulty replica sends: a huge answer is at most 2 from anything
-    assert relative_distance(x, 1e30 * torch.randn_like(x)) <= 2.0
+    assert direction_error(x, x.clone()) == pytest.approx(0.0, abs=1e-12) and scale_error(x, x.clone()) == 0.0
+    assert direction_error(x, 1.5 * x) == pytest.approx(0.0, abs=1e-12)
+    assert scale_error(x, 1.5 * x) == pytest.approx(0.405, abs=1e-3)  # a scaled computation: its scale
+    assert direction_error(x, torch.randn_like(x)) == pytest.approx(1.0, abs=0.2)  # noise: unrelated
+    assert scale_error(x, torch.zeros_like(x)) == float("inf")  # zeros
+    assert direction_error(x, -x) == pytest.approx(2.0)  # a sign flip: opposite
+    assert direction_error(torch.zeros(3), torch.zeros(3)) == 0.0 and scale_error(torch.zeros(3), torch.zeros(3)) == 0
+    assert direction_error(x, x[:1]) == scale_error(x, x[:1]) == float("inf")  # a misshapen answer
+    assert direction_error(x, 1e30 * torch.randn_like(x)) <= 2.0  # bounded whatever a replica sends
 
 
 def test_tolerance_follows_the_published_divergence_within_its_bounds() -> None:
-    tolerance = Tolerance(0.05, 4.0, 0.25)
-    assert tolerance.limit(None) == 0.05
-    assert tolerance.limit(0.001) == 0.05
-    assert tolerance.limit(0.03) == pytest.approx(0.12)
-    assert tolerance.limit(1.0) == 0.25
-    assert tolerance.limit(float("nan")) == 0.05
+    tolerance = Tolerance(0.2, 4.0, 0.35, 0.8)
+    assert tolerance.limits(None) == Limits(0.2, 0.8)
+    assert tolerance.limits(0.001).direction == 0.2
+    assert tolerance.limits(0.07).direction == pytest.approx(0.28)
+    assert tolerance.limits(1.0).direction == 0.35
+    assert tolerance.limits(float("nan")).direction == 0.2
+    assert tolerance.ceiling < scale_error(torch.ones(3), 1.5 * torch.ones(3))  # the mildest fault stays caught
 
 
 def test_the_arbiter_sides_with_exactly_one_or_nobody_is_struck() -> None:
-    near, far = (
-        compare(Answer(torch.ones(4), torch.ones(4)), Answer(torch.ones(4), torch.ones(4)), 0.1),
-        compare(Answer(torch.ones(4), torch.ones(4)), Answer(-torch.ones(4), torch.ones(4)), 0.1),
-    )
+    limits = Limits(0.1, 0.5)
+    same = Answer(torch.ones(4), torch.ones(4))
+    near, far = compare(same, same, limits), compare(same, Answer(torch.ones(4), -torch.ones(4)), limits)
     assert near.agree and not far.agree
+    assert not compare(same, Answer(3 * torch.ones(4), torch.ones(4)), limits).agree  # outputs' scale
     assert arbitrate(near, far) == Verdict.SECOND_WRONG
     assert arbitrate(far, near) == Verdict.FIRST_WRONG
     assert arbitrate(near, near) == Verdict.INCONCLUSIVE
@@ -146,11 +152,11 @@ def test_identical_replicas_answer_alike_and_every_fault_is_far_beyond_the_toler
     honest, other, faulty = workers(3)
     hidden, probe = an_input()
     reference = Answer(*answer_check(honest, hidden, probe))
-    assert compare(reference, Answer(*answer_check(other, hidden, probe)), TOLERANCE.floor).distance < 1e-6
-    ceiling = TOLERANCE.ceiling
+    assert compare(reference, Answer(*answer_check(other, hidden, probe)), TOLERANCE.limits(None)).distance < 1e-6
+    loosest = TOLERANCE.limits(1.0)
     for kind in FaultKind:
         make_faulty(faulty := StageWorker(CONFIG, 1), kind)
-        comparison = compare(reference, Answer(*answer_check(faulty, hidden, probe)), ceiling)
+        comparison = compare(reference, Answer(*answer_check(faulty, hidden, probe)), loosest)
         assert not comparison.agree, f"{kind}: {comparison.describe()}"
 
 
@@ -165,8 +171,10 @@ def test_drifted_honest_replicas_stay_within_the_tolerance_at_their_divergence(d
             noise = torch.randn(p.shape, generator=generator)
             p.add_(noise * (divergence * p.norm() / noise.norm()))
     hidden, probe = an_input()
-    comparison = compare(Answer(*answer_check(a, hidden, probe)), Answer(*answer_check(b, hidden, probe)), 0.0)
-    assert comparison.distance <= TOLERANCE.limit(divergence), comparison.describe()
+    comparison = compare(
+        Answer(*answer_check(a, hidden, probe)), Answer(*answer_check(b, hidden, probe)), TOLERANCE.limits(divergence)
+    )
+    assert comparison.agree, comparison.describe()
 
 
 def test_a_check_changes_nothing_on_the_replica_and_refuses_bad_input() -> None:
