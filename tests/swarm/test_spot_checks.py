@@ -148,13 +148,14 @@ async def run(swarm: Swarm, kinds: list[FaultKind]) -> None:
         steps_then = stage0(await observer.snapshot())["inner_step"]
         recovered = await poll(
             observer,
-            lambda s: stage0(s) is not None and stage0(s)["loss"] <= before + 0.1,
+            lambda s: (
+                stage0(s) is not None and stage0(s)["loss"] <= before + 0.1 and stage0(s)["inner_step"] > steps_then
+            ),
             RECOVERY_TIMEOUT,
-            f"the loss did not come back to {before:.3f} + 0.1",
+            f"training did not go on with the loss back to {before:.3f} + 0.1",
             swarm.nodes[:4],
         )
-        print(f"loss back to {stage0(recovered)['loss']:.3f} (honest {before:.3f})")
-        assert stage0(recovered)["inner_step"] > steps_then, "training stopped"
+        print(f"training goes on: loss {stage0(recovered)['loss']:.3f} (honest swarm before: {before:.3f})")
         assert not any(banned_by(recovered, p["peer_id"]) for p in online(recovered, 1) + online(recovered, 0))
 
 
