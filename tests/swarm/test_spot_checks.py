@@ -83,6 +83,32 @@ def mean_loss(samples: list[float]) -> float:
     return sum(samples) / len(samples)
 
 
+async def join_faulty(swarm: Swarm, observer, kind: FaultKind) -> tuple[NodeProcess, dict]:
+    """Start a faulty peer of `kind` on stage 1 and wait until it is online. Seen under heavy load
+    (load average 14 on 2 cores): a joiner's first DHT read of stage 1 came back empty although
+    both honest replicas were online, it tried to rebuild the stage and exited; that join problem
+    is not what this test is about, so one such failed start is retried (and printed)."""
+    for attempt in range(2):
+        faulty = swarm.join(
+            f"faulty-{kind}-{attempt}",
+            "--stage",
+            "1",
+            "--threads",
+            "1",
+            "--quiet",
+            python_prefix=["-m", "tests.helpers.faulty_node", kind.value],
+        )
+        deadline = time.monotonic() + ONLINE_TIMEOUT
+        while time.monotonic() < deadline and faulty.process.poll() is None:
+            snapshot = await observer.snapshot()
+            pid = peer_id_of(faulty)
+            if pid is not None and any(p["peer_id"] == pid for p in online(snapshot, 1)):
+                return faulty, snapshot
+            await asyncio.sleep(1.0)
+        print(f"the {kind} peer did not come online (attempt {attempt + 1}):\n{faulty.log()[-1500:]}")
+    raise AssertionError(f"the {kind} peer did not come online in two attempts")
+
+
 async def run(swarm: Swarm, kinds: list[FaultKind]) -> None:
     async with observe(swarm.initial_peers, None) as observer:
         ready = await poll(
@@ -103,22 +129,7 @@ async def run(swarm: Swarm, kinds: list[FaultKind]) -> None:
         print(f"\nhonest swarm: stage-0 loss {before:.3f}")
 
         for kind in kinds:
-            faulty = swarm.join(
-                f"faulty-{kind}",
-                "--stage",
-                "1",
-                "--threads",
-                "1",
-                "--quiet",
-                python_prefix=["-m", "tests.helpers.faulty_node", kind.value],
-            )
-            snapshot = await poll(
-                observer,
-                lambda s: (pid := peer_id_of(faulty)) is not None and any(p["peer_id"] == pid for p in online(s, 1)),
-                ONLINE_TIMEOUT,
-                f"the {kind} peer did not come online",
-                [faulty],
-            )
+            faulty, snapshot = await join_faulty(swarm, observer, kind)
             joined = time.monotonic()
             faulty_id = peer_id_of(faulty)
             snapshot = await poll(
