@@ -369,3 +369,37 @@ def test_checks_are_served_for_the_own_stage_only_and_within_the_concurrency_lim
     replica._serving = SETTINGS.max_concurrent
     busy = router.transport.message(MessageKind.CHECK, {"stage": 1}, {"hidden": hidden, "probe": probe})
     assert asyncio.run(replica.on_check("router", busy)).kind == MessageKind.BUSY
+
+
+# ---- what status and the dashboard show --------------------------------------------------------
+
+
+def test_status_sums_the_strikes_and_bans_that_records_report_against_each_peer() -> None:
+    from node.monitor.dashboard.peer_table import strikes_cell
+    from node.monitor.status import accusations, format_table, peer_view
+
+    reporters = [
+        PeerRecord("router", 0, verification=VerificationReport(checks=40, strikes={"bad": 1.5}, bans=["worse"])),
+        PeerRecord("mate", 1, verification=VerificationReport(checks=3, strikes={"bad": 0.5}, bans=["worse"])),
+        PeerRecord("bad", 1),
+        PeerRecord("worse", 1),
+    ]
+    accused = accusations(reporters)
+    assert accused == {"bad": {"strikes": 2.0, "banned_by": 0}, "worse": {"strikes": 0.0, "banned_by": 2}}
+    views = {record.peer_id: peer_view(record, accused) for record in reporters}
+    assert views["mate"]["strikes"] == 0.0 and views["mate"]["banned_by"] == 0
+    assert strikes_cell(views["mate"]).plain == "-"
+    assert strikes_cell(views["bad"]).plain == "2.0"
+    assert strikes_cell(views["worse"]).plain == "0.0 ban x2"
+    snapshot = {
+        "swarm_id": "s",
+        "num_stages": 2,
+        "model_parameters": 1,
+        "config_hash": "h",
+        "stages": [
+            {"stage": s, "status": "ok", "peers": [v for v in views.values() if v["stage"] == s], "throughput": 1.0,
+             "parameters": 1, "memory": {"total": 1}}
+            for s in (0, 1)
+        ],
+    }  # fmt: skip
+    assert "strikes 0.0, banned by 2" in format_table(snapshot)
