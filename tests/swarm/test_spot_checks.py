@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from pathlib import Path
 
@@ -213,3 +214,61 @@ def test_a_replica_with_scaled_outputs_is_caught_and_banned(tmp_path):
 @pytest.mark.timeout(900)
 def test_every_kind_of_faulty_replica_is_caught_and_banned(tmp_path):
     run_kinds(tmp_path, list(FaultKind))
+
+
+HONEST_SECONDS = float(os.environ.get("PIPESWARM_HONEST_SECONDS", "600"))
+
+
+async def watch_honest(swarm: Swarm, seconds: float) -> dict:
+    """Poll an honest swarm for `seconds`; the last snapshot, and the worst seen on the way."""
+    async with observe(swarm.initial_peers, None) as observer:
+        await poll(
+            observer,
+            lambda s: len(online(s, 0)) == 2 and len(online(s, 1)) == 3,
+            ONLINE_TIMEOUT,
+            "the honest swarm did not come online",
+            swarm.nodes,
+        )
+        end, worst, snapshot = time.monotonic() + seconds, {"strikes": 0.0, "banned_by": 0}, {}
+        while time.monotonic() < end:
+            await asyncio.sleep(5.0)
+            snapshot = await observer.snapshot()
+            for stage in snapshot["stages"]:
+                for peer in stage["peers"]:
+                    worst["strikes"] = max(worst["strikes"], peer["strikes"])
+                    worst["banned_by"] = max(worst["banned_by"], peer["banned_by"])
+        return {"last": snapshot, "worst": worst}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(HONEST_SECONDS + 400)
+def test_an_honest_swarm_checked_at_a_raised_rate_bans_nobody(tmp_path):
+    """2 stage-0 peers and 3 stage-1 replicas for 10 minutes (PIPESWARM_HONEST_SECONDS), every
+    hop checked with probability 0.2 and every replica auditing a mate every 5 s."""
+    config = tmp_path / "swarm.toml"
+    config.write_text(CONFIG.replace("rate = 0.3", "rate = 0.2").replace("audit_seconds = 2.0", "audit_seconds = 5.0"))
+    swarm = make_swarm(tmp_path)
+    try:
+        swarm.bootstrap(
+            "--config", str(config), "--num-stages", "2", "--heartbeat-period", "1", "--heartbeat-ttl", "5",
+            timeout=ONLINE_TIMEOUT,
+        )  # fmt: skip
+        for i in range(5):
+            swarm.join(f"peer{i}", "--stage", str(0 if i < 2 else 1), "--threads", "1", "--quiet")
+        seen = asyncio.run(watch_honest(swarm, HONEST_SECONDS))
+    finally:
+        swarm.close()
+        leftovers = [pid for node in swarm.nodes for pid in node.alive_family()]
+        assert not leftovers, f"processes left behind: {leftovers}"
+    reports = [p["verification"] for s in seen["last"]["stages"] for p in s["peers"] if p.get("verification")]
+    checks = sum(r["checks"] for r in reports)
+    largest = max(reports, key=lambda r: r["largest_agreeing"])
+    print(
+        f"\nhonest run of {HONEST_SECONDS:.0f} s: {checks} checks compared, "
+        f"{sum(r['disagreements'] for r in reports)} disagreements, {sum(r['served'] for r in reports)} answers served; "
+        f"largest agreeing distance {largest['largest_agreeing']:.3f} (tolerance then {largest['tolerance']:.3f}), "
+        f"largest outputs' scale error {max(r['largest_output_scale'] for r in reports):.3f}; "
+        f"most strikes against a peer {seen['worst']['strikes']:.2f}, most bans of a peer {seen['worst']['banned_by']}"
+    )
+    assert checks >= 50, "too few checks to say anything"
+    assert seen["worst"]["banned_by"] == 0, "an honest peer was banned"
