@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from hivemind.utils import get_dht_time
 
-from dht.records import CIRCUIT, MAX_ADDRS, PeerRecord, PeerState, reachability_of
+from dht.records import CIRCUIT, MAX_ADDRS, PeerRecord, PeerState, VerificationReport, reachability_of
 from dht.registry import SwarmRegistry
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class PeerProgress:
     last_partner: str | None
     divergence: float | None
     fingerprint: list[float] | None
+    verification: VerificationReport | None = None
 
 
 class PeerAnnouncer:

@@ -62,6 +62,7 @@ class EventKind(StrEnum):
     UNRECOVERABLE = "unrecoverable"
     BAN = "ban"
     GOSSIP_FAILURE = "gossip_failure"
+    VERIFICATION = "verification"  # a spot-check ban or an unarbitrated disagreement (node/pipeline/verifier.py)
 
 
 def short_peer_id(peer_id: Any, n: int = 8) -> str:
@@ -148,6 +149,49 @@ def _check_state(value: Any) -> PeerState:
         raise RecordError(f"state: {value!r} is not one of {[state.value for state in PeerState]}") from None
 
 
+MAX_REPORTED_PEERS = 16  # strikes and bans one record may list
+
+
+@dataclass
+class VerificationReport:
+    """What a peer's spot-checks found (node/pipeline/verifier.py): published in its record so that
+    `node status` and the dashboard can show who holds strikes and bans against whom."""
+
+    checks: int = 0  # hops it checked with two answers compared
+    disagreements: int = 0
+    served: int = 0  # checks it answered for others
+    largest_agreeing: float = 0.0  # the largest distance between two answers it found in agreement
+    tolerance: float = 0.0  # the tolerance that distance was compared with
+    largest_output_scale: float = 0.0  # the largest |ln| of the outputs' norm ratio it found in agreement
+    strikes: dict[str, float] = field(default_factory=dict)  # peer -> decayed strikes it holds against it
+    bans: list[str] = field(default_factory=list)  # peers it banned after lost arbitrations
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> VerificationReport:
+        if not isinstance(raw, Mapping):
+            raise RecordError(f"verification: expected a map, got {type(raw).__name__}")
+        strikes, bans = raw.get("strikes", {}), raw.get("bans", [])
+        if not isinstance(strikes, Mapping) or len(strikes) > MAX_REPORTED_PEERS:
+            raise RecordError(f"verification.strikes: expected a map of at most {MAX_REPORTED_PEERS} peers")
+        if not isinstance(bans, list) or len(bans) > MAX_REPORTED_PEERS:
+            raise RecordError(f"verification.bans: expected a list of at most {MAX_REPORTED_PEERS} peers")
+        return cls(
+            checks=_check_int(raw.get("checks", 0), "verification.checks"),
+            disagreements=_check_int(raw.get("disagreements", 0), "verification.disagreements"),
+            served=_check_int(raw.get("served", 0), "verification.served"),
+            largest_agreeing=_check_float(raw.get("largest_agreeing", 0.0), "verification.largest_agreeing", low=0.0),  # type: ignore[arg-type]
+            tolerance=_check_float(raw.get("tolerance", 0.0), "verification.tolerance", low=0.0),  # type: ignore[arg-type]
+            largest_output_scale=_check_float(  # type: ignore[arg-type]
+                raw.get("largest_output_scale", 0.0), "verification.largest_output_scale", low=0.0
+            ),
+            strikes={
+                _check_str(peer, "verification.strikes", MAX_ID_CHARS): _check_float(score, "strike", low=0.0)  # type: ignore[misc]
+                for peer, score in strikes.items()
+            },
+            bans=[_check_str(peer, "verification.bans", MAX_ID_CHARS) for peer in bans],
+        )
+
+
 @dataclass
 class PeerRecord:
     """One peer's self-description, re-announced every heartbeat period."""
@@ -173,6 +217,7 @@ class PeerRecord:
     # where others dial this peer (node/p2p/dialer.py) and what kind of address that is
     addrs: list[str] = field(default_factory=list)
     reachability: Reachability = Reachability.UNKNOWN
+    verification: VerificationReport | None = None
     updated: float = 0.0
     # filled in by the reader from the DHT entry, never sent
     expires: float = field(default=0.0, compare=False)
@@ -213,6 +258,9 @@ class PeerRecord:
             fingerprint=_check_floats(values.get("fingerprint"), "fingerprint", MAX_FINGERPRINT),
             addrs=_check_addrs(values.get("addrs", [])),
             reachability=_check_reachability(values.get("reachability", Reachability.UNKNOWN)),
+            verification=None
+            if values.get("verification") is None
+            else VerificationReport.from_wire(values["verification"]),
             updated=_check_float(values.get("updated", 0.0), "updated", low=0.0),  # type: ignore[arg-type]
             expires=expires,
         )

@@ -38,6 +38,8 @@ class MessageKind(enum.StrEnum):
     STATE_HEADER = "state_header"
     STATE_CHUNK = "state_chunk"
     STATE_END = "state_end"
+    CHECK = "check"  # a spot-check of a block stage's computation (node/pipeline/verifier.py)
+    CHECK_RESULT = "check_result"
 
 
 # Required meta keys per kind. Extra keys are allowed (still type- and size-checked). Every int in
@@ -65,6 +67,8 @@ KIND_SCHEMAS: dict[MessageKind, dict[str, Any]] = {
     },
     MessageKind.STATE_CHUNK: {"index": int, "offset": int},
     MessageKind.STATE_END: {"checksum": str},
+    MessageKind.CHECK: {"stage": int},
+    MessageKind.CHECK_RESULT: {"stage": int},
 }
 
 # Required tensor names per kind; other names are allowed up to max_tensors (FORWARD may carry an
@@ -74,6 +78,8 @@ KIND_TENSORS.update(
     {
         MessageKind.FORWARD: frozenset({"hidden"}),
         MessageKind.BACKWARD: frozenset({"grad"}),
+        MessageKind.CHECK: frozenset({"hidden", "probe"}),
+        MessageKind.CHECK_RESULT: frozenset({"output", "grad_input"}),
         MessageKind.GOSSIP_CHUNK: frozenset({"chunk"}),
         MessageKind.STATE_CHUNK: frozenset({"chunk"}),
     }

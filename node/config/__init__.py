@@ -240,6 +240,36 @@ class ValidationConfig:
 
 
 @dataclass(frozen=True)
+class VerificationConfig:
+    """Spot-checks of a stage's computation by its other replicas (docs/verification.md)."""
+
+    rate: float = 0.02
+    """Probability that a routed hop is also checked, 0..1; 2 % costs a few percent of tokens/s and catches a peer that is always wrong within minutes."""
+    raised_rate: float = 0.25
+    """Check probability for peers in a disagreement no third replica could arbitrate, rate..1; watched closely, banned by nobody."""
+    raised_seconds: float = 300.0
+    """Seconds the raised rate lasts after such a disagreement, >= 0."""
+    strikes_to_ban: int = 3
+    """Lost arbitrations (after decay) that ban a peer until its record expires, >= 1; 3 keeps one unlucky check from banning an honest peer."""
+    ban_seconds: float = 3600.0
+    """Shortest ban after lost arbitrations, >= 0 (a live peer's record never expires, so its expiry alone would free it within a heartbeat ttl)."""
+    strike_half_life: float = 600.0
+    """Seconds in which a strike decays to half, > 0; 10 minutes forgives rare bad luck, not a peer that is wrong on every check."""
+    tolerance_floor: float = 0.2
+    """Tolerance on 1 - cos of two answers' outputs and gradients and on |ln| of their gradients' norm ratio while the stage's divergence is low or unknown, > 0; honest replicas measured up to 0.11 (docs/verification.md)."""
+    tolerance_factor: float = 4.0
+    """Tolerance = this x the stage's published replica divergence (within floor..ceiling), > 0."""
+    tolerance_ceiling: float = 0.35
+    """Largest tolerance, >= floor; below 0.405, the gradients' scale error of a computation scaled by 1.5, the mildest fault checked for."""
+    output_scale_tolerance: float = 0.8
+    """Tolerance on |ln| of two answers' outputs' norm ratio, > 0; honest replicas early in training measured up to 0.55 (1.7x)."""
+    max_concurrent: int = 2
+    """Checks this peer computes for others at once (more are answered BUSY), >= 1."""
+    audit_seconds: float = 30.0
+    """Seconds between two checks of a random replica of this peer's own stage against itself, > 0; how gossip partners that compute wrong get banned."""
+
+
+@dataclass(frozen=True)
 class SwarmConfig:
     """Everything peers of a swarm must agree on: a few top-level values and one section per component."""
 
@@ -263,6 +293,8 @@ class SwarmConfig:
     """The [data] section."""
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     """The [validation] section."""
+    verification: VerificationConfig = field(default_factory=VerificationConfig)
+    """The [verification] section."""
 
     def __post_init__(self) -> None:
         validate(self)
@@ -293,7 +325,8 @@ class SwarmConfig:
         return SwarmConfig.from_dict(raw)
 
 
-_SECTION_TYPES: dict[str, type] = {
+# every [section] of a swarm config and its dataclass (the config reference and its tests walk it)
+SECTION_TYPES: dict[str, type] = {
     "model": ModelConfig,
     "training": TrainingConfig,
     "gossip": GossipConfig,
@@ -301,8 +334,9 @@ _SECTION_TYPES: dict[str, type] = {
     "heartbeat": HeartbeatConfig,
     "data": DataConfig,
     "validation": ValidationConfig,
+    "verification": VerificationConfig,
 }
-_SECTIONS = set(_SECTION_TYPES)
+_SECTIONS = set(SECTION_TYPES)
 
 
 def _build(cls: type, raw: Mapping[str, Any], where: str) -> Any:
@@ -316,8 +350,8 @@ def _build(cls: type, raw: Mapping[str, Any], where: str) -> Any:
     for name, value in raw.items():
         spec = known[name]
         path = f"{where}.{name}" if where else name
-        if cls is SwarmConfig and name in _SECTION_TYPES:
-            values[name] = _build(_SECTION_TYPES[name], value, path)
+        if cls is SwarmConfig and name in SECTION_TYPES:
+            values[name] = _build(SECTION_TYPES[name], value, path)
         else:
             values[name] = _coerce(spec, value, path)
     return cls(**values)
@@ -397,8 +431,23 @@ def validate(config: SwarmConfig) -> None:
             f"data: the markov chain has {contexts} contexts (min(markov_alphabet, vocab_size)^markov_order), "
             f"more than {MAX_MARKOV_CONTEXTS}",
         )
-    v = config.validation
-    need(v.interval >= 0 and 1 <= v.batches <= 256, "validation: interval >= 0 (0: off), batches in 1..256")
+    held_out = config.validation
+    need(
+        held_out.interval >= 0 and 1 <= held_out.batches <= 256, "validation: interval >= 0 (0: off), batches in 1..256"
+    )
+    v = config.verification
+    need(
+        0 <= v.rate <= v.raised_rate <= 1 and v.raised_seconds >= 0 and v.ban_seconds >= 0,
+        "verification: 0 <= rate <= raised_rate <= 1, raised_seconds >= 0, ban_seconds >= 0",
+    )
+    need(
+        v.strikes_to_ban >= 1 and v.strike_half_life > 0 and v.max_concurrent >= 1 and v.audit_seconds > 0,
+        "verification: strikes_to_ban >= 1, strike_half_life > 0, max_concurrent >= 1, audit_seconds > 0",
+    )
+    need(
+        0 < v.tolerance_floor <= v.tolerance_ceiling and v.tolerance_factor > 0 and v.output_scale_tolerance > 0,
+        "verification: 0 < tolerance_floor <= tolerance_ceiling, tolerance_factor > 0, output_scale_tolerance > 0",
+    )
     need(
         config.data.tokenizer_hash == "" or _is_short_hash(config.data.tokenizer_hash),
         "data.tokenizer_hash must be empty or 16 lowercase hex characters (as `node prepare-data` writes it)",

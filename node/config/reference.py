@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import node.config as config_module
-from node.config import _ENUM_TYPES, _SECTION_TYPES, _SECTIONS, SOURCE_ALIASES, SwarmConfig, SyntheticSource
+from node.config import _ENUM_TYPES, _SECTIONS, SECTION_TYPES, SOURCE_ALIASES, SwarmConfig, SyntheticSource
 
 # str fields that name an enum member or something else (a path): listed with the enums all the same
 _NAMED_VALUES: dict[tuple[str, str], type[StrEnum]] = {("data", "source"): SyntheticSource}
@@ -143,10 +143,10 @@ def render_reference() -> str:
     docs = field_docs()
     lines = [*_INTRO.splitlines(), "", "## Top level", "", inspect.getdoc(SwarmConfig) or "", ""]
     lines += _table(SwarmConfig, docs["SwarmConfig"], skip=_SECTIONS)
-    for section, cls in _SECTION_TYPES.items():
+    for section, cls in SECTION_TYPES.items():
         lines += ["", f"## [{section}]", "", inspect.getdoc(cls) or "", "", *_table(cls, docs[cls.__name__])]
     lines += ["", "## Enum values"]
-    for section, cls in _SECTION_TYPES.items():
+    for section, cls in SECTION_TYPES.items():
         for spec in fields(cls):
             enum_type = _ENUM_TYPES.get(spec.type) or _NAMED_VALUES.get((section, spec.name))  # type: ignore[arg-type]
             if enum_type is not None:

@@ -63,9 +63,26 @@ def stage_status(peers: list[PeerRecord], lost: bool = False, unrecoverable: boo
     return StageStatus.SINGLE if len(serving) == 1 else StageStatus.OK
 
 
-def peer_view(peer: PeerRecord) -> dict[str, Any]:
-    """One peer as it appears in a snapshot: its wire record plus when that record expires."""
-    return {**peer.to_wire(), "expires": peer.expires}
+def accusations(records: list[PeerRecord]) -> dict[str, dict[str, float]]:
+    """Per accused peer, from the spot-check reports in every record (node/pipeline/verifier.py):
+    the strikes other peers hold against it (summed) and how many of them banned it."""
+    found: dict[str, dict[str, float]] = {}
+    for record in records:
+        report = record.verification
+        if report is None:
+            continue
+        for peer_id, strikes in report.strikes.items():
+            found.setdefault(peer_id, {"strikes": 0.0, "banned_by": 0})["strikes"] += strikes
+        for peer_id in report.bans:
+            found.setdefault(peer_id, {"strikes": 0.0, "banned_by": 0})["banned_by"] += 1
+    return found
+
+
+def peer_view(peer: PeerRecord, accused: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
+    """One peer as it appears in a snapshot: its wire record, when that record expires, and the
+    strikes and spot-check bans other peers report against it."""
+    against = (accused or {}).get(peer.peer_id, {"strikes": 0.0, "banned_by": 0})
+    return {**peer.to_wire(), "expires": peer.expires, "strikes": against["strikes"], "banned_by": against["banned_by"]}
 
 
 async def collect_snapshot(registry: SwarmRegistry, record: ConfigRecord, config: SwarmConfig) -> dict[str, Any]:
@@ -78,6 +95,7 @@ async def collect_snapshot(registry: SwarmRegistry, record: ConfigRecord, config
         unrecoverable(lost, config.num_stages, recovery.strategy, recovery.checkfree_plus) if lost else None
     )
     requirements = stage_requirements(config)
+    accused = accusations([peer for peers in peers_by_stage.values() for peer in peers])
     stages = []
     for stage in range(config.num_stages):
         peers = peers_by_stage.get(stage, [])
@@ -90,7 +108,7 @@ async def collect_snapshot(registry: SwarmRegistry, record: ConfigRecord, config
                 "parameters": memory["parameters"],
                 # bytes one peer of this stage needs, by part and in total
                 "memory": {name: value for name, value in memory.items() if name not in ("stage", "parameters")},
-                "peers": [peer_view(peer) for peer in peers],
+                "peers": [peer_view(peer, accused) for peer in peers],
             }
         )
     return {
@@ -129,8 +147,11 @@ def format_table(snapshot: dict[str, Any]) -> str:
             loss = "-" if peer["loss"] is None else f"{peer['loss']:.3f}"
             # held-out loss, and the inner step it was measured at (stage 0, node/pipeline/validation.py)
             val = "" if peer.get("val_loss") is None else f"val {peer['val_loss']:.3f} @{peer['val_step']} "
+            suspicion = ""
+            if peer.get("strikes") or peer.get("banned_by"):
+                suspicion = f" strikes {peer['strikes']:.1f}, banned by {peer['banned_by']}"
             lines.append(
                 f"  {peer['peer_id'][-12:]}  {peer['state']:<10} step {peer['inner_step']:<6} "
-                f"round {peer['outer_round']:<4} loss {loss:<7} {val}v{peer['version']} {peer['name']}"
+                f"round {peer['outer_round']:<4} loss {loss:<7} {val}v{peer['version']} {peer['name']}{suspicion}"
             )
     return "\n".join(lines)

@@ -123,13 +123,21 @@ class PeerConduct:
         if len(strikes) < self.limits.strikes_to_ban or self.is_banned(peer_id):
             logger.info(f"strike {len(strikes)}/{self.limits.strikes_to_ban} for {short_peer_id(peer_id)}: {reason}")
             return False
-        until = max(self.ban_until(peer_id), now + self.limits.min_ban_seconds)
-        self._bans[peer_id] = (until, reason)
         strikes.clear()
-        logger.warning(f"banned {short_peer_id(peer_id)} for {until - now:.0f} s after repeated bad input: {reason}")
+        self.ban(peer_id, f"repeated bad input: {reason}")
+        return True
+
+    def ban(self, peer_id: str, reason: str, at_least: float = 0.0) -> float:
+        """Ban `peer_id` until its record expires, for at least `min_ban_seconds` and `at_least`
+        seconds; returns until when. Also how evidence other than bad input bans a peer
+        (spot-checks: node/pipeline/verifier.py)."""
+        now = self._clock()
+        until = max(self.ban_until(peer_id), now + max(self.limits.min_ban_seconds, at_least))
+        self._bans[peer_id] = (until, reason)
+        logger.warning(f"banned {short_peer_id(peer_id)} for {until - now:.0f} s: {reason}")
         if self.on_ban is not None:
             self.on_ban(peer_id, until, reason)
-        return True
+        return until
 
     # -- admission ---------------------------------------------------------------------------
     def admit(self, peer_id: str, cost: float = 1.0) -> str | None:

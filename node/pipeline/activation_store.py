@@ -87,6 +87,11 @@ class ActivationStore:
                     "stage %d: over %d stored activations, dropped the oldest %r", self.stage, self.max_stored, old_key
                 )
 
+    def newest_input(self) -> Tensor | None:
+        """The input of the most recently stored microbatch (what replicas audit each other on)."""
+        with self._lock:
+            return next(reversed(self._stored.values())).inputs if self._stored else None
+
     def unknown(self, key: Hashable) -> UnknownMicrobatch:
         return UnknownMicrobatch(f"stage {self.stage}: microbatch {key!r} is unknown, finished, dropped or expired")
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from dht.records import short_peer_id
 from node.p2p.transport import Transport, TransportError, timed_out
 from node.pipeline.routing import Router
+from node.pipeline.verifier import Verifier
 from protocol import MessageKind
 
 logger = logging.getLogger(__name__)
@@ -60,8 +61,10 @@ class HopSender:
         max_retries: int,
         ban_until: Callable[[str], float],
         unreachable: Callable[[], set[str]] = set,
+        verifier: Verifier | None = None,
     ):
         self.transport, self.router, self.stats = transport, router, stats
+        self.verifier = verifier  # spot-checks some of the forward hops routed here (node/pipeline/verifier.py)
         self.hop_timeout, self.max_retries, self.ban_until = hop_timeout, max_retries, ban_until
         # peers we can reach only through a relay, which cannot carry a hop (node/p2p/reachability.py)
         self.unreachable = unreachable
@@ -86,9 +89,9 @@ class HopSender:
         except TransportError as e:
             logger.debug(f"could not tell {short_peer_id(origin)} about microbatch {microbatch_id}: {e}")
 
-    async def send_routed(self, stage: int, service: str, kind: MessageKind, meta: dict, tensors: dict) -> bool:
+    async def send_routed(self, stage: int, service: str, kind: MessageKind, meta: dict, tensors: dict) -> str | None:
         """Send to a routed choice among `stage`'s peers; on an error ban it and try another, on a
-        timeout just try another."""
+        timeout just try another. Returns the peer that took it, None if none did."""
         message = self.transport.message(kind, meta, tensors)
         tried: set[str] = set()
         stage_router = self.router.for_stage(stage)
@@ -125,6 +128,8 @@ class HopSender:
                 continue
             # no observe(): the ACK comes before the compute, so its latency says nothing about the
             # peer's speed; the router follows the throughput the peer measures and announces
-            return True
+            if self.verifier is not None and kind == MessageKind.FORWARD:
+                self.verifier.after_hop(stage, peer_id, tensors["hidden"])
+            return peer_id
         logger.info(f"no peer of stage {stage} took microbatch {meta['microbatch_id']} (tried {len(tried)})")
-        return False
+        return None

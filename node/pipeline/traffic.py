@@ -47,6 +47,7 @@ from node.pipeline.in_flight_window import InFlightWindow, keep_in_flight
 from node.pipeline.order import pipeline_order
 from node.pipeline.routing import Router
 from node.pipeline.stage_worker import StageWorker
+from node.pipeline.verifier import Verifier
 from node.runtime.tasks import BackgroundTasks
 from node.runtime.timeouts import within
 from protocol import Message, MessageKind, ProtocolError
@@ -112,6 +113,7 @@ class Pipeline:
         max_queue: int | None = None,
         is_member: Callable[[str], bool] | None = None,
         unreachable: Callable[[], set[str]] = set,
+        verifier: Verifier | None = None,
     ):
         self.config = config
         self.transport = transport
@@ -131,7 +133,7 @@ class Pipeline:
         self.window = InFlightWindow(training.min_in_flight, training.max_in_flight)
         self.stats = PipelineStats()
         self.hops = HopSender(
-            transport, router, self.stats, self.hop_timeout, training.max_retries, self.ban_until, unreachable
+            transport, router, self.stats, self.hop_timeout, training.max_retries, self.ban_until, unreachable, verifier
         )
         self._microbatch_ids = itertools.count(self.rng.randrange(1 << 40))
         self._microbatch_index = itertools.count()
@@ -248,7 +250,7 @@ class Pipeline:
         if next_stage == 0:
             sent = await self.hops.send_to(msg.meta["origin"], FORWARD, MessageKind.FORWARD, meta, tensors)
         else:
-            sent = await self.hops.send_routed(next_stage, FORWARD, MessageKind.FORWARD, meta, tensors)
+            sent = await self.hops.send_routed(next_stage, FORWARD, MessageKind.FORWARD, meta, tensors) is not None
         if sent:
             self.stats.forwarded += 1
         else:

@@ -34,6 +34,7 @@ from node.pipeline.routing import Router
 from node.pipeline.stage_worker import StageWorker
 from node.pipeline.traffic import Pipeline
 from node.pipeline.validation import Validator, open_validator
+from node.pipeline.verifier import Verifier
 from node.recovery.checkpoints import checkpoint_root, run_checkpoints
 from node.recovery.edge_copies import edge_copies_for, run_edge_copy_refresher
 from node.recovery.lost_stages import LostStageWatch, must_rebuild
@@ -41,6 +42,7 @@ from node.recovery.rebalance import Rebalancer, plan_move
 from node.recovery.rebuild import rebuild_into_service, refresh_until_seen
 from node.recovery.state_transfer import join_live_stage, serve_state, state_provider
 from node.runtime.byte_progress import ByteProgress
+from node.runtime.events import EventPublisher
 from node.runtime.meter import Meter
 from node.server.daemon import JoinRefused
 from node.server.progress import ProgressDisplay, ServiceSummary
@@ -95,6 +97,7 @@ class StageService:
     view: SwarmView
     pipeline: Pipeline
     gossip: Gossip
+    verifier: Verifier
     validator: Validator | None = None  # stage 0 with held-out data and validation on
 
     def progress(self) -> PeerProgress:
@@ -111,6 +114,7 @@ class StageService:
             last_partner=self.gossip.last_partner,
             divergence=self.gossip.divergence,
             fingerprint=self.gossip.fingerprint,
+            verification=self.verifier.report(),
         )
 
     def publish_progress(self) -> None:
@@ -164,6 +168,28 @@ async def build_service(
         meter=options.meter,
     )
 
+    def stage_divergence(stage: int) -> float | None:
+        """The largest replica divergence the peers of `stage` publish: spot-checks scale with it."""
+        published = [peer.divergence for peer in view.online(stage) if peer.divergence is not None]
+        return max(published, default=None)
+
+    def replicas(stage: int) -> list[str]:
+        unreachable = unreachable_peers(me, view)
+        return [p.peer_id for p in view.online(stage, exclude=me.peer_id) if p.peer_id not in unreachable]
+
+    verifier = Verifier(
+        config.verification,
+        transport,
+        worker,
+        router.bans,
+        EventPublisher(registry, me.peer_id),
+        peer_id=me.peer_id,
+        replicas=replicas,
+        stage_divergence=stage_divergence,
+        is_member=lambda peer_id: view.record_of(peer_id) is not None,
+        hop_timeout=config.training.hop_timeout,
+        rng=rng,
+    )
     pipeline = Pipeline(
         config,
         transport,
@@ -174,9 +200,10 @@ async def build_service(
         ban_until=ban_until,
         is_member=lambda peer_id: view.record_of(peer_id) is not None,
         unreachable=lambda: unreachable_peers(me, view),
+        verifier=verifier,
     )
     gossip = Gossip(config, me, worker, transport, view, router.bans, registry, ban_until, rng=rng)
-    return StageService(config, me, worker, transport, router, view, pipeline, gossip)
+    return StageService(config, me, worker, transport, router, view, pipeline, gossip, verifier)
 
 
 def neighbours(service: StageService) -> list[str]:
@@ -224,6 +251,7 @@ async def running_service(
         # announce a measured speed from the start: routers and stage choice compare these numbers
         await asyncio.get_running_loop().run_in_executor(service.worker.executor, service.worker.measure_throughput)
         await service.pipeline.start()
+        await service.verifier.start()
         await service.gossip.start()
         edge_copies = edge_copies_for(config, me.stage)  # CheckFree+: stage 1 / stage S keep stage 0's edges
         await serve_state(service.transport, state_provider(service.worker, me, edge_copies, service.gossip))
@@ -241,6 +269,7 @@ async def running_service(
         me.set_state(PeerState.ONLINE)
         tasks.append(asyncio.create_task(publish_progress_loop(service), name="progress"))
         tasks.append(asyncio.create_task(service.gossip.run(), name="gossip"))
+        tasks.append(asyncio.create_task(service.verifier.run_audits(), name="audits"))
         if edge_copies is not None:
             tasks.append(
                 asyncio.create_task(
@@ -273,6 +302,7 @@ async def running_service(
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await service.pipeline.close()
+        await service.verifier.close()
         await service.transport.close()  # this stage's handlers go: a move may serve another stage next
         service.worker.close()
         if options.on_service is not None:

@@ -17,19 +17,17 @@ import pytest
 
 import node.config as config_module
 from node.config import (
+    SECTION_TYPES,
     ConfigError,
-    DataConfig,
     GossipConfig,
     GossipMode,
     HeartbeatConfig,
     ModelConfig,
     Precision,
-    RecoveryConfig,
     RecoveryStrategy,
     RoutingMode,
     SwarmConfig,
     TrainingConfig,
-    ValidationConfig,
     load_config,
 )
 from node.config.reference import field_docs, render_reference
@@ -39,16 +37,8 @@ from protocol.version import PROTOCOL_VERSION
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "config.md"
 REGENERATE = ".venv/bin/python -m node.config > docs/config.md"
-DEFAULT_HASH = "cb83dba184d7c5a5"  # protocol 2 + routing, precision, tokenizer_hash, the order-2 markov source, [validation]: changing it splits old and new peers
-SECTIONS = {
-    "model": ModelConfig,
-    "training": TrainingConfig,
-    "gossip": GossipConfig,
-    "recovery": RecoveryConfig,
-    "heartbeat": HeartbeatConfig,
-    "data": DataConfig,
-    "validation": ValidationConfig,
-}
+DEFAULT_HASH = "d12e1c7dedb0bee3"  # protocol 2 + routing, precision, tokenizer_hash, the order-2 markov source, [validation], [verification]: changing it splits old and new peers
+SECTIONS = SECTION_TYPES
 TOP_LEVEL = [f.name for f in dataclasses.fields(SwarmConfig) if f.name not in SECTIONS]
 
 
@@ -156,7 +146,7 @@ def other_value(key: str, value: Any) -> Any:
         return value + "x"
     if isinstance(value, int):
         return value + 1
-    return value + 0.25
+    return value * 1.5 if value > 0 else value + 0.25  # 1.5x: stays inside every bound below
 
 
 @pytest.mark.parametrize("key", all_keys())
@@ -213,6 +203,19 @@ RULES = [
     ("validation.interval", -0.5, 0.0, "validation: interval >= 0 (0: off), batches in 1..256"),
     ("validation.batches", 0, 1, "validation: interval >= 0 (0: off), batches in 1..256"),
     ("validation.batches", 257, 256, "validation: interval >= 0 (0: off), batches in 1..256"),
+    ("verification.rate", -0.01, 0.0, "verification: 0 <= rate <= raised_rate <= 1"),
+    ("verification.rate", 0.26, 0.25, "verification: 0 <= rate <= raised_rate <= 1"),
+    ("verification.raised_rate", 1.01, 1.0, "verification: 0 <= rate <= raised_rate <= 1"),
+    ("verification.raised_seconds", -1.0, 0.0, "verification: 0 <= rate <= raised_rate <= 1"),
+    ("verification.ban_seconds", -1.0, 0.0, "verification: 0 <= rate <= raised_rate <= 1"),
+    ("verification.strikes_to_ban", 0, 1, "verification: strikes_to_ban >= 1"),
+    ("verification.strike_half_life", 0.0, 0.01, "verification: strikes_to_ban >= 1"),
+    ("verification.max_concurrent", 0, 1, "verification: strikes_to_ban >= 1"),
+    ("verification.audit_seconds", 0.0, 0.01, "verification: strikes_to_ban >= 1"),
+    ("verification.tolerance_floor", 0.0, 0.01, "verification: 0 < tolerance_floor <= tolerance_ceiling"),
+    ("verification.tolerance_floor", 0.36, 0.35, "verification: 0 < tolerance_floor <= tolerance_ceiling"),
+    ("verification.output_scale_tolerance", 0.0, 0.01, "verification: 0 < tolerance_floor <= tolerance_ceiling"),
+    ("verification.tolerance_factor", 0.0, 0.01, "verification: 0 < tolerance_floor <= tolerance_ceiling"),
 ]
 
 

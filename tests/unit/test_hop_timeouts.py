@@ -62,7 +62,7 @@ def setup(failures: dict[str, TransportError], peers: tuple[str, ...] = ("a", "b
     return router, transport, stats, hops
 
 
-def send(hops: HopSender, microbatch_id: int = 1) -> bool:
+def send(hops: HopSender, microbatch_id: int = 1) -> str | None:
     return asyncio.run(hops.send_routed(1, "forward", MessageKind.FORWARD, {"microbatch_id": microbatch_id}, {}))
 
 

@@ -43,6 +43,7 @@ class PeerColumn(StrEnum):
     OUTER_ROUND = "outer"
     PARTNER = "partner"  # last gossip partner
     DIVERGENCE = "div"
+    STRIKES = "strikes"  # spot-check strikes others hold against the peer, and how many banned it
     LOSS = "loss"
     VAL_LOSS = "val"  # stage 0: held-out loss
     VERSION = "version"
@@ -56,6 +57,7 @@ WIDE_COLUMNS = list(PeerColumn)
 # the optional columns, in the order they are given up when the terminal is too narrow
 DROP_ORDER = (
     C.VERSION,
+    C.STRIKES,
     C.REACHABILITY,
     C.DIVERGENCE,
     C.PARTNER,
@@ -78,6 +80,7 @@ HEADERS = {
     C.OUTER_ROUND: "outer",
     C.PARTNER: "partner",
     C.DIVERGENCE: "diverg",
+    C.STRIKES: "strikes",
     C.LOSS: "loss",
     C.VAL_LOSS: "val",
     C.VERSION: "version",
@@ -138,6 +141,8 @@ def peer_cells(peer: dict, columns: list[PeerColumn], now: float, software_versi
             cells.append(cell(peer_id_text(peer.get("last_partner"))))
         elif col == C.DIVERGENCE:
             cells.append(cell(format_float(peer.get("divergence"), 4)))
+        elif col == C.STRIKES:
+            cells.append(strikes_cell(peer))
         elif col == C.LOSS:
             cells.append(cell(format_float(peer.get("loss")), "magenta"))
         elif col == C.VAL_LOSS:
@@ -153,6 +158,17 @@ def peer_cells(peer: dict, columns: list[PeerColumn], now: float, software_versi
             updated = as_float(peer.get("updated"))
             cells.append(cell(format_age(now - updated) if updated is not None and updated > 0 else "-"))
     return cells
+
+
+def strikes_cell(peer: dict) -> Text:
+    """ "-" for a peer nobody suspects; else its strikes, and "ban xN" in red when N peers banned it."""
+    strikes, banned_by = as_float(peer.get("strikes")) or 0.0, as_float(peer.get("banned_by")) or 0.0
+    if strikes <= 0 and banned_by <= 0:
+        return cell("-")
+    text = Text(f"{strikes:.1f}", style="yellow")
+    if banned_by > 0:
+        text.append(f" ban x{int(banned_by)}", style="bold red")
+    return text
 
 
 def _headers(state: DashboardState, columns: list[PeerColumn]) -> list[str]:

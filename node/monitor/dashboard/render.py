@@ -57,6 +57,7 @@ EVENT_STYLES: dict[DisplayedEventKind, str] = {
     EventKind.BAN: "bold red",
     EventKind.REBUILD: "magenta",
     EventKind.GOSSIP_FAILURE: "yellow",
+    EventKind.VERIFICATION: "bold red",
     EventKind.LOST: "bold red",
     EventKind.UNRECOVERABLE: "bold white on red",
 }
