@@ -238,6 +238,7 @@ class Verifier:
 
     def _act(self, stage: int, verdict: Verdict, first: str, second: str, evidence: str) -> None:
         if verdict == Verdict.UNARBITRATED:
+            logger.info(f"unarbitrated disagreement of {short_peer_id(first)} and {short_peer_id(second)}: {evidence}")
             self.rate.raise_for(first, second)
             self._publish(stage, first, f"disagreement with {short_peer_id(second)}, no arbiter: {evidence}")
             return
