@@ -262,7 +262,13 @@ class VerificationConfig:
     tolerance_ceiling: float = 0.35
     """Largest tolerance, >= floor; below 0.405, the gradients' scale error of a computation scaled by 1.5, the mildest fault checked for."""
     output_scale_tolerance: float = 0.8
-    """Tolerance on |ln| of two answers' outputs' norm ratio, > 0; honest replicas early in training measured up to 0.55 (1.7x)."""
+    """Tolerance on |ln| of two answers' outputs' norm ratio, > 0; honest replicas of a settled stage measured up to 0.56 (1.7x)."""
+    settle_steps: int = 200
+    """Inner steps every live replica of a stage must have made before the tolerances above apply, >= 0; before, replicas drift far more (measured: gradients 3x apart in norm before step 80) and only gross faults count."""
+    gross_direction_tolerance: float = 0.7
+    """Tolerance on 1 - cos before a stage settles, > 0; honest replicas measured up to 0.49, noise is at 1, a sign flip near 2."""
+    gross_scale_tolerance: float = 2.0
+    """Tolerance on |ln| of the norm ratios before a stage settles, > 0 (7.4x); honest replicas measured up to 1.46 (4.3x), zeros are infinitely far."""
     max_concurrent: int = 2
     """Checks this peer computes for others at once (more are answered BUSY), >= 1."""
     audit_seconds: float = 30.0
@@ -445,8 +451,10 @@ def validate(config: SwarmConfig) -> None:
         "verification: strikes_to_ban >= 1, strike_half_life > 0, max_concurrent >= 1, audit_seconds > 0",
     )
     need(
-        0 < v.tolerance_floor <= v.tolerance_ceiling and v.tolerance_factor > 0 and v.output_scale_tolerance > 0,
-        "verification: 0 < tolerance_floor <= tolerance_ceiling, tolerance_factor > 0, output_scale_tolerance > 0",
+        0 < v.tolerance_floor <= v.tolerance_ceiling
+        and min(v.tolerance_factor, v.output_scale_tolerance, v.gross_direction_tolerance, v.gross_scale_tolerance) > 0
+        and v.settle_steps >= 0,
+        "verification: 0 < tolerance_floor <= tolerance_ceiling, the other tolerances > 0, settle_steps >= 0",
     )
     need(
         config.data.tokenizer_hash == "" or _is_short_hash(config.data.tokenizer_hash),

@@ -105,15 +105,18 @@ class Verifier:
         peer_id: str,
         replicas: Callable[[int], list[str]],
         stage_divergence: Callable[[int], float | None],
+        stage_steps: Callable[[int], int],
         is_member: Callable[[str], bool],
         hop_timeout: float,
         rng: random.Random | None = None,
     ):
         """`replicas(stage)`: the live peers of `stage` this peer can reach, itself excluded;
-        `stage_divergence(stage)`: the replica divergence its peers publish (None: unknown)."""
+        `stage_divergence(stage)`: the replica divergence its peers publish (None: unknown);
+        `stage_steps(stage)`: how many inner steps its live peers report (their median)."""
         self.settings, self.transport, self.worker, self.bans = settings, transport, worker, bans
         self.events, self.peer_id, self.replicas = events, peer_id, replicas
-        self.stage_divergence, self.is_member, self.hop_timeout = stage_divergence, is_member, hop_timeout
+        self.stage_divergence, self.stage_steps = stage_divergence, stage_steps
+        self.is_member, self.hop_timeout = is_member, hop_timeout
         self.rng = rng or random.Random()
         self.generator = torch.Generator().manual_seed(self.rng.randrange(1 << 62))
         self.tolerance = Tolerance(
@@ -121,6 +124,8 @@ class Verifier:
             settings.tolerance_factor,
             settings.tolerance_ceiling,
             settings.output_scale_tolerance,
+            settings.gross_direction_tolerance,
+            settings.gross_scale_tolerance,
         )
         self.strikes = StrikeBook(settings.strikes_to_ban, settings.strike_half_life)
         self.rate = CheckRate(settings.rate, settings.raised_rate, settings.raised_seconds)
@@ -196,14 +201,16 @@ class Verifier:
         if answers[0] is None or answers[1] is None:
             self.stats.unanswered += 1
             return None
-        limits = self.tolerance.limits(self.stage_divergence(stage))
+        settled = self.stage_steps(stage) >= self.settings.settle_steps
+        limits = self.tolerance.limits(self.stage_divergence(stage), settled)
         first_vs_second = compare(answers[0], answers[1], limits)
         logger.debug(f"check of {short_peer_id(first)} against {short_peer_id(second)}: {first_vs_second.describe()}")
         self.stats.checks += 1
         if first_vs_second.agree:
-            if first_vs_second.distance >= self.stats.largest_agreeing:
+            if settled and first_vs_second.distance >= self.stats.largest_agreeing:
                 self.stats.largest_agreeing, self.stats.tolerance_then = first_vs_second.distance, limits.direction
-            self.stats.largest_output_scale = max(self.stats.largest_output_scale, first_vs_second.output_scale)
+            if settled:
+                self.stats.largest_output_scale = max(self.stats.largest_output_scale, first_vs_second.output_scale)
             return Verdict.AGREED
         self.stats.disagreements += 1
         arbiter = self._other_replica(stage, {first, second})

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import statistics
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -186,6 +187,8 @@ async def build_service(
         peer_id=me.peer_id,
         replicas=replicas,
         stage_divergence=stage_divergence,
+        # the median: one replica that reports few steps cannot keep its stage unsettled (loosely checked)
+        stage_steps=lambda stage: int(statistics.median_low([p.inner_step for p in view.online(stage)] or [0])),
         is_member=lambda peer_id: view.record_of(peer_id) is not None,
         hop_timeout=config.training.hop_timeout,
         rng=rng,

@@ -37,7 +37,12 @@ from tests.helpers.faulty_node import FaultKind, corrupt
 
 SETTINGS = VerificationConfig()
 TOLERANCE = Tolerance(
-    SETTINGS.tolerance_floor, SETTINGS.tolerance_factor, SETTINGS.tolerance_ceiling, SETTINGS.output_scale_tolerance
+    SETTINGS.tolerance_floor,
+    SETTINGS.tolerance_factor,
+    SETTINGS.tolerance_ceiling,
+    SETTINGS.output_scale_tolerance,
+    SETTINGS.gross_direction_tolerance,
+    SETTINGS.gross_scale_tolerance,
 )
 
 
@@ -66,8 +71,9 @@ def test_the_measures_of_the_faults_checked_for() -> None:
 
 
 def test_tolerance_follows_the_published_divergence_within_its_bounds() -> None:
-    tolerance = Tolerance(0.2, 4.0, 0.35, 0.8)
-    assert tolerance.limits(None) == Limits(0.2, 0.8)
+    tolerance = Tolerance(0.2, 4.0, 0.35, 0.8, 0.7, 2.0)
+    assert tolerance.limits(None) == Limits(0.2, 0.2, 0.8)
+    assert tolerance.limits(0.07, settled=False) == Limits(0.7, 2.0, 2.0)  # before a stage settles: gross faults
     assert tolerance.limits(0.001).direction == 0.2
     assert tolerance.limits(0.07).direction == pytest.approx(0.28)
     assert tolerance.limits(1.0).direction == 0.35
@@ -76,7 +82,7 @@ def test_tolerance_follows_the_published_divergence_within_its_bounds() -> None:
 
 
 def test_the_arbiter_sides_with_exactly_one_or_nobody_is_struck() -> None:
-    limits = Limits(0.1, 0.5)
+    limits = Limits(0.1, 0.1, 0.5)
     same = Answer(torch.ones(4), torch.ones(4))
     near, far = compare(same, same, limits), compare(same, Answer(torch.ones(4), -torch.ones(4)), limits)
     assert near.agree and not far.agree
@@ -156,8 +162,12 @@ def test_identical_replicas_answer_alike_and_every_fault_is_far_beyond_the_toler
     loosest = TOLERANCE.limits(1.0)
     for kind in FaultKind:
         make_faulty(faulty := StageWorker(CONFIG, 1), kind)
-        comparison = compare(reference, Answer(*answer_check(faulty, hidden, probe)), loosest)
+        answer = Answer(*answer_check(faulty, hidden, probe))
+        comparison = compare(reference, answer, loosest)
         assert not comparison.agree, f"{kind}: {comparison.describe()}"
+        # before the stage settles only gross faults count: all but a 1.5x scale
+        gross = compare(reference, answer, TOLERANCE.limits(None, settled=False))
+        assert gross.agree == (kind == FaultKind.SCALE), f"{kind}: {gross.describe()}"
 
 
 @pytest.mark.parametrize("divergence", [0.002, 0.01, 0.05])
@@ -263,6 +273,7 @@ def swarm(
             peer_id=peer_id,
             replicas=lambda s: sorted(p for p, v in wire.verifiers.items() if v.worker.stage == s and p != peer_id),
             stage_divergence=lambda s: None,
+            stage_steps=lambda s: settings.settle_steps,  # settled: the fine tolerances apply
             is_member=lambda peer: True,
             hop_timeout=10.0,
             rng=random.Random(peer_id),
