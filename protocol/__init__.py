@@ -1,7 +1,7 @@
 """pipeswarm wire protocol: versioned msgpack messages, a tensor codec and length-prefixed frames."""
 
 from protocol.errors import ProtocolError
-from protocol.framing import read_frame, recv_message, send_message, write_frame
+from protocol.framing import open_message, read_frame, recv_message, seal_message, send_message, write_frame
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import (
     KIND_SCHEMAS,
@@ -32,8 +32,10 @@ __all__ = [
     "decode_tensor",
     "encode_message",
     "encode_tensor",
+    "open_message",
     "read_frame",
     "recv_message",
+    "seal_message",
     "send_message",
     "write_frame",
 ]

@@ -77,6 +77,29 @@ def verify_mac(swarm_key: bytes, payload: bytes) -> memoryview:
     return body
 
 
+def seal_message(
+    msg: Message, compression: str = "none", limits: Limits = DEFAULT_LIMITS, swarm_key: bytes | None = None
+) -> bytes:
+    """One message as the payload of a frame or of a unary call: encoded, plus its MAC in a private swarm."""
+    encoded = encode_message(msg, compression, limits=limits)
+    return encoded if swarm_key is None else encoded + message_mac(swarm_key, encoded)
+
+
+def open_message(
+    payload: bytes,
+    limits: Limits = DEFAULT_LIMITS,
+    expected_swarm: str | None = None,
+    swarm_key: bytes | None = None,
+) -> Message:
+    """The message in a payload `seal_message` made: the size is checked first, then the MAC (in a
+    private swarm, before anything is decoded), then everything `decode_message` checks."""
+    if len(payload) > limits.max_frame_bytes:
+        raise ProtocolError(f"message of {len(payload)} bytes > max_frame_bytes {limits.max_frame_bytes}")
+    body = memoryview(payload) if swarm_key is None else verify_mac(swarm_key, payload)
+    # no copy of the body: decode_message copies what it keeps out of a read-only buffer
+    return decode_message(body, limits, expected_swarm)
+
+
 async def send_message(
     writer: asyncio.StreamWriter,
     msg: Message,
@@ -84,11 +107,7 @@ async def send_message(
     limits: Limits = DEFAULT_LIMITS,
     swarm_key: bytes | None = None,
 ) -> None:
-    encoded = encode_message(msg, compression, limits=limits)
-    if swarm_key is None:
-        await write_frame(writer, encoded, limits)
-    else:
-        await write_frame(writer, encoded + message_mac(swarm_key, encoded), limits)
+    await write_frame(writer, seal_message(msg, compression, limits, swarm_key), limits)
 
 
 async def recv_message(
@@ -99,7 +118,4 @@ async def recv_message(
 ) -> Message:
     """Read and decode one message; EOFError at a clean end of stream, ProtocolError otherwise
     (including a MAC that does not verify under `swarm_key`)."""
-    payload = await read_frame(reader, limits)
-    if swarm_key is not None:
-        payload = bytes(verify_mac(swarm_key, payload))
-    return decode_message(payload, limits, expected_swarm)
+    return open_message(await read_frame(reader, limits), limits, expected_swarm, swarm_key)

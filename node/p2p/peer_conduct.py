@@ -158,6 +158,18 @@ class PeerConduct:
         self.refused += 1
         return reason
 
+    def charge(self, peer_id: str, cost: float = 1.0) -> str | None:
+        """Charge one more request on a stream `admit` already let in (a long-lived channel carries
+        many): None if it may be served, else why not (banned since, or over its rate)."""
+        if self.is_banned(peer_id):
+            reason = "banned for bad input"
+        elif not self._take_tokens(peer_id, cost):
+            reason = "request rate exceeded"
+        else:
+            return None
+        self.refused += 1
+        return reason
+
     def release(self, peer_id: str) -> None:
         count = self._open.get(peer_id, 0) - 1
         if count > 0:

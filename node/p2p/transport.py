@@ -1,10 +1,13 @@
 """Messages between peers over hivemind's libp2p streams.
 
-Unary libp2p calls are capped at 4 MiB, so everything here rides on binary streams: one stream
-per exchange, length-prefixed `protocol` frames on it. A request handler gets one decoded message
-and returns one reply; a session handler owns the stream for multi-message exchanges (gossip,
-state download). Malformed input from a stranger is answered with an ERROR message (when the
-stream still works) and logged; it never takes the node down.
+Unary libp2p calls are capped at 4 MiB, so everything here rides on binary streams with
+length-prefixed `protocol` frames. A request handler gets one decoded message and returns one
+reply; a session handler owns the stream for multi-message exchanges (gossip, state download).
+Requests of most services take one stream per exchange; services that `multiplex` (pipeline hops:
+many small requests to the same few peers) keep one long-lived stream per peer and tell replies
+apart by request id (node/p2p/channels.py), which cuts the per-request cost of opening a stream
+(issue 16). Both paths admit, check, MAC and strike alike. Malformed input from a stranger is
+answered with an ERROR message (when the stream still works) and logged; it never takes the node down.
 """
 
 from __future__ import annotations
@@ -19,17 +22,36 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from hivemind.p2p import P2P, PeerID
 
 from dht.records import short_peer_id
+from node.p2p.channels import CHANNEL_MAX_PAYLOAD, SERVER_IDLE, ChannelPool, ChannelServer
 from node.p2p.dialer import PeerDialer
 from node.p2p.metered_stream import metered
 from node.p2p.peer_conduct import PeerConduct
 from node.runtime.meter import Meter
 from node.runtime.timeouts import within
-from protocol import DEFAULT_LIMITS, Limits, Message, MessageKind, ProtocolError, recv_message, send_message
+from protocol import (
+    DEFAULT_LIMITS,
+    Limits,
+    Message,
+    MessageKind,
+    ProtocolError,
+    recv_message,
+    seal_message,
+    send_message,
+    write_frame,
+)
 
 logger = logging.getLogger(__name__)
 
 RequestHandler = Callable[[str, Message], Awaitable[Message]]
 SessionHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+# what p2pd reports when the remote peer has no handler for a protocol (e.g. a peer running a
+# version without channels): its requests then take a stream each
+_UNSUPPORTED_PROTOCOL = "protocols not supported"
+
+
+class _NoChannelHandler(Exception):
+    """The peer serves a service but not its channel protocol."""
 
 
 class TransportError(RuntimeError):
@@ -88,9 +110,13 @@ class Transport:
         self.compression = compression
         self._request_ids = itertools.count(1)
         self._handler_names: list[str] = []
+        self._multiplexed: set[str] = set()  # services whose requests share a channel per peer
+        self._channels = ChannelPool(self._open_channel_stream, limits, swarm_id, swarm_key)
+        self._stream_only: set[tuple[str, str]] = set()  # (peer, service) without a channel handler
+        self._channel_server = ChannelServer(self)  # the channels peers keep open to us
 
-    async def _add_handler(self, service: str, on_stream) -> None:
-        name = self.protocol_name(service)
+    async def _add_handler(self, service: str, on_stream, name: str | None = None) -> None:
+        name = name or self.protocol_name(service)
         await self.p2p.add_binary_stream_handler(name, on_stream)
         self._handler_names.append(name)
 
@@ -98,6 +124,8 @@ class Transport:
         """Remove every handler this transport registered. p2pd refuses to register a protocol
         twice, so a peer that serves another stage in the same process (a move) needs them gone;
         at shutdown the daemon may already be gone: failures are logged, not raised."""
+        self._channels.close()
+        self._channel_server.close()
         while self._handler_names:
             name = self._handler_names.pop()
             try:
@@ -107,6 +135,14 @@ class Transport:
 
     def protocol_name(self, service: str) -> str:
         return f"/pipeswarm/{self.swarm_id}/{service}"
+
+    def channel_protocol_name(self, service: str) -> str:
+        return f"/pipeswarm/{self.swarm_id}/{service}/channel"
+
+    def multiplex(self, *services: str) -> None:
+        """Carry these request services' requests (up to CHANNEL_MAX_PAYLOAD) on one long-lived
+        stream per peer, and serve them that way too (call it before `serve_requests`)."""
+        self._multiplexed.update(services)
 
     def message(
         self, kind: MessageKind, meta: dict | None = None, tensors: dict | None = None, request_id: int | None = None
@@ -149,18 +185,23 @@ class Transport:
 
         return on_stream
 
+    async def _answer(self, sender: str, service: str, handler: RequestHandler, request: Message) -> Message:
+        """`handler`'s reply to a decoded request; a ProtocolError it raises is a strike and an ERROR."""
+        try:
+            return await handler(sender, request)
+        except ProtocolError as e:
+            self.conduct.strike(sender, f"{service}: {e}")
+            return self.error(str(e), request.request_id)
+
     async def serve_requests(self, service: str, handler: RequestHandler, read_timeout: float = 30.0) -> None:
-        """One request, one reply per stream. The request must arrive within `read_timeout` (a slow
-        sender cannot hold the stream longer); malformed input is a strike against the sender."""
+        """One request, one reply per stream (and many on a channel for `multiplex` services). A
+        request must arrive within `read_timeout` (a slow sender cannot hold the stream longer);
+        malformed input is a strike against the sender."""
 
         async def one_request(sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
                 request = await within(recv_message(reader, self.limits, self.swarm_id, self.swarm_key), read_timeout)
-                try:
-                    reply = await handler(sender, request)
-                except ProtocolError as e:
-                    self.conduct.strike(sender, f"{service}: {e}")
-                    reply = self.error(str(e), request.request_id)
+                reply = await self._answer(sender, service, handler, request)
                 await send_message(writer, reply, self.compression, self.limits, self.swarm_key)
             except (TimeoutError, ProtocolError, EOFError) as e:
                 logger.info(f"bad {service} request from {short_peer_id(sender)}: {e!r}")
@@ -178,6 +219,17 @@ class Transport:
                     await send_message(writer, self.error("internal error"), "none", self.limits, self.swarm_key)
 
         await self._add_handler(service, self._admitted(service, one_request))
+        if service in self._multiplexed:
+
+            async def channel(sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                async def answer(request: Message) -> Message:
+                    return await self._answer(sender, service, handler, request)
+
+                await self._channel_server.serve(
+                    sender, service, answer, reader, writer, min(read_timeout, SERVER_IDLE)
+                )
+
+            await self._add_handler(service, self._admitted(service, channel), self.channel_protocol_name(service))
 
     async def serve_sessions(self, service: str, handler: SessionHandler) -> None:
         """A handler that owns the whole stream (gossip, state download); it bounds its own reads."""
@@ -200,9 +252,12 @@ class Transport:
         an ERROR reply (BUSY is returned, not raised: the caller decides where to go next)."""
         began = time.monotonic()
         try:
-            async with self.session(peer_id, service, timeout) as (reader, writer):
-                await within(send_message(writer, message, self.compression, self.limits, self.swarm_key), timeout)
-                reply = await within(recv_message(reader, self.limits, self.swarm_id, self.swarm_key), timeout)
+            payload = seal_message(message, self.compression, self.limits, self.swarm_key)
+            reply = await self._request_on_channel(peer_id, service, message.request_id, payload, timeout)
+            if reply is None:
+                async with self.session(peer_id, service, timeout) as (reader, writer):
+                    await within(write_frame(writer, payload, self.limits), timeout)
+                    reply = await within(recv_message(reader, self.limits, self.swarm_id, self.swarm_key), timeout)
         except TransportError:
             raise
         except TimeoutError as e:
@@ -214,6 +269,35 @@ class Transport:
         self.meter.hop(service, time.monotonic() - began)  # answered hops only: timeouts are counted apart
         return reply
 
+    async def _request_on_channel(
+        self, peer_id: str, service: str, request_id: int, payload: bytes, timeout: float
+    ) -> Message | None:
+        """The reply over the channel to `peer_id` for `service`; None when this request takes a
+        stream of its own (not multiplexed, too large, or the peer has no channel handler)."""
+        if (
+            service not in self._multiplexed
+            or len(payload) > CHANNEL_MAX_PAYLOAD
+            or (peer_id, service) in self._stream_only
+        ):
+            return None
+        try:
+            channel = await self._channels.get(peer_id, service, timeout)
+        except _NoChannelHandler as e:
+            logger.info(f"{short_peer_id(peer_id)} has no {service} channel, one stream per request: {e}")
+            self._stream_only.add((peer_id, service))
+            return None
+        return await channel.call(request_id, payload, timeout)
+
+    async def _open_channel_stream(
+        self, peer_id: str, service: str, timeout: float
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        try:
+            return await self._open_stream(peer_id, service, self.channel_protocol_name(service), timeout)
+        except TransportError as e:
+            if _UNSUPPORTED_PROTOCOL in str(e):
+                raise _NoChannelHandler(str(e)) from e
+            raise
+
     def _forget(self, peer_id: str) -> None:
         if self.dialer is not None:
             self.dialer.forget(peer_id)
@@ -223,12 +307,22 @@ class Transport:
         self, peer_id: str, service: str, timeout: float
     ) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
         """An open stream to `peer_id`'s handler for `service`, closed on exit."""
+        reader, writer = await self._open_stream(peer_id, service, self.protocol_name(service), timeout)
+        try:
+            yield reader, writer
+        finally:
+            writer.close()
+
+    async def _open_stream(
+        self, peer_id: str, service: str, protocol: str, timeout: float
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A new metered stream to `peer_id`'s handler of `protocol`; TransportError if it cannot open."""
         if self.dialer is not None:
             with contextlib.suppress(TimeoutError):  # a slow dial still leaves p2pd's own routing
                 await within(self.dialer.ensure(peer_id), timeout)
         try:
             _, reader, writer = await within(
-                self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), self.protocol_name(service)), timeout
+                self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol), timeout
             )
         except TimeoutError as e:
             self._forget(peer_id)
@@ -236,7 +330,4 @@ class Transport:
         except Exception as e:  # p2pd reports unreachable peers and unknown protocols as generic errors
             self._forget(peer_id)
             raise TransportError(f"cannot open {service} stream to {short_peer_id(peer_id)}: {e}") from e
-        try:
-            yield metered(reader, writer, self.meter, service)
-        finally:
-            writer.close()
+        return metered(reader, writer, self.meter, service)

@@ -143,6 +143,8 @@ class Pipeline:
     # ---- serving -------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        # many small hops to the same few peers: one long-lived stream each (node/p2p/channels.py)
+        self.transport.multiplex(FORWARD, BACKWARD, ABORT)
         await self.transport.serve_requests(FORWARD, self.on_forward)
         await self.transport.serve_requests(BACKWARD, self.on_backward)
         await self.transport.serve_requests(ABORT, self.on_abort)

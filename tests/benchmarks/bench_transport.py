@@ -9,9 +9,14 @@ handlers run in this one process and event loop (uvloop, as a node runs); each P
 its own p2pd child process):
 
   pipeswarm   Transport.request(peer, "forward", FORWARD{hidden}) answered by ACK, exactly one hop
-              of the pipeline: open a libp2p stream, encode_message (+ wire compression none or
-              fp16), length-prefixed frame, server decode_message (validation + tensor rebuild),
-              ACK back, stream closed. Between two peers made by node.p2p.network.start_network.
+              of the pipeline as node/pipeline/traffic.py sends it: "forward" is multiplexed, so
+              requests up to 4 MiB share one long-lived libp2p stream per peer (node/p2p/channels.py)
+              and larger ones open a stream each; encode_message (+ wire compression none or fp16),
+              length-prefixed frame, server decode_message (validation + tensor rebuild), ACK back.
+              Between two peers made by node.p2p.network.start_network.
+  pipeswarm-stream  the same request on a new libp2p stream per request (the path before issue
+              16, and still that of services that do not multiplex): open a stream, frame, ACK,
+              close. Measured for tensors a channel carries (larger ones take this path anyway).
   hivemind    hivemind's expert-forward stream path between the same two P2P instances:
               serialize_torch_tensor -> split_for_streaming(4 MiB parts) -> ExpertRequest per part
               -> P2P.iterate_protobuf_handler (stream_input/stream_output handler) -> server
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import os
@@ -178,7 +184,9 @@ async def run_network_benchmarks(shapes: list[tuple[int, ...]], args: argparse.N
     from hivemind.utils.asyncio import as_aiter
     from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
+    from node.p2p.channels import CHANNEL_MAX_PAYLOAD
     from node.p2p.network import start_network
+    from node.p2p.peer_conduct import ConductLimits, PeerConduct
     from node.p2p.transport import Transport
     from protocol import MessageKind, encode_message
 
@@ -194,9 +202,14 @@ async def run_network_benchmarks(shapes: list[tuple[int, ...]], args: argparse.N
         # (a) pipeswarm: one Transport per compression on each side (the server's only replies ACK)
         received = {"pipeswarm": 0, "hivemind": 0, "hivemind-unary": 0, "tcp-streams": 0, "tcp-socket": 0}
         clients: dict[str, Transport] = {}
+        stream_clients: dict[str, Transport] = {}  # the same requests, one stream each (no multiplex)
+        # back-to-back requests from one peer outrun a node's per-peer request rate (200/s): this
+        # measures the transport, not the flood limit
+        unlimited = ConductLimits(requests_per_second=1e9, request_burst=10**9)
         for compression in args.compressions:
             swarm_id = f"bench-{compression}"
-            server = Transport(server_net.p2p, swarm_id, 1, compression=compression)
+            server = Transport(server_net.p2p, swarm_id, 1, compression=compression, conduct=PeerConduct(unlimited))
+            server.multiplex("forward")
 
             async def on_forward(sender, msg, server=server):
                 assert msg.tensors["hidden"].dtype == torch.float32
@@ -205,6 +218,8 @@ async def run_network_benchmarks(shapes: list[tuple[int, ...]], args: argparse.N
 
             await server.serve_requests("forward", on_forward)
             clients[compression] = Transport(client_net.p2p, swarm_id, 0, compression=compression)
+            clients[compression].multiplex("forward")
+            stream_clients[compression] = Transport(client_net.p2p, swarm_id, 0, compression=compression)
 
         # (b) hivemind: expert-forward style protobuf stream, and the unary call it uses below 2 MiB
         async def hm_stream_handler(requests, context):
@@ -325,6 +340,12 @@ async def run_network_benchmarks(shapes: list[tuple[int, ...]], args: argparse.N
 
                 wire = len(encode_message(make_message(), compression)) + 8
                 row("pipeswarm", compression, wire, await measure(send_ours, payload, **reps))
+                if wire <= CHANNEL_MAX_PAYLOAD:
+                    stream_client = stream_clients[compression]
+                    send_stream = functools.partial(
+                        send_ours, stream_client, functools.partial(make_message, stream_client)
+                    )
+                    row("pipeswarm-stream", compression, wire, await measure(send_stream, payload, **reps))
 
             for compression in args.compressions:
                 if compression not in hm_codecs:

@@ -1,0 +1,169 @@
+"""Long-lived request channels over real libp2p (two p2pd daemons, one process): replies reach the
+request that asked, whatever order and id the handler gives them; every trust rule of the
+per-request path holds per message (MAC, size, strikes, bans); a moved handler and a peer without
+channels are handled. node/p2p/channels.py, node/p2p/transport.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+from collections.abc import AsyncIterator
+
+import pytest
+from hivemind.p2p import PeerID
+
+from node.p2p.network import Network, start_network
+from node.p2p.peer_conduct import ConductLimits, PeerConduct
+from node.p2p.transport import Transport, TransportError
+from protocol import Message, MessageKind, recv_message
+
+SERVICE = "forward"
+SWARM = "channels-test"
+
+
+@contextlib.asynccontextmanager
+async def two_peers() -> AsyncIterator[tuple[Network, Network]]:
+    server = await start_network(host="127.0.0.1")
+    try:
+        client = await start_network(host="127.0.0.1", initial_peers=await server.visible_maddrs())
+        try:
+            yield server, client
+        finally:
+            await client.shutdown()
+    finally:
+        await server.shutdown()
+
+
+def transport(network: Network, stage: int, swarm_key: bytes | None = None, **limits) -> Transport:
+    conduct = PeerConduct(ConductLimits(**limits)) if limits else None
+    result = Transport(network.p2p, SWARM, stage, swarm_key=swarm_key, conduct=conduct)
+    result.multiplex(SERVICE)
+    return result
+
+
+def ping(client: Transport, number: int) -> Message:
+    return client.message(MessageKind.PING, {"number": number})
+
+
+def run(coroutine, timeout: float = 90.0):
+    return asyncio.run(asyncio.wait_for(coroutine, timeout))
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_requests_share_one_channel_and_get_their_own_replies():
+    async def main() -> None:
+        async with two_peers() as (server_net, client_net):
+            server = transport(server_net, 1)
+
+            async def handler(sender: str, request: Message) -> Message:
+                number = request.meta["number"]
+                await asyncio.sleep(0.01 * (10 - number))  # later requests answered first
+                # a reply without the request's id: the channel must still route it to its caller
+                return server.message(MessageKind.PONG, {"number": number})
+
+            await server.serve_requests(SERVICE, handler)
+            client = transport(client_net, 0)
+            replies = await asyncio.gather(
+                *(client.request(server_net.peer_id, SERVICE, ping(client, n), 10.0) for n in range(10))
+            )
+            assert [reply.meta["number"] for reply in replies] == list(range(10))
+            assert server.conduct.open_streams(client_net.peer_id) == 1  # one channel carried all ten
+            await client.close()
+            await server.close()
+
+    run(main())
+
+
+@pytest.mark.timeout(120)
+def test_garbage_on_a_channel_is_a_strike_and_ends_it_and_a_ban_refuses_the_next():
+    async def main() -> None:
+        async with two_peers() as (server_net, client_net):
+            server = transport(server_net, 1, strikes_to_ban=2)
+
+            async def handler(sender: str, request: Message) -> Message:
+                return server.message(MessageKind.PONG, request_id=request.request_id)
+
+            await server.serve_requests(SERVICE, handler)
+            peer = PeerID.from_base58(server_net.peer_id)
+            for _ in range(2):  # a hand-made channel: a frame of msgpack garbage
+                _, reader, writer = await client_net.p2p.call_binary_stream_handler(
+                    peer, server.channel_protocol_name(SERVICE)
+                )
+                garbage = b"\x02\xc1\xc1\xc1"
+                writer.write(struct.pack(">Q", len(garbage)) + garbage)
+                await writer.drain()
+                refusal = await asyncio.wait_for(recv_message(reader, expected_swarm=SWARM), 10.0)
+                assert refusal.kind == MessageKind.ERROR and "bad request" in refusal.meta["reason"]
+                with pytest.raises(EOFError):  # and the channel is closed
+                    await asyncio.wait_for(recv_message(reader), 10.0)
+                writer.close()
+            assert server.conduct.is_banned(client_net.peer_id)
+            client = transport(client_net, 0)
+            with pytest.raises(TransportError, match="banned"):
+                await client.request(server_net.peer_id, SERVICE, ping(client, 0), 10.0)
+            await client.close()
+            await server.close()
+
+    run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_channel_without_the_swarm_key_is_refused_before_decoding():
+    async def main() -> None:
+        async with two_peers() as (server_net, client_net):
+            server = transport(server_net, 1, swarm_key=b"k" * 32)
+            handled: list[Message] = []
+
+            async def handler(sender: str, request: Message) -> Message:
+                handled.append(request)
+                return server.message(MessageKind.PONG, request_id=request.request_id)
+
+            await server.serve_requests(SERVICE, handler)
+            stranger = transport(client_net, 0, swarm_key=b"x" * 32)
+            with pytest.raises(TransportError):
+                await stranger.request(server_net.peer_id, SERVICE, ping(stranger, 0), 10.0)
+            assert not handled
+            assert server.conduct._strikes[client_net.peer_id]  # the MAC failure counted
+            member = transport(client_net, 0, swarm_key=b"k" * 32)
+            reply = await member.request(server_net.peer_id, SERVICE, ping(member, 1), 10.0)
+            assert reply.kind == MessageKind.PONG and len(handled) == 1
+            for t in (stranger, member, server):
+                await t.close()
+
+    run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_new_handler_gets_the_requests_after_close_and_a_peer_without_channels_gets_streams():
+    async def main() -> None:
+        async with two_peers() as (server_net, client_net):
+            old = transport(server_net, 1)
+
+            async def old_handler(sender: str, request: Message) -> Message:
+                return old.message(MessageKind.PONG, {"who": "old"}, request_id=request.request_id)
+
+            await old.serve_requests(SERVICE, old_handler)
+            client = transport(client_net, 0)
+            reply = await client.request(server_net.peer_id, SERVICE, ping(client, 0), 10.0)
+            assert reply.meta["who"] == "old"
+            await old.close()  # a stage move: the old channel must not reach the old handler
+
+            new = Transport(server_net.p2p, SWARM, 2)  # serves by stream only (no multiplex)
+
+            async def new_handler(sender: str, request: Message) -> Message:
+                return new.message(MessageKind.PONG, {"who": "new"}, request_id=request.request_id)
+
+            await new.serve_requests(SERVICE, new_handler)
+            for number in range(1, 4):
+                for _ in range(20):  # the closed channel is noticed as soon as its EOF arrives
+                    try:
+                        reply = await client.request(server_net.peer_id, SERVICE, ping(client, number), 10.0)
+                        break
+                    except TransportError:
+                        await asyncio.sleep(0.1)
+                assert reply.meta["who"] == "new"
+            await client.close()
+            await new.close()
+
+    run(main())
