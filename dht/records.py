@@ -160,9 +160,9 @@ class VerificationReport:
     checks: int = 0  # hops it checked with two answers compared
     disagreements: int = 0
     served: int = 0  # checks it answered for others
-    largest_agreeing: float = 0.0  # the largest distance between two answers it found in agreement
-    tolerance: float = 0.0  # the tolerance that distance was compared with
-    largest_output_scale: float = 0.0  # the largest |ln| of the outputs' norm ratio it found in agreement
+    largest_agreeing: float = 0.0  # the largest output measure between two answers it found in agreement
+    tolerance: float = 0.0  # the tolerance that measure was compared with
+    largest_gradient: float = 0.0  # the largest gradient measure between two answers it found in agreement
     strikes: dict[str, float] = field(default_factory=dict)  # peer -> decayed strikes it holds against it
     bans: list[str] = field(default_factory=list)  # peers it banned after lost arbitrations
 
@@ -181,8 +181,8 @@ class VerificationReport:
             served=_check_int(raw.get("served", 0), "verification.served"),
             largest_agreeing=_check_float(raw.get("largest_agreeing", 0.0), "verification.largest_agreeing", low=0.0),  # type: ignore[arg-type]
             tolerance=_check_float(raw.get("tolerance", 0.0), "verification.tolerance", low=0.0),  # type: ignore[arg-type]
-            largest_output_scale=_check_float(  # type: ignore[arg-type]
-                raw.get("largest_output_scale", 0.0), "verification.largest_output_scale", low=0.0
+            largest_gradient=_check_float(  # type: ignore[arg-type]
+                raw.get("largest_gradient", 0.0), "verification.largest_gradient", low=0.0
             ),
             strikes={
                 _check_str(peer, "verification.strikes", MAX_ID_CHARS): _check_float(score, "strike", low=0.0)  # type: ignore[misc]

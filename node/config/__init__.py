@@ -256,17 +256,17 @@ class VerificationConfig:
     strike_half_life: float = 600.0
     """Seconds in which a strike decays to half, > 0; 10 minutes forgives rare bad luck, not a peer that is wrong on every check."""
     tolerance_floor: float = 0.2
-    """Tolerance on 1 - cos of two answers' outputs and gradients and on |ln| of their gradients' norm ratio while the stage's divergence is low or unknown, > 0; honest replicas measured up to 0.11 (docs/verification.md)."""
+    """Tolerance on the outputs' 1 - cos and |ln norm ratio| in a settled stage while its divergence is low or unknown, > 0; honest replicas measured up to 0.11 (docs/verification.md)."""
     tolerance_factor: float = 4.0
-    """Tolerance = this x the stage's published replica divergence (within floor..ceiling), > 0."""
+    """Outputs' tolerance = this x the stage's published replica divergence (within floor..ceiling), > 0."""
     tolerance_ceiling: float = 0.35
-    """Largest tolerance, >= floor; below 0.405, the gradients' scale error of a computation scaled by 1.5, the mildest fault checked for."""
-    output_scale_tolerance: float = 0.8
-    """Tolerance on |ln| of two answers' outputs' norm ratio, > 0; honest replicas of a settled stage measured up to 0.56 (1.7x)."""
+    """Largest outputs' tolerance, >= floor; below 0.405, the outputs' scale error of a computation scaled by 1.5, the mildest fault checked for."""
+    gradient_tolerance: float = 0.9
+    """Tolerance on the input gradients' 1 - cos and |ln norm ratio| in a settled stage, > 0; honest replicas measured up to 0.45, a sign flip is at 1.5 or more."""
     settle_steps: int = 200
-    """Inner steps every live replica of a stage must have made before the tolerances above apply, >= 0; before, replicas drift far more (measured: gradients 3x apart in norm before step 80) and only gross faults count."""
-    gross_direction_tolerance: float = 0.7
-    """Tolerance on 1 - cos before a stage settles, > 0; honest replicas measured up to 0.49, noise is at 1, a sign flip near 2."""
+    """Inner steps (the median over a stage's live replicas) before the tolerances above apply, >= 0; before, replicas drift far more (measured: outputs 4x apart in norm before step 80) and only gross faults count."""
+    gross_direction_tolerance: float = 1.2
+    """Tolerance on 1 - cos of outputs and gradients before a stage settles, > 0; honest replicas measured up to 0.49, a sign flip is at 1.5 or more."""
     gross_scale_tolerance: float = 2.0
     """Tolerance on |ln| of the norm ratios before a stage settles, > 0 (7.4x); honest replicas measured up to 1.46 (4.3x), zeros are infinitely far."""
     max_concurrent: int = 2
@@ -452,7 +452,7 @@ def validate(config: SwarmConfig) -> None:
     )
     need(
         0 < v.tolerance_floor <= v.tolerance_ceiling
-        and min(v.tolerance_factor, v.output_scale_tolerance, v.gross_direction_tolerance, v.gross_scale_tolerance) > 0
+        and min(v.tolerance_factor, v.gradient_tolerance, v.gross_direction_tolerance, v.gross_scale_tolerance) > 0
         and v.settle_steps >= 0,
         "verification: 0 < tolerance_floor <= tolerance_ceiling, the other tolerances > 0, settle_steps >= 0",
     )

@@ -86,9 +86,10 @@ class CheckStats:
     arbitrations: int = 0
     unanswered: int = 0  # checks abandoned because a replica did not answer
     served: int = 0  # checks this peer answered for others
-    largest_agreeing: float = 0.0  # the largest Comparison.distance between two answers that agreed
-    tolerance_then: float = 0.0  # the tolerance that distance was compared with
-    largest_output_scale: float = 0.0  # the largest output scale error between two answers that agreed
+    # in a settled stage, between two answers that agreed: the largest output and gradient measures
+    largest_agreeing: float = 0.0
+    tolerance_then: float = 0.0  # the tolerance that output measure was compared with
+    largest_gradient: float = 0.0
 
 
 class Verifier:
@@ -123,7 +124,7 @@ class Verifier:
             settings.tolerance_floor,
             settings.tolerance_factor,
             settings.tolerance_ceiling,
-            settings.output_scale_tolerance,
+            settings.gradient_tolerance,
             settings.gross_direction_tolerance,
             settings.gross_scale_tolerance,
         )
@@ -208,9 +209,9 @@ class Verifier:
         self.stats.checks += 1
         if first_vs_second.agree:
             if settled and first_vs_second.distance >= self.stats.largest_agreeing:
-                self.stats.largest_agreeing, self.stats.tolerance_then = first_vs_second.distance, limits.direction
+                self.stats.largest_agreeing, self.stats.tolerance_then = first_vs_second.distance, limits.output_scale
             if settled:
-                self.stats.largest_output_scale = max(self.stats.largest_output_scale, first_vs_second.output_scale)
+                self.stats.largest_gradient = max(self.stats.largest_gradient, first_vs_second.gradient_distance)
             return Verdict.AGREED
         self.stats.disagreements += 1
         arbiter = self._other_replica(stage, {first, second})
@@ -284,7 +285,7 @@ class Verifier:
             served=self.stats.served,
             largest_agreeing=self.stats.largest_agreeing,
             tolerance=self.stats.tolerance_then,
-            largest_output_scale=self.stats.largest_output_scale,
+            largest_gradient=self.stats.largest_gradient,
             strikes={peer: round(score, 3) for peer, score in scores},
             bans=bans,
         )

@@ -37,7 +37,7 @@ from protocol.version import PROTOCOL_VERSION
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "config.md"
 REGENERATE = ".venv/bin/python -m node.config > docs/config.md"
-DEFAULT_HASH = "fdd3595d20e45b4d"  # protocol 2 + routing, precision, tokenizer_hash, the order-2 markov source, [validation], [verification]: changing it splits old and new peers
+DEFAULT_HASH = "36330d0607f86c3f"  # protocol 2 + routing, precision, tokenizer_hash, the order-2 markov source, [validation], [verification]: changing it splits old and new peers
 SECTIONS = SECTION_TYPES
 TOP_LEVEL = [f.name for f in dataclasses.fields(SwarmConfig) if f.name not in SECTIONS]
 
@@ -214,7 +214,7 @@ RULES = [
     ("verification.audit_seconds", 0.0, 0.01, "verification: strikes_to_ban >= 1"),
     ("verification.tolerance_floor", 0.0, 0.01, "verification: 0 < tolerance_floor <= tolerance_ceiling"),
     ("verification.tolerance_floor", 0.36, 0.35, "verification: 0 < tolerance_floor <= tolerance_ceiling"),
-    ("verification.output_scale_tolerance", 0.0, 0.01, "verification: 0 < tolerance_floor <= tolerance_ceiling"),
+    ("verification.gradient_tolerance", 0.0, 0.01, "verification: 0 < tolerance_floor <= tolerance_ceiling"),
     ("verification.gross_direction_tolerance", 0.0, 0.01, "verification: 0 < tolerance_floor <= tolerance_ceiling"),
     ("verification.gross_scale_tolerance", 0.0, 0.01, "verification: 0 < tolerance_floor <= tolerance_ceiling"),
     ("verification.settle_steps", -1, 0, "verification: 0 < tolerance_floor <= tolerance_ceiling"),

@@ -40,7 +40,7 @@ TOLERANCE = Tolerance(
     SETTINGS.tolerance_floor,
     SETTINGS.tolerance_factor,
     SETTINGS.tolerance_ceiling,
-    SETTINGS.output_scale_tolerance,
+    SETTINGS.gradient_tolerance,
     SETTINGS.gross_direction_tolerance,
     SETTINGS.gross_scale_tolerance,
 )
@@ -71,22 +71,23 @@ def test_the_measures_of_the_faults_checked_for() -> None:
 
 
 def test_tolerance_follows_the_published_divergence_within_its_bounds() -> None:
-    tolerance = Tolerance(0.2, 4.0, 0.35, 0.8, 0.7, 2.0)
-    assert tolerance.limits(None) == Limits(0.2, 0.2, 0.8)
-    assert tolerance.limits(0.07, settled=False) == Limits(0.7, 2.0, 2.0)  # before a stage settles: gross faults
-    assert tolerance.limits(0.001).direction == 0.2
-    assert tolerance.limits(0.07).direction == pytest.approx(0.28)
-    assert tolerance.limits(1.0).direction == 0.35
-    assert tolerance.limits(float("nan")).direction == 0.2
+    tolerance = Tolerance(0.2, 4.0, 0.35, 0.9, 1.2, 2.0)
+    assert tolerance.limits(None) == Limits(0.2, 0.2, 0.9, 0.9)
+    assert tolerance.limits(0.07, settled=False) == Limits(1.2, 2.0, 1.2, 2.0)  # before a stage settles: gross faults
+    assert tolerance.limits(0.001).output_scale == 0.2
+    assert tolerance.limits(0.07).output_direction == pytest.approx(0.28)
+    assert tolerance.limits(1.0).output_scale == 0.35
+    assert tolerance.limits(float("nan")).output_direction == 0.2
     assert tolerance.ceiling < scale_error(torch.ones(3), 1.5 * torch.ones(3))  # the mildest fault stays caught
 
 
 def test_the_arbiter_sides_with_exactly_one_or_nobody_is_struck() -> None:
-    limits = Limits(0.1, 0.1, 0.5)
+    limits = Limits(0.1, 0.5, 0.1, 0.5)
     same = Answer(torch.ones(4), torch.ones(4))
     near, far = compare(same, same, limits), compare(same, Answer(torch.ones(4), -torch.ones(4)), limits)
     assert near.agree and not far.agree
     assert not compare(same, Answer(3 * torch.ones(4), torch.ones(4)), limits).agree  # outputs' scale
+    assert not compare(same, Answer(torch.ones(4), torch.zeros(4)), limits).agree  # gradients' scale
     assert arbitrate(near, far) == Verdict.SECOND_WRONG
     assert arbitrate(far, near) == Verdict.FIRST_WRONG
     assert arbitrate(near, near) == Verdict.INCONCLUSIVE
