@@ -10,8 +10,9 @@ how its gossip gets refused), then ends it and the next kind joins. Afterwards t
 and the loss comes back to where it was before the first faulty peer joined.
 
 The check rate is raised (0.3) so that a short test sees enough checks; catch times at the default
-rate are in docs/verification.md. The default suite runs one kind (outputs scaled by 1.5); all four
-(scaled, noise, zeros, sign-flipped gradients) are marked slow (`make slow`).
+rate are in docs/verification.md. The default suite runs one kind (outputs replaced by zeros, a
+gross fault, without waiting for the audits); all four (scaled, noise, zeros, sign-flipped
+gradients), with the audits, are marked slow (`make slow`), as is a 10-minute honest run.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ async def join_faulty(swarm: Swarm, observer, kind: FaultKind) -> tuple[NodeProc
     raise AssertionError(f"the {kind} peer did not come online in two attempts")
 
 
-async def run(swarm: Swarm, kinds: list[FaultKind]) -> None:
+async def run(swarm: Swarm, kinds: list[FaultKind], honest_seconds: float, audits: bool) -> None:
     async with observe(swarm.initial_peers, None) as observer:
         ready = await poll(
             observer,
@@ -122,7 +123,9 @@ async def run(swarm: Swarm, kinds: list[FaultKind]) -> None:
             swarm.nodes,
         )
         router = stage0(ready)["peer_id"]  # its record may lapse for a moment under load: keep its id
-        await asyncio.sleep(20.0)  # some honest training first: the loss the swarm must come back to
+        # some honest training first: the loss the swarm must come back to (and past settle_steps,
+        # for the fine tolerances a 1.5x scale needs)
+        await asyncio.sleep(honest_seconds)
         honest_losses = []
         for _ in range(10):
             if (entry := record_of(await observer.snapshot(), router)) is not None and len(honest_losses) < 5:
@@ -142,19 +145,21 @@ async def run(swarm: Swarm, kinds: list[FaultKind]) -> None:
                 f"the stage-0 router did not ban the {kind} peer",
                 [faulty, *swarm.nodes[:3]],
             )
-            caught = time.monotonic() - joined
-            snapshot = await poll(
-                observer,
-                lambda s: len(banned_by(s, faulty_id) - {router}) >= 1,
-                CATCH_TIMEOUT,
-                f"no stage-1 replica banned the {kind} peer in an audit",
-                [faulty, *swarm.nodes[:4]],
-            )
-            audited = time.monotonic() - joined
+            caught = audited = time.monotonic() - joined
+            if audits:
+                snapshot = await poll(
+                    observer,
+                    lambda s: len(banned_by(s, faulty_id) - {router}) >= 1,
+                    CATCH_TIMEOUT,
+                    f"no stage-1 replica banned the {kind} peer in an audit",
+                    [faulty, *swarm.nodes[:4]],
+                )
+                audited = time.monotonic() - joined
             report = (record_of(snapshot, router) or {}).get("verification") or {"checks": "?", "disagreements": "?"}
+            mate = f", by a stage mate after {audited:.1f} s" if audits else ""
             print(
-                f"{kind}: banned by the router {caught:.1f} s after it came online, by a stage mate after "
-                f"{audited:.1f} s; router's checks {report['checks']}, disagreements {report['disagreements']}"
+                f"{kind}: banned by the router {caught:.1f} s after it came online{mate}; "
+                f"router's checks {report['checks']}, disagreements {report['disagreements']}"
             )
             honest = [p for p in online(snapshot, 1) if p["peer_id"] != faulty_id]
             assert len(honest) == 2 and not any(banned_by(snapshot, p["peer_id"]) for p in honest), (
@@ -195,11 +200,11 @@ def start(tmp_path: Path) -> Swarm:
     return swarm
 
 
-def run_kinds(tmp_path: Path, kinds: list[FaultKind]) -> None:
+def run_kinds(tmp_path: Path, kinds: list[FaultKind], honest_seconds: float = 20.0, audits: bool = True) -> None:
     swarm = None
     try:
         swarm = start(tmp_path)
-        asyncio.run(run(swarm, kinds))
+        asyncio.run(run(swarm, kinds, honest_seconds, audits))
     finally:
         if swarm is not None:
             swarm.close()
@@ -208,8 +213,10 @@ def run_kinds(tmp_path: Path, kinds: list[FaultKind]) -> None:
 
 
 @pytest.mark.timeout(420)
-def test_a_replica_with_scaled_outputs_is_caught_and_banned(tmp_path):
-    run_kinds(tmp_path, [FaultKind.SCALE])
+def test_a_replica_returning_zeros_is_caught_and_banned(tmp_path):
+    """The default suite's short version: a gross fault, caught even before the stage settles, so
+    little honest training first; the stage mates' audits are left to the slow test."""
+    run_kinds(tmp_path, [FaultKind.ZEROS], honest_seconds=5.0, audits=False)
 
 
 @pytest.mark.slow
@@ -271,7 +278,7 @@ def test_an_honest_swarm_checked_at_a_raised_rate_bans_nobody(tmp_path):
         f"\nhonest run of {HONEST_SECONDS:.0f} s: {checks} checks compared, "
         f"{sum(r['disagreements'] for r in reports)} disagreements, {sum(r['served'] for r in reports)} answers served; "
         f"largest agreeing distance {largest['largest_agreeing']:.3f} (tolerance then {largest['tolerance']:.3f}), "
-        f"largest outputs' scale error {max(r['largest_output_scale'] for r in reports):.3f}; "
+        f"largest agreeing gradient measure {max(r['largest_gradient'] for r in reports):.3f}; "
         f"most strikes against a peer {seen['worst']['strikes']:.2f}, most bans of a peer {seen['worst']['banned_by']}"
     )
     assert checks >= 50, "too few checks to say anything"
