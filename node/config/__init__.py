@@ -267,8 +267,10 @@ class VerificationConfig:
     """Inner steps (the median over a stage's live replicas) before the tolerances above apply, >= 0; before, replicas drift far more (measured: outputs 4x apart in norm before step 80) and only gross faults count."""
     gross_direction_tolerance: float = 1.2
     """Tolerance on 1 - cos of outputs and gradients before a stage settles, > 0; honest replicas measured up to 0.49, a sign flip is at 1.5 or more."""
-    gross_scale_tolerance: float = 2.0
-    """Tolerance on |ln| of the norm ratios before a stage settles, > 0 (7.4x); honest replicas measured up to 1.46 (4.3x), zeros are infinitely far."""
+    settled_divergence: float = 0.3
+    """A stage whose published replica divergence is above this is not settled either (a replica just rebuilt by CheckFree or far behind), > 0; honest training measured up to 0.18."""
+    gross_scale_tolerance: float = 4.0
+    """Tolerance on |ln| of the norm ratios before a stage settles, > 0 (55x); honest replicas measured up to 1.46 early in training and 2.48 (12x) right after a CheckFree rebuild, zeros are infinitely far."""
     max_concurrent: int = 2
     """Checks this peer computes for others at once (more are answered BUSY), >= 1."""
     audit_seconds: float = 30.0
@@ -453,6 +455,7 @@ def validate(config: SwarmConfig) -> None:
     need(
         0 < v.tolerance_floor <= v.tolerance_ceiling
         and min(v.tolerance_factor, v.gradient_tolerance, v.gross_direction_tolerance, v.gross_scale_tolerance) > 0
+        and v.settled_divergence > 0
         and v.settle_steps >= 0,
         "verification: 0 < tolerance_floor <= tolerance_ceiling, the other tolerances > 0, settle_steps >= 0",
     )

@@ -22,6 +22,7 @@ from enum import StrEnum
 import torch
 from torch import Tensor
 
+STRIKE_MARGIN = 0.1
 # below this norm an answer is "zero"
 _TINY = 1e-12
 
@@ -190,7 +191,9 @@ class StrikeBook:
         """Add one strike; True when the peer's score reached the ban threshold (it is then reset)."""
         now = self._clock()
         score = self._decayed(peer_id, now) + 1.0
-        if score >= self.strikes_to_ban - 1e-9:
+        # a margin of 0.1: strikes_to_ban strikes within about a minute (at the default half-life)
+        # ban, though the first ones have decayed a little by the time the last one lands
+        if score >= self.strikes_to_ban - STRIKE_MARGIN:
             self._scores.pop(peer_id, None)
             return True
         self._scores[peer_id] = (score, now)

@@ -202,8 +202,12 @@ class Verifier:
         if answers[0] is None or answers[1] is None:
             self.stats.unanswered += 1
             return None
-        settled = self.stage_steps(stage) >= self.settings.settle_steps
-        limits = self.tolerance.limits(self.stage_divergence(stage), settled)
+        # settled: past the first steps, and no replica far from the others (just rebuilt by CheckFree)
+        divergence = self.stage_divergence(stage)
+        settled = self.stage_steps(stage) >= self.settings.settle_steps and (
+            divergence is None or divergence <= self.settings.settled_divergence
+        )
+        limits = self.tolerance.limits(divergence, settled)
         first_vs_second = compare(answers[0], answers[1], limits)
         logger.debug(f"check of {short_peer_id(first)} against {short_peer_id(second)}: {first_vs_second.describe()}")
         self.stats.checks += 1

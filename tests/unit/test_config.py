@@ -37,7 +37,7 @@ from protocol.version import PROTOCOL_VERSION
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "config.md"
 REGENERATE = ".venv/bin/python -m node.config > docs/config.md"
-DEFAULT_HASH = "36330d0607f86c3f"  # protocol 2 + routing, precision, tokenizer_hash, the order-2 markov source, [validation], [verification]: changing it splits old and new peers
+DEFAULT_HASH = "52abff27ced6a301"  # protocol 2 + routing, precision, tokenizer_hash, the order-2 markov source, [validation], [verification]: changing it splits old and new peers
 SECTIONS = SECTION_TYPES
 TOP_LEVEL = [f.name for f in dataclasses.fields(SwarmConfig) if f.name not in SECTIONS]
 
@@ -218,6 +218,7 @@ RULES = [
     ("verification.gross_direction_tolerance", 0.0, 0.01, "verification: 0 < tolerance_floor <= tolerance_ceiling"),
     ("verification.gross_scale_tolerance", 0.0, 0.01, "verification: 0 < tolerance_floor <= tolerance_ceiling"),
     ("verification.settle_steps", -1, 0, "verification: 0 < tolerance_floor <= tolerance_ceiling"),
+    ("verification.settled_divergence", 0.0, 0.01, "verification: 0 < tolerance_floor <= tolerance_ceiling"),
     ("verification.tolerance_factor", 0.0, 0.01, "verification: 0 < tolerance_floor <= tolerance_ceiling"),
 ]
 
