@@ -170,9 +170,10 @@ async def build_service(
     )
 
     def stage_divergence(stage: int) -> float | None:
-        """The largest replica divergence the peers of `stage` publish: spot-checks scale with it."""
+        """The replica divergence the peers of `stage` publish (their median: one faulty replica
+        publishing a huge one cannot loosen its own checks); spot-checks scale with it."""
         published = [peer.divergence for peer in view.online(stage) if peer.divergence is not None]
-        return max(published, default=None)
+        return statistics.median_low(published) if published else None
 
     def replicas(stage: int) -> list[str]:
         unreachable = unreachable_peers(me, view)
