@@ -31,7 +31,7 @@ from tests.helpers.faulty_node import FaultKind
 from tests.helpers.swarms import make_swarm, peer_id_of
 
 ONLINE_TIMEOUT = 150.0
-CATCH_TIMEOUT = 120.0  # a faulty peer that is online and not banned by then fails the test
+CATCH_TIMEOUT = 240.0  # a faulty peer that is online and not banned by then fails the test (scale: 91 s seen)
 RECOVERY_TIMEOUT = 90.0
 # PIPESWARM_SPOT_CHECK_RATE measures catch times at another rate (docs/verification.md: 0.02)
 CHECK_RATE = float(os.environ.get("PIPESWARM_SPOT_CHECK_RATE", "0.3"))
@@ -220,7 +220,7 @@ def test_a_replica_returning_zeros_is_caught_and_banned(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_every_kind_of_faulty_replica_is_caught_and_banned(tmp_path):
     run_kinds(tmp_path, list(FaultKind))
 
