@@ -315,20 +315,6 @@ async def log_first_microbatch(worker: StageWorker, stage: int, poll: float = 0.
         await asyncio.sleep(poll)
 
 
-async def wait_for_donor(view: SwarmView, stage: int, me: str, timeout: float, interval: float = 0.5) -> bool:
-    """Refresh `view` until `stage` shows an online peer other than `me`, for at most `timeout`
-    seconds; whether one showed. A fresh DHT node sometimes reads a stage's key empty while its
-    replicas are live (seen under load: a joiner read stage 1 empty beside two online replicas and
-    set out to rebuild it); a stage that is really empty stays empty for a record's whole lifetime."""
-    deadline = time.monotonic() + timeout
-    while not view.online(stage, exclude=me):
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(interval)
-        await view.refresh()
-    return True
-
-
 async def refresh_until_seen(view: SwarmView, me: str, timeout: float = 8.0, interval: float = 0.5) -> None:
     """Refresh `view` until it shows any peer record at all (this peer announced its own before the
     stage service started), for at most `timeout` seconds. A freshly started DHT node can read

@@ -38,9 +38,9 @@ from node.pipeline.validation import Validator, open_validator
 from node.pipeline.verifier import Verifier
 from node.recovery.checkpoints import checkpoint_root, run_checkpoints
 from node.recovery.edge_copies import edge_copies_for, run_edge_copy_refresher
-from node.recovery.lost_stages import LostStageWatch, must_rebuild, swarm_has_trained
+from node.recovery.lost_stages import LostStageWatch, must_rebuild
 from node.recovery.rebalance import Rebalancer, plan_move
-from node.recovery.rebuild import rebuild_into_service, refresh_until_seen, wait_for_donor
+from node.recovery.rebuild import rebuild_into_service, refresh_until_seen
 from node.recovery.state_transfer import join_live_stage, serve_state, state_provider
 from node.runtime.byte_progress import ByteProgress
 from node.runtime.events import EventPublisher
@@ -260,11 +260,6 @@ async def running_service(
         edge_copies = edge_copies_for(config, me.stage)  # CheckFree+: stage 1 / stage S keep stage 0's edges
         await serve_state(service.transport, state_provider(service.worker, me, edge_copies, service.gossip))
         await refresh_until_seen(service.view, me.peer_id)  # a new DHT node may read nothing at first
-        if not service.view.online(me.stage, exclude=me.peer_id) and swarm_has_trained(
-            service.view.peers_by_stage, exclude=me.peer_id
-        ):
-            # before rebuilding a stage, make sure it is empty: a fresh DHT node can misread it
-            await wait_for_donor(service.view, me.stage, me.peer_id, config.heartbeat.ttl)
         if service.view.online(me.stage, exclude=me.peer_id):
             # a live stage: continue from its current state (still `joining`); False if the donors vanished.
             # The join panel starts later (serve_current_stage), so a byte bar may use the terminal now.

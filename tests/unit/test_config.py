@@ -37,7 +37,7 @@ from protocol.version import PROTOCOL_VERSION
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "config.md"
 REGENERATE = ".venv/bin/python -m node.config > docs/config.md"
-DEFAULT_HASH = "52abff27ced6a301"  # protocol 2 + routing, precision, tokenizer_hash, the order-2 markov source, [validation], [verification]: changing it splits old and new peers
+DEFAULT_HASH = "765ca8c2ef8df72e"  # protocol 2 + routing, precision, tokenizer_hash, the order-2 markov source, [validation], [verification]: changing it splits old and new peers
 SECTIONS = SECTION_TYPES
 TOP_LEVEL = [f.name for f in dataclasses.fields(SwarmConfig) if f.name not in SECTIONS]
 
