@@ -125,8 +125,8 @@ class TrainingConfig:
     """Microbatches whose gradients are accumulated into one optimizer (inner) step, >= 1; 2 averages out some gradient noise."""
     min_in_flight: int = 4
     """Microbatches a stage-0 peer keeps in the pipeline at least, >= 1; 4 keeps 3 stages busy on one host, where a round trip is mostly compute."""
-    max_in_flight: int = 16
-    """Most microbatches a stage-0 peer keeps in the pipeline (bounds queues and stored activations), >= min_in_flight; between the two the window follows delivery rate x minimum RTT (node/pipeline/in_flight_window.py): 16 hides a ~1 s round trip."""
+    max_in_flight: int = 4
+    """Most microbatches a stage-0 peer keeps in the pipeline, >= min_in_flight; between the two the window follows delivery rate x minimum RTT (node/pipeline/in_flight_window.py). It bounds staleness: a stage steps every microbatches_per_step backwards, so a microbatch's gradient is up to max_in_flight / microbatches_per_step steps stale; with 16 (8 steps) the default model's residual stream blew up in 5 of 8 swarm runs (docs/reliability.md), with 4 none did. Over long round trips raise both together."""
     learning_rate: float = 3e-3
     """Peak learning rate of the inner AdamW; 3e-3 suits a 64-wide model (small models take larger rates)."""
     warmup_steps: int = 20

@@ -37,7 +37,7 @@ from protocol.version import PROTOCOL_VERSION
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "config.md"
 REGENERATE = ".venv/bin/python -m node.config > docs/config.md"
-DEFAULT_HASH = "765ca8c2ef8df72e"  # protocol 2 + routing, precision, tokenizer_hash, the order-2 markov source, [validation], [verification]: changing it splits old and new peers
+DEFAULT_HASH = "d2532775e77aaa48"  # protocol 2 + routing, precision, tokenizer_hash, the order-2 markov source, [validation], [verification], max_in_flight 4: changing it splits old and new peers
 SECTIONS = SECTION_TYPES
 TOP_LEVEL = [f.name for f in dataclasses.fields(SwarmConfig) if f.name not in SECTIONS]
 
@@ -133,6 +133,7 @@ def other_value(key: str, value: Any) -> Any:
         "model.num_key_value_heads": 2,
         "data.tokenizer_hash": "0123456789abcdef",  # 16 hex digits, as prepare-data writes it
         "data.markov_order": 1,  # order 3 over 16 tokens would exceed the chain's context limit
+        "training.min_in_flight": 2,  # more than the default max_in_flight 4 would be refused
     }
     if key in special:
         return special[key]
