@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(PY) -m node.demo
 
 test: $(STAMP) netns-deps
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=30
 
 slow: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m slow
@@ -46,9 +46,10 @@ format: $(STAMP)
 	$(PY) -m ruff check --fix .
 	$(PY) -m ruff format .
 
-# the long hostile-peer run (py-libp2p stranger against a training swarm); a short one is in `make test`
+# the long hostile-peer run (py-libp2p stranger against a training swarm) and the slow forged-record runs
+# (each forgery in turn, big DHT values); the short ones are in `make test`
 hostile: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -m slow tests/swarm/test_hostile_peer.py
+	$(PY) -m pytest -q -p no:cacheprovider -m slow tests/swarm/test_hostile_peer.py tests/swarm/test_forged_records.py
 
 # every multi-process swarm test again, each swarm private (a fresh `node keygen` key in
 # PIPESWARM_SWARM_KEY_FILE): a private swarm must behave as an open one for its members

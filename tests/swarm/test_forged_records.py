@@ -179,6 +179,7 @@ def worst_loop_block(nodes: list[NodeProcess], since: dict[str, int]) -> float:
     return worst
 
 
+@pytest.mark.slow  # 70-90 s: in `make hostile`; tests/unit/test_dht_guard.py checks the guard's rules
 @pytest.mark.timeout(420)
 def test_big_dht_values_do_not_stall_training(swarm: Swarm):
     """Finding 10: a 3.9 MB whole-dictionary DHT store used to block a node's event loop for ~1.8 s

@@ -66,6 +66,7 @@ def node_cli(swarm: Swarm, *args: str, timeout: float = 90.0) -> subprocess.Comp
     )
 
 
+@pytest.mark.slow  # ~60 s: in `make slow`; the unit tests cover prepare-data, export and generate apart
 @pytest.mark.timeout(420)
 def test_prepared_corpus_trains_exports_and_generates(swarm: Swarm, tmp_path):
     started = time.monotonic()
