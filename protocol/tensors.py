@@ -47,6 +47,7 @@ class Compression(StrEnum):
 
 
 COMPRESSIONS = tuple(Compression)
+FP16_MAX = torch.finfo(torch.float16).max  # 65504: larger values overflow to inf
 # bytes per element of "data" for each lossy codec ("none" uses the original dtype's itemsize)
 _CODEC_ITEMSIZE = {"fp16": 2, "bf16": 2, "int8": 1}
 # int8 scales are fp32: fp16 would flush the scales of typical gradients (absmax ~1e-6) to zero
@@ -73,6 +74,10 @@ def encode_tensor(t: torch.Tensor, compression: str = "none", block_size: int = 
     t = t.detach().cpu().contiguous()
     codec = compression if t.dtype in FLOAT_DTYPES else "none"
     if (codec == "fp16" and t.dtype == torch.float16) or (codec == "bf16" and t.dtype == torch.bfloat16):
+        codec = "none"
+    if codec == "fp16" and t.numel() and bool(t.abs().max() > FP16_MAX):
+        # fp16 would turn these finite values into inf, which the receiver must treat as hostile:
+        # the tensor goes in its own dtype instead (the codec is per tensor, the receiver decodes both)
         codec = "none"
     out: dict[str, Any] = {"dtype": name, "codec": codec, "shape": list(t.shape)}
     if codec == "none":

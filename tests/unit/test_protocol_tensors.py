@@ -237,3 +237,16 @@ def test_fuzzed_fields_only_raise_protocol_error(key: str, value, int8: bool, dr
         return
     assert isinstance(out, torch.Tensor) and math.prod(out.shape) <= 600
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 200_000  # KiB
+
+
+def test_fp16_leaves_values_beyond_its_range_in_their_own_dtype():
+    """A diverging model's activations past 65504 would become inf in fp16, which a receiver must
+    refuse as hostile: such a tensor travels uncompressed, and one in range still goes as fp16."""
+    big = torch.tensor([1.0, -70000.0, 3.5])
+    encoded = encode_tensor(big, "fp16")
+    assert encoded["codec"] == "none"
+    assert torch.equal(decode_tensor(encoded), big)
+    in_range = torch.tensor([1.0, -65000.0, 3.5])
+    encoded = encode_tensor(in_range, "fp16")
+    assert encoded["codec"] == "fp16" and len(encoded["data"]) == 2 * 3
+    assert torch.isfinite(decode_tensor(encoded)).all()
