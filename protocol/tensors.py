@@ -75,7 +75,7 @@ def encode_tensor(t: torch.Tensor, compression: str = "none", block_size: int = 
     codec = compression if t.dtype in FLOAT_DTYPES else "none"
     if (codec == "fp16" and t.dtype == torch.float16) or (codec == "bf16" and t.dtype == torch.bfloat16):
         codec = "none"
-    if codec == "fp16" and t.numel() and bool(t.abs().max() > FP16_MAX):
+    if codec == "fp16" and t.numel() and _beyond_fp16(t):
         # fp16 would turn these finite values into inf, which the receiver must treat as hostile:
         # the tensor goes in its own dtype instead (the codec is per tensor, the receiver decodes both)
         codec = "none"
@@ -150,6 +150,12 @@ def decode_tensor(obj: Any, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
     else:
         flat = _dequantize_int8(data, obj["block"], scales, numel)
     return flat.to(dtype).reshape(shape)
+
+
+def _beyond_fp16(t: torch.Tensor) -> bool:
+    """Whether a value of `t` is outside fp16's range: one pass, no |t| copy on the hop path."""
+    low, high = torch.aminmax(t)
+    return bool(high > FP16_MAX) or bool(low < -FP16_MAX)
 
 
 def _to_bytes(t: torch.Tensor) -> bytes:

@@ -22,6 +22,8 @@ from enum import StrEnum
 import torch
 from torch import Tensor
 
+# strikes_to_ban strikes within about a minute (at the default half-life) ban, though the first
+# ones have decayed a little by the time the last one lands
 STRIKE_MARGIN = 0.1
 # below this norm an answer is "zero"
 _TINY = 1e-12
@@ -191,8 +193,6 @@ class StrikeBook:
         """Add one strike; True when the peer's score reached the ban threshold (it is then reset)."""
         now = self._clock()
         score = self._decayed(peer_id, now) + 1.0
-        # a margin of 0.1: strikes_to_ban strikes within about a minute (at the default half-life)
-        # ban, though the first ones have decayed a little by the time the last one lands
         if score >= self.strikes_to_ban - STRIKE_MARGIN:
             self._scores.pop(peer_id, None)
             return True
