@@ -30,10 +30,13 @@ bench: $(STAMP)
 	$(PY) tests/benchmarks/bench_all.py
 
 # docs/results.md and its plots in docs/results/: the default presets of `node simulate` (about half
-# an hour on 2 busy CPU cores, minutes on an idle machine), then the page rendered from their JSON
+# an hour on 2 busy CPU cores, minutes on an idle machine), the recovery run again with edge stages
+# failing too, the N <= 8 NoLoCo rounds measured live on loopback, then the page rendered from the JSON
 results: $(STAMP)
 	$(PY) -m node simulate sync-scaling --out docs/results --no-progress
+	$(PY) tests/benchmarks/bench_gossip_round.py --out docs/results
 	$(PY) -m node simulate recovery --out docs/results
+	$(PY) -m node simulate recovery --failing blocks --out docs/results/edges
 	$(PY) -m node simulate gossip --out docs/results
 	$(PY) -m node.simulate.report docs/results docs/results.md
 

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from node.model.presets import PresetName
-from node.simulate.names import ExperimentName, SimPreset
+from node.simulate.names import ExperimentName, FailingStages, SimPreset
 
 
 def add_simulate_parser(commands: Any) -> None:
@@ -38,6 +38,11 @@ def add_simulate_parser(commands: Any) -> None:
     sim.add_argument(
         "--failure-rate-per-hour", dest="failure_percent_per_hour", type=float, help="recovery: per stage, in %%/h"
     )
+    sim.add_argument(
+        "--failing",
+        choices=[f.value for f in FailingStages],
+        help="recovery: which stages fail (middle: 2..S-1, the default; blocks: 1..S, edge stages too)",
+    )
     sim.add_argument("--model-preset", choices=[p.value for p in PresetName], help="sync-scaling: the payload model")
 
 
@@ -48,6 +53,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     overrides = {key: value for key, value in vars(args).items() if key not in skip and value is not None}
     if "model_preset" in overrides:
         overrides["model_preset"] = PresetName(overrides["model_preset"])
+    if "failing" in overrides:
+        overrides["failing"] = FailingStages(overrides["failing"])
     summary = run_experiment(args.experiment, args.out, args.preset, overrides, progress=not args.no_progress)
     print(json.dumps(summary.get("variants") or summary.get("largest"), indent=1, default=str))
     print(f"results in {args.out}", flush=True)

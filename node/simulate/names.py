@@ -14,3 +14,10 @@ class ExperimentName(StrEnum):
 class SimPreset(StrEnum):
     DEFAULT = "default"  # what docs/results.md shows: minutes on 2 CPU cores
     TINY = "tiny"  # what the tests run: seconds
+
+
+class FailingStages(StrEnum):
+    """Which stages the recovery experiment's failures hit (stage 0, data and head, never fails)."""
+
+    MIDDLE = "middle"  # 2..S-1: stages every rebuild strategy can rebuild
+    BLOCKS = "blocks"  # 1..S: the edge block stages too, which CheckFree needs CheckFree+ for

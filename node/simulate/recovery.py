@@ -2,7 +2,10 @@
 
 Reads beside the CheckFree paper (docs/algorithms.md, "What the authors report"): stages fail with a
 per-iteration probability taken from a per-hour rate; each failure removes every replica of one
-middle stage (2..S-1, the ones every strategy can rebuild; at most one per iteration). Variants:
+stage (at most one per iteration): a middle stage (2..S-1, the ones every strategy can rebuild), or
+with `failing = blocks` any block stage 1..S, where plain CheckFree has no rebuild (one block
+neighbour) and CheckFree+ copies the stage that played that role on odd microbatches; a variant
+that cannot rebuild a failure of the schedule is not run and the summary says why. Variants:
 
 - checkfree, checkfree+ (recovery.checkfree_plus: swapped edge stages on odd microbatches), copy,
   random, zero: node/recovery/checkfree.py's plan_rebuild + execute_rebuild with the project's
@@ -37,8 +40,15 @@ from typing import Any
 
 from node.config import RecoveryStrategy
 from node.model.llama import build_stage
-from node.recovery.checkfree import execute_rebuild, known_grad_norm, plan_rebuild, recovered_lr_scale
+from node.recovery.checkfree import (
+    RebuildAction,
+    execute_rebuild,
+    known_grad_norm,
+    plan_rebuild,
+    recovered_lr_scale,
+)
 from node.simulate.failures import Failure, draw_failures, per_iteration_probability
+from node.simulate.names import FailingStages
 from node.simulate.output import have_matplotlib, plot_lines, series_of, write_csv, write_json
 from node.simulate.settings import SimSettings
 from node.simulate.swarm import SimulatedSwarm, SyncMode, estimate_iteration_seconds
@@ -79,6 +89,7 @@ class RecoverySettings:
     checkpoint_save_s: float = 5.0  # fixed cost of one save (serialise, open the store) besides the bytes
     restart_s: float = 60.0  # relaunching every peer after a rollback (the bytes are charged apart)
     variants: tuple[RecoveryVariant, ...] = tuple(RecoveryVariant)
+    failing: FailingStages = FailingStages.MIDDLE
     target_loss: float | None = None  # None: the failure-free run's best loss by TARGET_FRACTION of the run
 
 
@@ -105,9 +116,17 @@ def run_recovery(
     middle = tuple(range(2, sim.stages - 1))
     if not middle:
         raise ValueError("the recovery experiment needs a middle stage: --stages 4 or more (stage 0 + 3 blocks)")
-    schedule = draw_failures(sim.seed, sim.steps, probability, middle, start=settings.failures_from)
+    failing = middle if settings.failing == FailingStages.MIDDLE else tuple(range(1, sim.stages))
+    schedule = draw_failures(sim.seed, sim.steps, probability, failing, start=settings.failures_from)
     runs: dict[RecoveryVariant, VariantRun] = {}
+    skipped: dict[str, str] = {}
     for variant in settings.variants:
+        why = cannot_rebuild(variant, schedule, sim.stages)
+        if why is not None:
+            skipped[variant.value] = why
+            for _ in range(sim.steps):
+                advance(f"recovery {variant.value} (skipped)")
+            continue
         runs[variant] = run_variant(sim, settings, variant, schedule, costs.compute_seconds, advance)
     rows = [row for run in runs.values() for row in run.rows]
     target = settings.target_loss
@@ -124,11 +143,25 @@ def run_recovery(
         "schedule": [(f.iteration, f.stage) for f in schedule],
         "target_loss": target,
         "variants": {variant.value: summarise(run, target) for variant, run in runs.items()},
+        "skipped": skipped,
     }
     write_csv(out / "recovery.csv", rows)
     write_json(out / "recovery.json", summary)
     summary["plots"] = plot_recovery(out, rows)
     return summary
+
+
+def cannot_rebuild(variant: RecoveryVariant, schedule: list[Failure], num_stages: int) -> str | None:
+    """Why `variant` cannot survive `schedule` (None: it can): the project's own plan for the first
+    failure it has no rebuild for."""
+    strategy = REBUILD_STRATEGY.get(variant)
+    if strategy is None:  # checkpoint, redundant, no failures: every stage is covered
+        return None
+    for failure in schedule:
+        plan = plan_rebuild(failure.stage, num_stages, strategy, variant == RecoveryVariant.CHECKFREE_PLUS)
+        if plan.action == RebuildAction.UNRECOVERABLE:
+            return f"stage {failure.stage} fails at iteration {failure.iteration}: {plan.reason}"
+    return None
 
 
 def summarise(run: VariantRun, target: float | None) -> dict[str, Any]:

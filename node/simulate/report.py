@@ -15,6 +15,8 @@ from typing import Any
 
 from node.simulate.recovery import TARGET_FRACTION
 
+EDGES = "edges"  # the subdirectory `make results` writes the recovery run with edge-stage failures into
+
 
 def _load(directory: Path, name: str) -> dict[str, Any] | None:
     path = directory / f"{name}.json"
@@ -69,7 +71,50 @@ def sync_section(s: dict[str, Any], directory: Path, docs: Path) -> list[str]:
         "latency does (small payloads). A ring all-reduce moves about as many bytes as one NoLoCo round, "
         "but pays 2 (N - 1) latencies, so it loses only once N x latency outweighs the payload time.",
         "",
-        "Not measured: the N <= 8 points by the live gossip code on loopback (left for later).",
+    ]
+    return lines + live_sync_lines(_load(directory, "sync_scaling_live"))
+
+
+def live_sync_lines(live: dict[str, Any] | None) -> list[str]:
+    """The N <= 8 points measured by the live gossip code (tests/benchmarks/bench_gossip_round.py)."""
+    if live is None:
+        return ["Not measured: no sync_scaling_live.json (tests/benchmarks/bench_gossip_round.py writes it).", ""]
+    rows = live["rows"]
+    lines = [
+        "### Measured live on loopback, N <= 8",
+        "",
+        f"The project's gossip code (node/averaging/) between N real peers of one stage, each with its own p2pd "
+        f"and DHT node, in one process on {live['cpus']} CPUs (load {live['loadavg'][0]:.1f} at the start): a stage "
+        f"of {live['payload_bytes'] / 1e6:.1f} MB fp32, every replica starts its round at the same moment. "
+        "'swarm round' is until every replica has stepped, collisions included (a replica whose partners are "
+        "all exchanging retries after the round loop's random pause); 'exchange' is one initiated round, "
+        "request to outer step. The model columns are collectives.py under the link measured between two of the "
+        "peers (small-message round trip, and phi + Delta swapped both ways with the gossip's chunked stream).",
+        "",
+        "| N | live swarm round, median (min-max) s | live exchange, median s | model NoLoCo s | model tree s "
+        "| link measured | busy retries | lone steps |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['replicas']} | {row['live_seconds_median']:.2f} ({row['live_seconds_min']:.2f}-"
+            f"{row['live_seconds_max']:.2f}) | {row['exchange_seconds_median']:.2f} "
+            f"| {row['model_noloco_seconds']:.2f} | {row['model_tree_seconds']:.2f} | {row['link']} "
+            f"| {row['busy_retries']} | {row['lone_steps']} |"
+        )
+    first, last = rows[0], rows[-1]
+    overhead = first["exchange_seconds_median"] / first["model_noloco_seconds"]
+    growth = last["exchange_seconds_median"] / first["exchange_seconds_median"]
+    lines += [
+        "",
+        f"- At N = {first['replicas']} one live exchange takes {overhead:.1f}x the model's transfer time: the "
+        "rest is the handshake, both partners' checks of the tensors they received and the outer step.",
+        f"- From N = {first['replicas']} to N = {last['replicas']} the live exchange grows {growth:.1f}x, where the "
+        "model says a NoLoCo round does not grow at all: here all N peers share one host's cores, one event loop "
+        f"and its loopback, so {last['replicas'] // 2} exchanges at once each get a fraction of the machine; "
+        "in a swarm of N homes each pair has its own links and CPUs. The message count per replica (one "
+        "request, one swap, one DONE each way) does not depend on N, which is what the model's N-independence "
+        "rests on.",
         "",
     ]
     return lines
@@ -78,14 +123,17 @@ def sync_section(s: dict[str, Any], directory: Path, docs: Path) -> list[str]:
 def recovery_section(s: dict[str, Any], directory: Path, docs: Path) -> list[str]:
     v = s["variants"]
     settings = s["settings"]
+    edges = settings.get("failing", "middle") == "blocks"
+    title = "every block stage failing, edge stages too" if edges else "one failure schedule, every strategy"
+    failing = "block stage (1..S)" if edges else "middle stage"
     lines = [
-        "## recovery: one failure schedule, every strategy",
+        f"## recovery: {title}",
         "",
         f"{settings['stages']} stages (stage 0 + {settings['stages'] - 1} block stages) x {settings['replicas']} "
         f"replicas, hidden {settings['hidden']}, {settings['steps']} iterations; clock: "
         f"{s['compute_seconds_per_microbatch_stage']:.1f} s per microbatch-stage, link {s['link']}, a "
         f"failure-free iteration {s['failure_free_iteration_seconds']:.0f} s. Failures: "
-        f"{settings['failure_percent_per_hour']:g} %/h per middle stage = "
+        f"{settings['failure_percent_per_hour']:g} %/h per {failing} = "
         f"{s['failure_probability_per_iteration']:.4f} per iteration, from iteration {settings['failures_from']}: "
         f"{len(s['schedule'])} failures (iteration, stage): {s['schedule']}. Checkpoint every "
         f"{settings['checkpoint_every']} iterations, save {settings['checkpoint_save_s']:g} s + bytes, restart "
@@ -100,6 +148,8 @@ def recovery_section(s: dict[str, Any], directory: Path, docs: Path) -> list[str
             f"| {name} | {r['final_loss']:.4f} | {r['sim_seconds'] / 3600:.2f} | {_fmt(r['seconds_to_target'], 0)} "
             f"| {_fmt(r['iterations_to_target'])} | {r['lost_iterations']} |"
         )
+    for name, why in s.get("skipped", {}).items():
+        lines.append(f"| {name} | not run: {why} | | | | |")
     lines += [
         "",
         _image(directory, docs, "recovery_loss_vs_iteration.png"),
@@ -148,7 +198,7 @@ def recovery_section(s: dict[str, Any], directory: Path, docs: Path) -> list[str
             "removed block costs less than the damage a rebuilt one does before it relearns; the paper's 121 "
             "perplexity comes from language models where every block is needed."
         )
-    if "checkfree_plus" in v and "checkfree" in v and final("checkfree_plus") > final("checkfree"):
+    if not edges and "checkfree_plus" in v and "checkfree" in v and final("checkfree_plus") > final("checkfree"):
         lines.append(
             "- CheckFree+ ends above CheckFree here although both rebuild a middle stage the same way (the "
             "schedule fails middle stages only, the ones every strategy can rebuild): the difference is "
@@ -235,6 +285,9 @@ def render(directory: Path, docs: Path) -> str:
             lines += [f"## {name}", "", f"Not run: no {name}.json in {directory}.", ""]
         else:
             lines += section(summary, directory, docs)
+        edges = directory / EDGES
+        if name == "recovery" and (summary := _load(edges, name)) is not None:
+            lines += recovery_section(summary, edges, docs)
     return "\n".join(lines)
 
 

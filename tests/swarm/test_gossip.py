@@ -9,6 +9,7 @@ Runtime: about 60 s for the file (each test starts its own 2-3 peer swarm).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import pytest
@@ -397,3 +398,22 @@ def test_a_silent_partner_frees_the_slot_within_the_stall_timeout():
             assert b.rounds.cooling_down(silent_id) and not b.bans.is_banned(silent_id)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(120)
+def test_live_round_benchmark_measures_applied_exchanges(tmp_path):
+    """tests/benchmarks/bench_gossip_round.py (`make results`: the live N <= 8 points of
+    docs/results.md) at its smallest: two peers, one swarm round, a small stage."""
+    from tests.benchmarks import bench_gossip_round
+
+    assert bench_gossip_round.main(["--replicas", "2", "--rounds", "1", "--hidden", "64", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "sync_scaling_live.json").read_text())
+    (row,) = result["rows"]
+    assert row["replicas"] == 2 and row["rounds"] == 1
+    # both replicas stepped through one applied exchange (the other one was its partner), none alone
+    assert row["exchanges"] == 1 and row["lone_steps"] == 0
+    assert 0 < row["exchange_seconds_median"] <= row["live_seconds_median"] < bench_gossip_round.ROUND_DEADLINE
+    assert row["link_latency_ms"] > 0 and row["link_mbit"] > 0
+    # N = 2: the tree is one hop up and one down, NoLoCo one swap both ways: one latency less
+    assert row["model_tree_seconds"] == pytest.approx(row["model_noloco_seconds"] + row["link_latency_ms"] / 1000)
+    assert result["payload_bytes"] == row["payload_bytes"] > 0

@@ -15,7 +15,7 @@ import torch
 from node.cli import main
 from node.simulate import experiments, sync_scaling
 from node.simulate.experiments import run_experiment
-from node.simulate.names import ExperimentName, SimPreset
+from node.simulate.names import ExperimentName, FailingStages, SimPreset
 from node.simulate.recovery import RecoveryVariant
 from node.simulate.report import render
 
@@ -66,6 +66,25 @@ def test_recovery_outputs_and_charged_costs(tmp_path):
     assert v["checkpoint"]["sim_seconds"] > v["checkfree"]["sim_seconds"]
     # the redundant forward costs every iteration; CheckFree only pays at failures
     assert v["redundant"]["sim_seconds"] > v["checkfree"]["sim_seconds"]
+
+
+def test_edge_stage_failures_are_rebuilt_by_checkfree_plus_and_refused_by_checkfree(tmp_path):
+    variants = (RecoveryVariant.CHECKFREE, RecoveryVariant.CHECKFREE_PLUS, RecoveryVariant.COPY)
+    overrides = {"variants": variants, "failing": FailingStages.BLOCKS}
+    summary = run_experiment(ExperimentName.RECOVERY, tmp_path, SimPreset.TINY, overrides, progress=False)
+    stages = {stage for _, stage in summary["schedule"]}
+    assert stages & {1, 3}, summary["schedule"]  # the tiny preset's block stages 1..3: an edge one fails
+    assert stages <= {1, 2, 3}  # stage 0 (data, head) never fails
+    # plain CheckFree has no rebuild for an edge block stage: not run, and the summary says why
+    assert set(summary["variants"]) == {"checkfree_plus", "copy"}
+    assert "CheckFree+" in summary["skipped"]["checkfree"]
+    for name in ("checkfree_plus", "copy"):
+        assert summary["variants"][name]["failures"] == len(summary["schedule"]), name
+    page = render(tmp_path, tmp_path / "results.md")
+    assert "| checkfree | not run: stage" in page
+    # the middle-stage schedule of the same preset never refuses a variant
+    middle = run_experiment(ExperimentName.RECOVERY, tmp_path / "middle", SimPreset.TINY, {"variants": variants})
+    assert middle["skipped"] == {} and {stage for _, stage in middle["schedule"]} == {2}
 
 
 def test_gossip_outputs_and_averaging_every_step_keeps_replicas_together(tmp_path):
