@@ -1,9 +1,8 @@
 """The swarm configuration: one immutable description every peer of a swarm agrees on.
 
 The bootstrapper builds it from defaults, a TOML file and flags, publishes it in the DHT with its
-hash, and every joiner refuses to train if its own protocol version or the hash differ. Defaults
-follow docs/algorithms.md (NoLoCo alpha 0.5, beta 0.7, gamma = beta, H = 50; CheckFree lr
-scale 1.1; grad clip 1.0) scaled down to a model that trains on a laptop CPU.
+hash, and every joiner refuses to train if its own protocol version or the hash differ. Defaults follow
+docs/algorithms.md (NoLoCo alpha 0.5, beta 0.7, gamma = beta, H = 50; CheckFree lr scale 1.1; clip 1.0).
 
 Every field carries a one-line attribute docstring (what it is, its unit, why the default);
 node/config/reference.py turns them into docs/config.md: `python -m node.config > docs/config.md`.
@@ -49,6 +48,7 @@ class RoutingMode(StrEnum):
 
     LOAD_AWARE = "load_aware"  # SWARM: the peer expected to finish it first
     RANDOM = "random"  # NoLoCo: uniformly among the live, unbanned peers, which mixes gradients across replicas
+    SHUFFLED = "shuffled"  # NoLoCo's authors: a random permutation dealt one peer per microbatch (equal shares)
 
 
 class Precision(StrEnum):

@@ -37,7 +37,15 @@ then has to do (a wrong *result* is the spot-check's business, not routing's).
 same candidates (live, unbanned, not excluded), as NoLoCo's authors route every microbatch to the
 next-stage replica given by a seeded random permutation (docs/algorithms.md, "What the authors
 report"): it mixes gradients across replicas, which equal-speed load-aware routing (round-robin in
-effect) does not. Loads are still charged and released, so `loads()` reads the same in both modes.
+effect) does not. Loads are still charged and released, so `loads()` reads the same in every mode.
+
+`RoutingMode.SHUFFLED` deals the candidates like a shuffled deck: a fresh random permutation, one
+peer per microbatch, a new permutation when it is used up (a peer gone, banned or excluded meanwhile
+is skipped). Each peer gets an equal share in random order, as the authors' per-microbatch
+permutation gives each replica exactly one microbatch per step. Independent uniform draws (RANDOM)
+give some replicas two microbatches of a step and others none, and so unequal inner-step counts
+(docs/results.md, gossip). One router dealing for every sender (the simulator) is the authors'
+permutation exactly; in a swarm every sender deals its own deck.
 
 Timeouts are not errors: a hop that times out is retried on another peer with `exclude`, and only
 a peer that errors is banned (SWARM's `use_another_expert`; node/pipeline/traffic.py applies it).
@@ -149,6 +157,7 @@ class StageRouter:
         self._clock = clock
         self.mode = RoutingMode(mode)
         self._peers: dict[str, _PeerLoad] = {}
+        self._deck: list[str] = []  # mode SHUFFLED: the rest of the current permutation, dealt from the end
         self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ membership
@@ -215,7 +224,7 @@ class StageRouter:
         task_size: float = 1.0,
     ) -> str | None:
         """The peer with the earliest expected completion of a `task_size` task (in mode RANDOM: a
-        uniform draw among the candidates), charged for it.
+        uniform draw among the candidates; SHUFFLED: the next of a shuffled deck), charged for it.
 
         Skips peers in `exclude` (a retry after a timeout) and peers banned in `bans`. Among keys
         within TIE_RTOL of the smallest one is drawn at random. Returns None if no candidate.
@@ -244,6 +253,8 @@ class StageRouter:
             offsets = [max(state.virtual_finish - now, 0.0) + task_size * state.sec_per_unit for _, state in eligible]
             if self.mode == RoutingMode.RANDOM:
                 index = self._rng.randrange(len(eligible))
+            elif self.mode == RoutingMode.SHUFFLED:
+                index = self._deal([peer_id for peer_id, _ in eligible])
             else:
                 best = min(offsets)
                 window = best * (1.0 + TIE_RTOL) + TIE_ATOL
@@ -252,6 +263,17 @@ class StageRouter:
             peer_id, state = eligible[index]
             state.virtual_finish = now + offsets[index]
             return peer_id
+
+    def _deal(self, eligible: list[str]) -> int:
+        """The position in `eligible` of the next card of the deck (a fresh shuffle of `eligible`
+        when none of the deck's remaining peers is eligible now)."""
+        position = {peer_id: i for i, peer_id in enumerate(eligible)}
+        while self._deck and self._deck[-1] not in position:
+            self._deck.pop()
+        if not self._deck:
+            self._deck = list(eligible)
+            self._rng.shuffle(self._deck)
+        return position[self._deck.pop()]
 
     def release(self, peer_id: str, task_size: float) -> None:
         """Un-charge a task `choose` assigned but the peer never got (the send failed)."""

@@ -27,7 +27,7 @@ COMPARED = (SyncMode.NOLOCO, SyncMode.DILOCO, SyncMode.ALLREDUCE)
 @dataclass(frozen=True)
 class GossipSettings:
     modes: tuple[SyncMode, ...] = COMPARED
-    routings: tuple[RoutingMode, ...] = (RoutingMode.RANDOM, RoutingMode.LOAD_AWARE)
+    routings: tuple[RoutingMode, ...] = (RoutingMode.RANDOM, RoutingMode.SHUFFLED, RoutingMode.LOAD_AWARE)
 
 
 def run_gossip(sim: SimSettings, settings: GossipSettings, out: Path, advance: Callable[[str], None]) -> dict[str, Any]:

@@ -226,7 +226,8 @@ CHI2_999 = {2: 13.82, 3: 16.27, 4: 18.47}
 def test_config_accepts_the_routing_modes_and_defaults_to_load_aware():
     assert SwarmConfig().training.routing is RoutingMode.LOAD_AWARE
     assert SwarmConfig().replace(training={"routing": "random"}).training.routing is RoutingMode.RANDOM
-    with pytest.raises(ConfigError, match="load_aware, random"):
+    assert SwarmConfig().replace(training={"routing": "shuffled"}).training.routing is RoutingMode.SHUFFLED
+    with pytest.raises(ConfigError, match="load_aware, random, shuffled"):
         SwarmConfig().replace(training={"routing": "round_robin"})
 
 
@@ -274,6 +275,37 @@ def test_random_routing_still_charges_and_releases_loads():
     assert router.loads() == [("a", pytest.approx(1.5), pytest.approx(2.0))]
     router.release("a", 3.0)
     assert router.loads()[0][1] == 0.0
+
+
+def test_shuffled_routing_deals_every_peer_once_per_round_in_random_order():
+    peers = ["a", "b", "c", "d"]
+    clock = FakeClock()
+    router = StageRouter(random.Random(3), clock=clock, mode=RoutingMode.SHUFFLED)
+    # speeds 1..4: load-aware would favour "d"; the deck ignores speed and load
+    router.update_peers([rec(p, float(i + 1)) for i, p in enumerate(peers)])
+    rounds = [tuple(router.choose() for _ in peers) for _ in range(300)]
+    assert all(sorted(dealt) == peers for dealt in rounds)  # equal shares, exactly, every round
+    # the order is random: every one of the 4! permutations shows up, none far more often than fair
+    orders = Counter(rounds)
+    assert len(orders) == 24
+    assert chi_square(orders, list(orders), len(rounds)) < 49.73  # df = 23, p = 0.001
+
+
+def test_shuffled_routing_skips_peers_that_left_were_banned_or_are_excluded():
+    dht_time = FakeClock(5000.0)
+    bans = BanList(clock=dht_time, min_seconds=10.0)
+    clock = FakeClock()
+    router = StageRouter(random.Random(4), clock=clock, mode=RoutingMode.SHUFFLED)
+    router.update_peers([rec(p) for p in ("a", "b", "c")])
+    first = router.choose()
+    rest = {p for p in ("a", "b", "c") if p != first}
+    gone, kept = sorted(rest)
+    router.update_peers([rec(first), rec(kept)])  # `gone` left with its card still in the deck
+    assert router.choose() == kept  # the deck's last card, `gone` skipped
+    assert gone not in {router.choose() for _ in range(6)}
+    bans.ban(first, until=dht_time() + 60.0, reason="errored")
+    assert {router.choose(bans=bans) for _ in range(10)} == {kept}
+    assert router.choose(exclude={kept}, bans=bans) is None
 
 
 def test_router_builds_every_stage_in_its_mode_and_load_aware_is_the_default():

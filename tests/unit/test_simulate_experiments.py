@@ -92,8 +92,9 @@ def test_gossip_outputs_and_averaging_every_step_keeps_replicas_together(tmp_pat
     for name in ("gossip.csv", "gossip.json", "gossip_eval_loss.png", "gossip_divergence.png"):
         assert (tmp_path / name).exists(), name
     v = summary["variants"]
-    assert set(v) == {f"{m}/{r}" for m in ("noloco", "diloco", "allreduce") for r in ("random", "load_aware")}
-    for routing in ("random", "load_aware"):
+    routings = ("random", "shuffled", "load_aware")
+    assert set(v) == {f"{m}/{r}" for m in ("noloco", "diloco", "allreduce") for r in routings}
+    for routing in routings:
         assert v[f"allreduce/{routing}"]["final_divergence"] < 1e-5
         assert v[f"noloco/{routing}"]["final_divergence"] > v[f"allreduce/{routing}"]["final_divergence"]
         # a ring all-reduce every step costs more time than a NoLoCo round every H steps
