@@ -249,25 +249,31 @@ def gossip_section(s: dict[str, Any], directory: Path, docs: Path) -> list[str]:
             f"both routed by the authors' permutation (`shuffled`): {_verdict(a <= b)} (one seed, "
             f"{settings['steps']} iterations: not a significance test)."
         )
-    if "noloco/shuffled" in v and "noloco/load_aware" in v:
-        a, b = v["noloco/shuffled"]["mean_divergence"], v["noloco/load_aware"]["mean_divergence"]
-        lines.append(
-            f"- NoLoCo's routing, a random permutation per step (`shuffled`), mixes gradients across replicas, which "
-            f"should lower divergence: mean divergence shuffled {a:.4f} vs load-aware {b:.4f}, {_verdict(a < b)}."
+    if all(f"noloco/{r}" in v for r in ("shuffled", "load_aware", "random")):
+        shuffled, load_aware, independent = (
+            v[f"noloco/{r}"]["mean_divergence"] for r in ("shuffled", "load_aware", "random")
         )
-    if "noloco/random" in v and "noloco/load_aware" in v:
-        a, b = v["noloco/random"]["mean_divergence"], v["noloco/load_aware"]["mean_divergence"]
         lines.append(
-            f"- Independent uniform draws (`random`) instead of a permutation: mean divergence {a:.4f} vs load-aware "
-            f"{b:.4f}."
+            f"- Routing and replica divergence (NoLoCo): mean divergence `shuffled` (the authors' permutation per step) "
+            f"{shuffled:.4f}, `load_aware` {load_aware:.4f}, `random` (independent uniform draws) {independent:.4f}. "
+            "The paper's claim, that random routing mixes gradients across replicas and so lowers divergence, is "
+            "against fixed pipelines, which is not run: a swarm has no fixed partners, so the project has no such "
+            "routing. Here load-aware routing between equally fast, equally loaded replicas breaks its ties at "
+            "random and charges each pick, so it deals a random permutation per step too: `shuffled` and "
+            "`load_aware` are the same routing in this simulator"
+            + (
+                ", and their divergences agree within 10 %."
+                if abs(shuffled - load_aware) <= 0.1 * max(shuffled, load_aware)
+                else f"; their divergences still differ by more than 10 % ({shuffled:.4f} vs {load_aware:.4f})."
+            )
         )
-        if a >= b:
+        if independent > max(shuffled, load_aware):
             lines.append(
                 "  Independent draws give some replicas two microbatches in an iteration and others none; with one "
                 "microbatch per inner step they take different numbers of inner steps at different learning rates, "
                 "which drives them apart faster than the mixing pulls them together. A permutation gives every "
-                "replica exactly one microbatch per step, and load-aware routing over equal peers is round-robin: "
-                "both keep step counts equal. Stage 0 never mixes (each stage-0 replica owns its data stream)."
+                "replica exactly one microbatch per step: equal step counts. Stage 0 never mixes (each stage-0 "
+                "replica owns its data stream)."
             )
     lines.append("")
     return lines

@@ -355,8 +355,14 @@ def test_run_live_shows_reconnecting_when_the_provider_fails(monkeypatch):
     console, buf = live_console()
 
     async def main():
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(run_live(provider, refresh=0.05, console=console), timeout=0.6)
+        # until the third snapshot is drawn (bounded: a loaded machine may take more than a few refreshes)
+        live = asyncio.create_task(run_live(provider, refresh=0.05, console=console))
+        deadline = asyncio.get_running_loop().time() + 10.0
+        while "swarm-call-3" not in buf.getvalue() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        live.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await live
 
     asyncio.run(main())
     out = buf.getvalue()
