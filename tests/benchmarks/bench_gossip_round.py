@@ -51,6 +51,7 @@ from node.p2p.tensor_stream import Session  # noqa: E402
 from node.p2p.transport import Transport  # noqa: E402
 from node.simulate.collectives import noloco_round_seconds, tree_allreduce_seconds  # noqa: E402
 from node.simulate.links import LinkModel  # noqa: E402
+from node.simulate.report import live_sync_lines  # noqa: E402
 from protocol import MessageKind  # noqa: E402
 from tests.helpers.inprocess_swarm import inprocess_swarm  # noqa: E402
 
@@ -244,22 +245,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def format_report(result: dict) -> str:
-    lines = [
-        f"NoLoCo round, live on loopback: stage of {result['payload_bytes'] / 1e6:.1f} MB fp32 "
-        f"(hidden {result['hidden']}, {result['layers']} layers), {result['cpus']} CPUs, "
-        f"load {result['loadavg'][0]:.1f}",
-        "",
-        "| N | live swarm round, median (min-max) s | live exchange, median s | model NoLoCo s "
-        "| model tree all-reduce s | link measured | busy retries | lone |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for row in result["rows"]:
-        lines.append(
-            f"| {row['replicas']} | {row['live_seconds_median']:.2f} ({row['live_seconds_min']:.2f}-"
-            f"{row['live_seconds_max']:.2f}) | {row['exchange_seconds_median']:.2f} | {row['model_noloco_seconds']:.2f} | {row['model_tree_seconds']:.2f} "
-            f"| {row['link']} | {row['busy_retries']} | {row['lone_steps']} |"
-        )
-    return "\n".join(lines)
+    """The table and reading docs/results.md shows (node/simulate/report.py renders both)."""
+    return "\n".join(live_sync_lines(result))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
