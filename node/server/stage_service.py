@@ -40,7 +40,7 @@ from node.recovery.checkpoints import checkpoint_root, run_checkpoints
 from node.recovery.edge_copies import edge_copies_for, run_edge_copy_refresher
 from node.recovery.lost_stages import LostStageWatch, must_rebuild
 from node.recovery.rebalance import Rebalancer, plan_move
-from node.recovery.rebuild import rebuild_into_service, refresh_until_seen
+from node.recovery.rebuild import RebuildFailed, rebuild_into_service, refresh_until_seen
 from node.recovery.state_transfer import join_live_stage, serve_state, state_provider
 from node.runtime.byte_progress import ByteProgress
 from node.runtime.events import EventPublisher
@@ -268,7 +268,10 @@ async def running_service(
         await service.gossip.refresh_fingerprint()
         if must_rebuild(service.view.peers_by_stage, me.stage, me.peer_id):
             # nobody holds this stage any more: rebuild it from the neighbours (node/recovery/rebuild.py)
-            await rebuild_into_service(service, SwarmRegistry(network.dht, config.swarm_id))
+            try:
+                await rebuild_into_service(service, SwarmRegistry(network.dht, config.swarm_id))
+            except RebuildFailed as e:  # e.g. the only block stage of a 2-stage swarm: nothing to rebuild from
+                raise JoinRefused(f"cannot serve stage {me.stage}: {e}") from None
         service.publish_progress()
         me.set_state(PeerState.ONLINE)
         tasks.append(asyncio.create_task(publish_progress_loop(service), name="progress"))

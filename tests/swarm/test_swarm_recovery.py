@@ -252,6 +252,39 @@ def test_a_peer_can_leave_its_stage_service_and_serve_another_stage_in_the_same_
     asyncio.run(run())
 
 
+def test_a_joiner_that_cannot_rebuild_the_only_block_stage_is_refused_in_one_line():
+    """A 2-stage swarm that trained lost its only block stage: a new peer for it has no neighbouring
+    block stage to rebuild from. It must be refused (exit 3, one line), not crash with a traceback."""
+    from dht.announcer import PeerAnnouncer
+    from dht.registry import SwarmRegistry
+    from node.p2p.network import start_network
+    from node.server.daemon import JoinRefused
+    from node.server.stage_service import ServiceOptions, running_service
+    from tests.helpers.inprocess_swarm import inprocess_swarm
+
+    config = SwarmConfig(num_stages=2).replace(heartbeat={"period": 1.0, "ttl": 4.0}, gossip={"mode": "none"})
+
+    async def run():
+        async with inprocess_swarm(config, [0]) as peers:
+            stage0 = peers[0]
+            stage0.service.worker.inner_step = 7  # it trained with a stage-1 peer that is gone now
+            stage0.service.publish_progress()
+            await stage0.me.announce_now()
+            network = await start_network(host="127.0.0.1", initial_peers=await stage0.network.visible_maddrs())
+            try:
+                me = PeerAnnouncer(
+                    SwarmRegistry(network.dht, config.swarm_id), PeerRecord(peer_id=network.peer_id, stage=1), 1.0, 4.0
+                )
+                await me.claim(1)
+                with pytest.raises(JoinRefused, match=r"cannot serve stage 1: .*only block stage"):
+                    async with running_service(network, config, me, ServiceOptions(device="cpu")):
+                        pytest.fail("the stage service started without a stage to serve")
+            finally:
+                await network.shutdown()
+
+    asyncio.run(run())
+
+
 # ------------------------------------------------------------------------------------------------
 # Multi-process swarms: kill -9 a whole stage, get it back
 
