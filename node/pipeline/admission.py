@@ -20,6 +20,11 @@ INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 # stage accepted is absurd: honest gradient norms drift by a few x over training (warmup, loss
 # plateaus), not by three orders of magnitude from one microbatch to the next.
 ABSURD_NORM_FACTOR = 1e3
+# The yardstick is never taken below this: a model whose gradients collapsed (a diverging swarm saw a
+# typical 7e-11) would otherwise refuse an honest 2000x recovery toward normal sizes and ban honest
+# peers for it. A ceiling of at least 1e-3 lets a hostile peer push nothing larger than what this
+# model's honest hidden-state gradients already are (1e-3 to 1 for the default model).
+TYPICAL_NORM_FLOOR = 1e-6
 # The running norm needs a few honest samples before it can judge anything.
 GATE_WARMUP_SAMPLES = 8
 GATE_EMA = 0.1
@@ -104,7 +109,8 @@ class GradientGate:
     """Refuses incoming gradients whose norm is absurd next to the ones this stage accepted.
 
     Keeps an EMA of accepted norms; until GATE_WARMUP_SAMPLES have been seen only finiteness is
-    checked (a new stage has no yardstick yet)."""
+    checked (a new stage has no yardstick yet). The ceiling is ABSURD_NORM_FACTOR x the EMA, never
+    below ABSURD_NORM_FACTOR x TYPICAL_NORM_FLOOR."""
 
     def __init__(self, factor: float = ABSURD_NORM_FACTOR):
         self.factor = factor
@@ -116,8 +122,12 @@ class GradientGate:
         norm = float(torch.linalg.vector_norm(grad.float()))
         if not math.isfinite(norm):
             raise RejectedInput(f"{what}: norm is not finite")
-        if self.samples >= GATE_WARMUP_SAMPLES and self.typical and norm > self.factor * self.typical:
-            raise RejectedInput(f"{what}: norm {norm:.3g} is over {self.factor:g}x the typical {self.typical:.3g}")
+        if self.samples >= GATE_WARMUP_SAMPLES and self.typical is not None:
+            ceiling = self.factor * max(self.typical, TYPICAL_NORM_FLOOR)
+            if norm > ceiling:
+                raise RejectedInput(
+                    f"{what}: norm {norm:.3g} is over {ceiling:.3g} ({self.factor:g}x the typical {self.typical:.3g})"
+                )
         return norm
 
     def accept(self, norm: float) -> None:

@@ -415,6 +415,25 @@ def test_an_absurdly_large_but_finite_gradient_is_refused_once_the_gate_has_a_ya
         block.close()
 
 
+def test_the_gate_judges_a_collapsed_yardstick_by_its_floor():
+    from node.pipeline.admission import ABSURD_NORM_FACTOR, TYPICAL_NORM_FLOOR, GradientGate, RejectedInput
+
+    gate = GradientGate()
+    for _ in range(20):  # gradients that collapsed, as in a diverging swarm
+        gate.accept(7e-11)
+    honest_recovery = torch.full((4, 4), 1.5e-7 / 4)  # norm 1.5e-7: over 2000x the typical
+    assert gate.check("g", honest_recovery) == pytest.approx(1.5e-7)
+    with pytest.raises(RejectedInput, match="typical"):
+        gate.check("g", torch.full((4, 4), 2 * ABSURD_NORM_FACTOR * TYPICAL_NORM_FLOOR / 4))
+    # a healthy yardstick keeps the plain ratio: 0.01 typical refuses 11, accepts 9
+    healthy = GradientGate()
+    for _ in range(20):
+        healthy.accept(0.01)
+    assert healthy.check("g", torch.full((1,), 9.0)) == 9.0
+    with pytest.raises(RejectedInput, match=r"1000x the typical 0\.01"):
+        healthy.check("g", torch.full((1,), 11.0))
+
+
 def test_stage_zero_refuses_a_non_finite_embedding_gradient_without_touching_its_accumulation():
     config = cfg(microbatches_per_step=2)
     edge = StageWorker(config, 0)
