@@ -88,23 +88,26 @@ def live_sync_lines(live: dict[str, Any] | None) -> list[str]:
         f"of {live['payload_bytes'] / 1e6:.1f} MB fp32, every replica starts its round at the same moment. "
         "'swarm round' is until every replica has stepped, collisions included (a replica whose partners are "
         "all exchanging retries after the round loop's random pause); 'exchange' is one initiated round, "
-        "request to outer step. The model columns are collectives.py under the link measured between two of the "
+        "request to outer step; 'solo exchange' is one replica's round while the others idle (one pair on the "
+        "host). The model columns are collectives.py under the link measured between two of the "
         "peers (small-message round trip, and phi + Delta swapped both ways with the gossip's chunked stream).",
         "",
-        "| N | live swarm round, median (min-max) s | live exchange, median s | model NoLoCo s | model tree s "
-        "| link measured | busy retries | lone steps |",
-        "|---|---|---|---|---|---|---|---|",
+        "| N | live swarm round, median (min-max) s | live exchange, median s | solo exchange, median s "
+        "| model NoLoCo s | model tree s | link measured | busy retries | lone steps |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
             f"| {row['replicas']} | {row['live_seconds_median']:.2f} ({row['live_seconds_min']:.2f}-"
             f"{row['live_seconds_max']:.2f}) | {row['exchange_seconds_median']:.2f} "
+            f"| {row['solo_exchange_seconds_median']:.2f} "
             f"| {row['model_noloco_seconds']:.2f} | {row['model_tree_seconds']:.2f} | {row['link']} "
             f"| {row['busy_retries']} | {row['lone_steps']} |"
         )
     first, last = rows[0], rows[-1]
     overhead = first["exchange_seconds_median"] / first["model_noloco_seconds"]
     growth = last["exchange_seconds_median"] / first["exchange_seconds_median"]
+    solo_growth = last["solo_exchange_seconds_median"] / first["solo_exchange_seconds_median"]
     lines += [
         "",
         f"- At N = {first['replicas']} one live exchange takes {overhead:.1f}x the model's transfer time: the "
@@ -114,7 +117,8 @@ def live_sync_lines(live: dict[str, Any] | None) -> list[str]:
         f"and its loopback, so {last['replicas'] // 2} exchanges at once each get a fraction of the machine; "
         "in a swarm of N homes each pair has its own links and CPUs. The message count per replica (one "
         "request, one swap, one DONE each way) does not depend on N, which is what the model's N-independence "
-        "rests on.",
+        f"rests on: with one pair on the host (solo) the exchange grows {solo_growth:.1f}x from N = "
+        f"{first['replicas']} to N = {last['replicas']}.",
         "",
     ]
     return lines

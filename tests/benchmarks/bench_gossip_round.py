@@ -14,7 +14,8 @@ round loop would when H is reached together. A replica that finds every partner 
 the round loop's random pause; it is done once it has stepped, as initiator (APPLIED) or as a
 partner (its round counter moved). Whoever is left alone when everyone else has stepped takes the
 lone step (n = 1), as the loop does after round_timeout. Measured: wall seconds from the start until
-every replica has stepped; the median over `--rounds` swarm rounds is reported.
+every replica has stepped, and each applied exchange; medians over `--rounds` swarm rounds. Then
+`--rounds` solo exchanges: one replica's round while the others idle (one pair on the host).
 
 The model beside it is node/simulate/collectives.py under a link measured on the same loopback
 between two of the peers: latency = half the median round trip of a small message on an open
@@ -189,6 +190,25 @@ async def measure_link(a, b, config) -> LinkModel:
     return LinkModel(latency_s=latency, bandwidth_bytes_per_s=nbytes / max(statistics.median(swaps) - latency, 1e-6))
 
 
+async def solo_exchange(gossips: list[Gossip], r: int, seed: int) -> float:
+    """One exchange with a random partner while every other replica is idle: the cost of one NoLoCo
+    round for one replica, without the other pairs sharing the host."""
+    deadline = time.monotonic() + ROUND_DEADLINE
+    while any(g.pairwise.exchanging for g in gossips):  # the last responders of the swarm round finishing
+        if time.monotonic() > deadline:
+            raise RuntimeError("replicas still exchanging long after the swarm round")
+        await asyncio.sleep(0.05)
+    # only the pair trains: the others' counters stay below H, so no round loop starts one meanwhile
+    initiator, partner = random.Random(seed * 1000 + r).sample(gossips, 2)
+    for i, gossip in enumerate((initiator, partner)):
+        await train_a_little(gossip, seed * 1000 + 500 + r * 16 + i)
+    began = time.monotonic()
+    outcome = await initiator.run_round(partner=partner.me.peer_id)
+    if outcome.status != RoundStatus.APPLIED:
+        raise RuntimeError(f"a solo exchange ended {outcome.status.value}: {outcome.detail}")
+    return time.monotonic() - began
+
+
 async def measure(n: int, rounds: int, config, seed: int) -> dict:
     rng = random.Random(seed)
     async with inprocess_swarm(config, [1] * n) as peers:
@@ -202,6 +222,7 @@ async def measure(n: int, rounds: int, config, seed: int) -> dict:
                 await train_a_little(gossip, seed * 1000 + r * 16 + i)
             results.append(await swarm_round(gossips, rng))
             print(f"  N={n} round {r + 1}/{rounds}: {results[-1]['seconds']:.2f} s", flush=True)
+        solos = [await solo_exchange(gossips, r, seed) for r in range(rounds)]
     nbytes = payload_bytes(gossips[0])
     seconds = [r["seconds"] for r in results]
     exchanges = [x for r in results for x in r["exchanges"]]
@@ -213,6 +234,7 @@ async def measure(n: int, rounds: int, config, seed: int) -> dict:
         "live_seconds_max": max(seconds),
         "exchange_seconds_median": statistics.median(exchanges),
         "exchanges": len(exchanges),
+        "solo_exchange_seconds_median": statistics.median(solos),
         "busy_retries": sum(r["busy_retries"] for r in results),
         "lone_steps": sum(r["lone_steps"] for r in results),
         "payload_bytes": nbytes,
@@ -228,6 +250,7 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     config = config_for(args.hidden, args.layers)
     rows: list[dict] = []
+    loadavg = os.getloadavg()  # before the peers start: what else the machine was doing
     for n in args.replicas:
         if n < 2:
             raise SystemExit(f"need at least 2 replicas, got {n}")
@@ -239,7 +262,7 @@ def run(args: argparse.Namespace) -> dict:
         "layers": args.layers,
         "payload_bytes": rows[0]["payload_bytes"] if rows else 0,
         "cpus": os.cpu_count(),
-        "loadavg": os.getloadavg(),
+        "loadavg": loadavg,
         "rows": rows,
     }
 

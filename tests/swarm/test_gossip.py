@@ -413,6 +413,7 @@ def test_live_round_benchmark_measures_applied_exchanges(tmp_path):
     # both replicas stepped through one applied exchange (the other one was its partner), none alone
     assert row["exchanges"] == 1 and row["lone_steps"] == 0
     assert 0 < row["exchange_seconds_median"] <= row["live_seconds_median"] < bench_gossip_round.ROUND_DEADLINE
+    assert row["solo_exchange_seconds_median"] > 0  # one more exchange, applied, with the other replica idle
     assert row["link_latency_ms"] > 0 and row["link_mbit"] > 0
     # N = 2: the tree is one hop up and one down, NoLoCo one swap both ways: one latency less
     assert row["model_tree_seconds"] == pytest.approx(row["model_noloco_seconds"] + row["link_latency_ms"] / 1000)
