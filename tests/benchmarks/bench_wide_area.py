@@ -5,7 +5,8 @@ iproute2 (network namespaces); where tests/helpers/netns.py's namespaces_support
 prints one line saying why and measures nothing.
 
     python tests/benchmarks/bench_wide_area.py [--wide-warmup 20] [--wide-window 60] [--wide-settle 40] \
-        [--wide-configs default window16] [--wide-rtt-ms 100] [--wide-rate-mbit 50] [--quick] [--json out.json]
+        [--wide-resettle 15] [--wide-configs default window16] [--wide-rtt-ms 100] [--wide-rate-mbit 50] \
+        [--quick] [--json out.json]
 
 Layout      A namespace test bed (tests/helpers/netns.py) with four public hosts: the bootstrap on
             `boot`, and one peer of each of the 3 stages on `s0`, `s1`, `s2` (`node join --stage s
@@ -15,17 +16,22 @@ Shaping     A path between two hosts adds both hosts' shaping, so every host get
             and down). All four hosts are shaped, the bootstrap's too (the DHT crosses the links).
             Where the kernel has no netem the delay is the test bed's userspace delay line, a
             Python process whose CPU is reported beside the swarm's.
-Procedure   One swarm per config, measured twice: after every peer is online and stage 0 reports a
-            loss, `--wide-warmup` seconds pass, then a `--wide-window` of unshaped links; then every
-            host is shaped, `--wide-settle` seconds pass, then a window of shaped links. The same
-            swarm for both: the same processes, placement and warmed-up workers, so only the links
-            differ (a fresh swarm would add its own startup variance). The settle time is longer
-            than the in-flight window's minimum-RTT horizon (30 s, node/pipeline/in_flight_window.py),
-            so an adaptive window has re-measured the round trip of the shaped links by then.
+Procedure   One swarm per config, measured three times: after every peer is online and stage 0
+            reports a loss, `--wide-warmup` seconds pass, then a `--wide-window` of unshaped links;
+            then every host is shaped, `--wide-settle` seconds pass, a window of shaped links; then
+            the shaping is removed, `--wide-resettle` seconds pass, a second unshaped window. The
+            same swarm throughout: the same processes, placement and warmed-up workers, so only the
+            links differ (a fresh swarm would add its own startup variance), and the two unshaped
+            windows around the shaped one cancel a linear drift of the machine's other load. The
+            settle time is longer than the in-flight window's minimum-RTT horizon (30 s,
+            node/pipeline/in_flight_window.py), so an adaptive window has re-measured the round trip
+            of the shaped links by then; a shorter round trip is taken at once, so unshaping needs less.
 tokens/s    As bench_swarm.py: two `node status --json` snapshots (run inside `boot`) a window
             apart; stage-0 microbatches = delta(inner_step) x microbatches_per_step, time = delta of
             the stage-0 record's expiration (the time between its two announcements), tokens/s =
-            microbatches x microbatch_size x sequence_length / time. Ratio = shaped / unshaped.
+            microbatches x microbatch_size x sequence_length / time. Ratio = shaped / (mean of the two
+            unshaped windows). Beside it: CPU cores used by the swarm's processes (p2pd included), by
+            the delay line, and by the whole machine (anyone's processes) during each window.
 Configs     `default`: SwarmConfig() (max_in_flight 4 = min_in_flight, so the window is fixed at 4;
             microbatches_per_step 2: up to 2 optimizer steps stale). `window16`: max_in_flight 16
             with microbatches_per_step 8, passed to `node bootstrap --config`: the window may grow
@@ -100,22 +106,32 @@ def process_cpu(pid: int | None) -> float | None:
     return times.user + times.system
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine spent busy since boot (all processes, anyone's)."""
+    import psutil
+
+    times = psutil.cpu_times()
+    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+
+
 def measure(swarm, bed, window: float, microbatches_per_step: int, tokens_per_mb: int) -> dict:
     """Stage-0 throughput over one window, with the CPU the swarm and the delay line used meanwhile."""
     launcher = bed.launcher("boot")
     load_before = os.getloadavg()
     first = swarm.status(launcher=launcher, timeout=STATUS_TIMEOUT)
-    cpu_before, line_before, line_stats0, t0 = (
+    cpu_before, line_before, line_stats0, busy_before, t0 = (
         swarm_cpu_seconds(swarm),
         process_cpu(bed.delay_line_pid()),
         bed.delay_line_stats(),
+        machine_busy_seconds(),
         time.monotonic(),
     )
     time.sleep(window)
-    cpu_after, line_after, line_stats1 = (
+    cpu_after, line_after, line_stats1, busy_after = (
         swarm_cpu_seconds(swarm),
         process_cpu(bed.delay_line_pid()),
         bed.delay_line_stats(),
+        machine_busy_seconds(),
     )
     wall = time.monotonic() - t0
     last = swarm.status(launcher=launcher, timeout=STATUS_TIMEOUT)
@@ -131,6 +147,8 @@ def measure(swarm, bed, window: float, microbatches_per_step: int, tokens_per_mb
         "seconds": max((p["seconds"] for p in per_peer), default=0.0),
         "swarm_cpu_cores": cpu / wall,
         "delay_line_cpu_cores": line_cpu / wall if line_cpu is not None else None,
+        # every process on the machine, ours and other people's: what is left of the 2 cores
+        "machine_cpu_cores": (busy_after - busy_before) / wall,
         "delay_line_packets": {k: line_stats1[k] - line_stats0.get(k, 0) for k in ("forwarded", "lost", "overflow")}
         if line_stats1
         else None,
@@ -191,19 +209,25 @@ def config_run(name: str, table: dict, args: argparse.Namespace, workdir: Path) 
             startup = time.monotonic() - t0
             log(f"  wide-area {name}: 3 peers training after {startup:.0f} s; warm-up {args.wide_warmup:.0f} s")
             time.sleep(args.wide_warmup)
-            stage0 = peers[0]
-            clean = measure(swarm, bed, args.wide_window, t.microbatches_per_step, tokens_per_mb)
-            clean["window_log"] = window_lines(stage0.log())
-            log(
-                f"  wide-area {name}: unshaped {clean['tokens_per_s']:.0f} tokens/s; shaping, settle {args.wide_settle:.0f} s"
-            )
-            logged_before = len(clean["window_log"])
-            for host in HOSTS:
-                bed.shape(host, delay_ms=per_host_delay, rate_mbit=per_host_rate)
-            time.sleep(args.wide_settle)
-            shaped = measure(swarm, bed, args.wide_window, t.microbatches_per_step, tokens_per_mb)
-            shaped["window_log"] = window_lines(stage0.log())[logged_before:]
-            log(f"  wide-area {name}: shaped {shaped['tokens_per_s']:.0f} tokens/s")
+            phases: dict[str, dict] = {}
+            logged = 0
+            # unshaped, shaped, unshaped again: the machine's other load drifts, and the mean of the two
+            # unshaped windows around the shaped one cancels a linear drift
+            for phase, shaped in (("unshaped", False), ("shaped", True), ("unshaped again", False)):
+                if phase != "unshaped":
+                    for host in HOSTS:
+                        if shaped:
+                            bed.shape(host, delay_ms=per_host_delay, rate_mbit=per_host_rate)
+                        else:
+                            bed.shape(host)
+                    time.sleep(args.wide_settle if shaped else args.wide_resettle)
+                result = measure(swarm, bed, args.wide_window, t.microbatches_per_step, tokens_per_mb)
+                window_log = window_lines(peers[0].log())
+                # the size this phase began with: the last one logged before it, else the floor it starts at
+                result["window_at_start"] = window_log[logged - 1]["to"] if logged else t.min_in_flight
+                result["window_log"], logged = window_log[logged:], len(window_log)
+                phases[phase] = result
+                log(f"  wide-area {name}: {phase} {result['tokens_per_s']:.0f} tokens/s")
             swarm.refresh_families()
             crashed = [n.name for n in swarm.nodes if n.process.poll() is not None]
             tracebacks = [n.name for n in swarm.nodes if "Traceback" in n.log()]
@@ -213,12 +237,13 @@ def config_run(name: str, table: dict, args: argparse.Namespace, workdir: Path) 
             leftovers = [pid for node in swarm.nodes for pid in node.alive_family()]
             if leftovers:
                 log(f"  WARNING: processes left behind: {leftovers}")
-    for phase in (clean, shaped):
+    for phase in phases.values():
         # Little's law needs the window's size: known only when it cannot move
         fixed = t.min_in_flight == t.max_in_flight
         phase["implied_round_trip_s"] = (
             t.max_in_flight / phase["microbatches_per_s"] if fixed and phase["microbatches_per_s"] else None
         )
+    unshaped = (phases["unshaped"]["tokens_per_s"] + phases["unshaped again"]["tokens_per_s"]) / 2
     return {
         "config": name,
         "overrides": table,
@@ -228,9 +253,9 @@ def config_run(name: str, table: dict, args: argparse.Namespace, workdir: Path) 
         "staleness_steps": t.max_in_flight / t.microbatches_per_step,
         "tokens_per_microbatch": tokens_per_mb,
         "startup_seconds": startup,
-        "unshaped": clean,
-        "shaped": shaped,
-        "ratio": shaped["tokens_per_s"] / clean["tokens_per_s"] if clean["tokens_per_s"] else None,
+        "phases": phases,
+        "unshaped_tokens_per_s": unshaped,
+        "ratio": phases["shaped"]["tokens_per_s"] / unshaped if unshaped else None,
         "crashed": crashed,
         "tracebacks": tracebacks,
         "per_host_delay_ms": per_host_delay,
@@ -247,14 +272,9 @@ def _window(phase: dict, result: dict) -> str:
         return f"{result['max_in_flight']} (fixed)"
     lines = phase["window_log"]
     if not lines:
-        return f"no change logged ({result['min_in_flight']}..{result['max_in_flight']})"
+        return f"no change logged: about {phase['window_at_start']} (within 2x)"
     last = lines[-1]
-    return f"{last['to']} logged last (max {max(x['to'] for x in lines)}; min RTT {last['min_rtt']:.2f} s)"
-
-
-def _round_trip(phase: dict) -> str:
-    rtt = phase["implied_round_trip_s"]
-    return f"{1e3 * rtt:.0f} ms" if rtt else "-"
+    return f"last logged {last['from']} -> {last['to']} (min RTT {last['min_rtt']:.2f} s)"
 
 
 def format_report(result: dict) -> str:
@@ -268,41 +288,47 @@ def format_report(result: dict) -> str:
         lines.append(
             f"One public host each for the bootstrap and the 3 stages; every host {r['per_host_delay_ms']:g} ms one "
             f"way and {r['per_host_rate_mbit']:g} Mbit/s, so {4 * r['per_host_delay_ms']:g} ms RTT per path; delay by "
-            f"{'netem' if r['netem'] else 'the userspace delay line'}. The same swarm unshaped, then shaped "
-            f"({result['settle']:.0f} s settle, {result['window']:.0f} s windows; tokens/s over the time between the "
-            f"stage-0 announcements read, given as 'in N s'). Target: shaped >= "
-            f"{TARGET_RATIO}x unshaped."
+            f"{'netem' if r['netem'] else 'the userspace delay line'}. The same swarm unshaped, shaped "
+            f"({result['settle']:.0f} s settle), unshaped again ({result['resettle']:.0f} s settle); "
+            f"{result['window']:.0f} s windows, tokens/s over the time between the stage-0 announcements read "
+            f"('in N s'). Ratio = shaped / mean of the two unshaped. Target: >= {TARGET_RATIO}x."
         )
         lines.append("")
-    lines.append(
-        "| config | staleness (steps) | unshaped tokens/s | shaped tokens/s | ratio | target | window unshaped "
-        "| window shaped | round trip (Little) unshaped / shaped | swarm CPU cores unshaped / shaped "
-        "| delay line CPU |"
-    )
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("| config | staleness (steps) | unshaped tokens/s (mean) | shaped tokens/s | ratio | target |")
+    lines.append("|---|---|---|---|---|---|")
     for r in runs:
-        c, s = r["unshaped"], r["shaped"]
         invalid = r["crashed"] or r["tracebacks"]
-        verdict = (
-            "INVALID" if invalid else ("met" if r["ratio"] is not None and r["ratio"] >= TARGET_RATIO else "NOT met")
-        )
+        met = r["ratio"] is not None and r["ratio"] >= TARGET_RATIO
+        verdict = "INVALID" if invalid else ("met" if met else "NOT met")
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "-"
-        line_cpu = f"{s['delay_line_cpu_cores']:.2f}" if s["delay_line_cpu_cores"] is not None else "-"
         lines.append(
             f"| {r['config']} (max_in_flight {r['max_in_flight']}, microbatches_per_step {r['microbatches_per_step']}) "
-            f"| {r['staleness_steps']:g} | {c['tokens_per_s']:.0f} in {c['seconds']:.0f} s "
-            f"| {s['tokens_per_s']:.0f} in {s['seconds']:.0f} s | {ratio} | {verdict} "
-            f"| {_window(c, r)} | {_window(s, r)} | {_round_trip(c)} / {_round_trip(s)} "
-            f"| {c['swarm_cpu_cores']:.2f} / {s['swarm_cpu_cores']:.2f} | {line_cpu} |"
+            f"| {r['staleness_steps']:g} | {r['unshaped_tokens_per_s']:.0f} "
+            f"| {r['phases']['shaped']['tokens_per_s']:.0f} | {ratio} | {verdict} |"
         )
     lines.append("")
+    lines.append(
+        "| config | phase | stage-0 tokens/s | in-flight window | round trip (Little's law) | swarm CPU cores "
+        "| delay line CPU cores | machine CPU cores (all processes) | 1-min load |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|---|")
     for r in runs:
-        c, s = r["unshaped"], r["shaped"]
-        packets = s["delay_line_packets"] or {}
+        for name, phase in r["phases"].items():
+            rtt = phase["implied_round_trip_s"]
+            line_cpu = phase["delay_line_cpu_cores"]
+            lines.append(
+                f"| {r['config']} | {name} | {phase['tokens_per_s']:.0f} in {phase['seconds']:.0f} s "
+                f"| {_window(phase, r)} | {f'{1e3 * rtt:.0f} ms' if rtt else '-'} | {phase['swarm_cpu_cores']:.2f} "
+                f"| {f'{line_cpu:.2f}' if line_cpu is not None else '-'} | {phase['machine_cpu_cores']:.2f} "
+                f"| {phase['loadavg'][0]} -> {phase['loadavg'][1]} |"
+            )
+    lines.append("")
+    for r in runs:
+        packets = r["phases"]["shaped"]["delay_line_packets"]
         lines.append(
-            f"- {r['config']}: 1-min load {c['loadavg'][0]} -> {c['loadavg'][1]} unshaped, {s['loadavg'][0]} -> "
-            f"{s['loadavg'][1]} shaped; stage-0 loss at the end {s['loss_end']}; startup {r['startup_seconds']:.0f} s"
-            + (f"; delay line {packets}" if packets else "")
+            f"- {r['config']}: startup {r['startup_seconds']:.0f} s; stage-0 loss at the end "
+            f"{[round(x, 3) for x in r['phases']['unshaped again']['loss_end'] if x is not None]}"
+            + (f"; delay line while shaped {packets}" if packets else "")
             + (f"; EXITED: {r['crashed']}" if r["crashed"] else "")
             + (f"; Traceback in the logs of {r['tracebacks']}" if r["tracebacks"] else "")
         )
@@ -321,6 +347,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="wide-area: seconds between shaping and the shaped window (keep > 30 s, the window's min-RTT horizon)",
     )
     parser.add_argument(
+        "--wide-resettle", type=float, default=15.0, help="wide-area: seconds between unshaping and the last window"
+    )
+    parser.add_argument(
         "--wide-configs",
         nargs="+",
         choices=sorted(CONFIGS),
@@ -337,7 +366,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def apply_quick(args: argparse.Namespace) -> None:
     """A smoke run's timings: both configs, shorter warm-up and windows; the settle time stays past the
     window's 30 s min-RTT horizon, or the adaptive config would be measured before it adapted."""
-    args.wide_warmup, args.wide_window, args.wide_settle = 5.0, 15.0, 35.0
+    args.wide_warmup, args.wide_window, args.wide_settle, args.wide_resettle = 5.0, 15.0, 35.0, 10.0
 
 
 def _standalone_arguments(parser: argparse.ArgumentParser) -> None:
@@ -350,7 +379,12 @@ def run(args: argparse.Namespace) -> dict:
 
     if getattr(args, "quick", False):
         apply_quick(args)
-    result: dict = {"machine_before": machine_info(), "window": args.wide_window, "settle": args.wide_settle}
+    result: dict = {
+        "machine_before": machine_info(),
+        "window": args.wide_window,
+        "settle": args.wide_settle,
+        "resettle": args.wide_resettle,
+    }
     ok, why = namespaces_supported()
     if not ok:
         result.update(skipped=why, runs=[], machine_after=machine_info())
