@@ -51,6 +51,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from node.local_swarm import Swarm
+    from tests.helpers.netns import TestBed
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
@@ -110,11 +115,12 @@ def machine_busy_seconds() -> float:
     """CPU seconds the whole machine spent busy since boot (all processes, anyone's)."""
     import psutil
 
-    times = psutil.cpu_times()
-    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+    times = psutil.cpu_times()._asdict()
+    # guest time is already inside user time; steal is the hypervisor's, not this machine's work
+    return sum(times.values()) - sum(times.get(k, 0.0) for k in ("idle", "iowait", "steal", "guest", "guest_nice"))
 
 
-def measure(swarm, bed, window: float, microbatches_per_step: int, tokens_per_mb: int) -> dict:
+def measure(swarm: Swarm, bed: TestBed, window: float, microbatches_per_step: int, tokens_per_mb: int) -> dict:
     """Stage-0 throughput over one window, with the CPU the swarm and the delay line used meanwhile."""
     launcher = bed.launcher("boot")
     load_before = os.getloadavg()
