@@ -26,7 +26,8 @@ test: $(STAMP) netns-deps
 slow: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m slow
 
-bench: $(STAMP)
+# the wide-area part runs a swarm in network namespaces: root and iproute2 (netns-deps), else it skips
+bench: $(STAMP) netns-deps
 	$(PY) tests/benchmarks/bench_all.py
 
 # docs/results.md and its plots in docs/results/: the default presets of `node simulate` (about half

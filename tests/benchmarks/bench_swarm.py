@@ -149,6 +149,32 @@ def swarm_cpu_seconds(swarm) -> dict[int, float]:
     return seconds
 
 
+def stage0_throughput(first: dict, last: dict, microbatches_per_step: int) -> list[dict]:
+    """Per stage-0 peer online in both snapshots: microbatches it completed between them (inner_step
+    delta x microbatches_per_step) over the time between its two announcements (delta of the record's
+    expiration, which is announce time + TTL)."""
+    per_peer = []
+    by_id = {p["peer_id"]: p for p in online(first, 0)}
+    for p in online(last, 0):
+        q = by_id.get(p["peer_id"])
+        if q is None:
+            continue
+        microbatches = (p["inner_step"] - q["inner_step"]) * microbatches_per_step
+        seconds = p["expires"] - q["expires"]
+        if seconds <= 0:  # the same announcement read twice: no time passed as far as the record says
+            continue
+        per_peer.append(
+            {
+                "peer": p["peer_id"][-8:],
+                "microbatches": microbatches,
+                "seconds": seconds,
+                "microbatches_per_s": microbatches / seconds,
+                "loss": p["loss"],
+            }
+        )
+    return per_peer
+
+
 def swarm_run(peers_per_stage: int, warmup: float, window: float, workdir: Path) -> dict:
     from node.config import SwarmConfig
     from node.local_swarm import Swarm, peers_by_stage, wait_for
@@ -200,23 +226,7 @@ def swarm_run(peers_per_stage: int, warmup: float, window: float, workdir: Path)
             log(f"  swarm 3x{peers_per_stage}: {crashed} exited during the window; this run is INVALID")
 
         tokens_per_mb = t.microbatch_size * t.sequence_length
-        per_peer = []
-        by_id = {p["peer_id"]: p for p in online(first, 0)}
-        for p in online(last, 0):
-            q = by_id.get(p["peer_id"])
-            if q is None:
-                continue
-            microbatches = (p["inner_step"] - q["inner_step"]) * t.microbatches_per_step
-            seconds = p["expires"] - q["expires"]
-            per_peer.append(
-                {
-                    "peer": p["peer_id"][-8:],
-                    "microbatches": microbatches,
-                    "seconds": seconds,
-                    "microbatches_per_s": microbatches / seconds,
-                    "loss": p["loss"],
-                }
-            )
+        per_peer = stage0_throughput(first, last, t.microbatches_per_step)
         block_steps = {
             s: sum(p["inner_step"] for p in online(last, s)) - sum(p["inner_step"] for p in online(first, s))
             for s in range(1, stages)

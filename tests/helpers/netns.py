@@ -428,6 +428,10 @@ class TestBed:
         """Counters of the delay line (forwarded, lost, overflow, queued); empty when none runs."""
         return self._line.stats() if self._line else {}
 
+    def delay_line_pid(self) -> int | None:
+        """The delay line's process (``ip netns exec`` execs in place), for its CPU cost; None when none runs."""
+        return self._line.proc.pid if self._line else None
+
     def _gateway(self, node: _Node) -> str:
         """The namespace that routes a node's traffic while it still carries the node's own address."""
         return node.lan.ns if node.lan else self.core
