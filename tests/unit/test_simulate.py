@@ -144,6 +144,8 @@ def test_swarm_routes_with_the_projects_router(routing):
         assert [sum(row) for row in done] == [sim.steps * sim.replicas] * 2
         if routing == RoutingMode.LOAD_AWARE:
             assert per_iteration == {(1, 1, 1)}  # equal speeds: round-robin in effect
+        elif routing == RoutingMode.SHUFFLED:
+            assert per_iteration == {(1, 1, 1)}  # one deck for every sender: the authors' permutation per step
         else:  # uniform draws: some iteration sends two microbatches to one replica
             assert per_iteration - {(1, 1, 1)}
             assert min(min(row) for row in done) > 0
