@@ -41,11 +41,11 @@ from typing import Any
 from node.config import RecoveryStrategy
 from node.model.llama import build_stage
 from node.recovery.checkfree import (
-    RebuildAction,
     execute_rebuild,
     known_grad_norm,
     plan_rebuild,
     recovered_lr_scale,
+    unrecoverable,
 )
 from node.simulate.failures import Failure, draw_failures, per_iteration_probability
 from node.simulate.names import FailingStages
@@ -158,9 +158,9 @@ def cannot_rebuild(variant: RecoveryVariant, schedule: list[Failure], num_stages
     if strategy is None:  # checkpoint, redundant, no failures: every stage is covered
         return None
     for failure in schedule:
-        plan = plan_rebuild(failure.stage, num_stages, strategy, variant == RecoveryVariant.CHECKFREE_PLUS)
-        if plan.action == RebuildAction.UNRECOVERABLE:
-            return f"stage {failure.stage} fails at iteration {failure.iteration}: {plan.reason}"
+        reason = unrecoverable({failure.stage}, num_stages, strategy, variant == RecoveryVariant.CHECKFREE_PLUS)
+        if reason is not None:
+            return f"stage {failure.stage} fails at iteration {failure.iteration}: {reason}"
     return None
 
 
