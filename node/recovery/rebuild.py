@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DEBUG_DIR_ENV",
     "RebuildFailed",
+    "RebuildImpossible",
     "RebuildResult",
     "rebuild_detail",
     "rebuild_into_service",
@@ -72,7 +73,12 @@ FETCH_PART = {SourceFetch.WEIGHTS: StatePart.STAGE, SourceFetch.EDGE_COPY: State
 
 
 class RebuildFailed(RuntimeError):
-    """The lost stage could not be rebuilt now (unrecoverable plan, no live source, downloads failed)."""
+    """The lost stage could not be rebuilt now (no live source, downloads failed): worth another try."""
+
+
+class RebuildImpossible(RebuildFailed):
+    """The lost stage can never be rebuilt by this peer: the strategy has no plan for it, or (strategy
+    checkpoint) this machine holds no save of it. Trying again changes nothing."""
 
 
 @dataclass
@@ -165,7 +171,7 @@ async def rebuild_stage(
     recovery = config.recovery
     plan = plan_rebuild(stage, config.num_stages, recovery.strategy, recovery.checkfree_plus)
     if not plan.recoverable:
-        raise RebuildFailed(f"stage {stage} cannot be rebuilt: {plan.reason}")
+        raise RebuildImpossible(f"stage {stage} cannot be rebuilt: {plan.reason}")
     template = await worker.compute(worker.state_dict)
     expect = {name: tuple(t.shape) for name, t in template.items()}
 
@@ -177,7 +183,7 @@ async def rebuild_stage(
         root = checkpoint_root(recovery.checkpoint_dir, config.swarm_id)
         saved = await worker.compute(load_checkpoint or load_latest, root, stage)
         if saved is None:
-            raise RebuildFailed(f"strategy checkpoint: no readable save of stage {stage} under {root}")
+            raise RebuildImpossible(f"strategy checkpoint: no readable save of stage {stage} under {root}")
         weights, step = saved
         checkpoint = StageState(stage=stage, weights=weights, inner_step=step)
 
@@ -250,32 +256,21 @@ def dump_rebuild(
     return path
 
 
-async def rebuild_into_service(
-    service: StageParts, registry: SwarmRegistry, *, retry_every: float = 2.0, attempts: int = 5
-) -> RebuildResult:
+async def rebuild_into_service(service: StageParts, registry: SwarmRegistry) -> RebuildResult:
     """The rebuild step of a stage service whose stage nobody else holds: state `rebuilding` while
-    it runs (the pipeline refuses traffic until `online`), a few attempts (a donor may die, a view
-    may be stale), then a "rebuild" event for the dashboard. Raises RebuildFailed after the last."""
+    it runs (the pipeline refuses traffic until `online`), then a "rebuild" event for the dashboard.
+    Raises RebuildFailed (node/recovery/stage_entry.py tries again on a fresh picture) or
+    RebuildImpossible."""
     me, config = service.me, service.config
     me.set_state(PeerState.REBUILDING)
-    rng = random.Random()
-    for attempt in range(1, attempts + 1):
-        try:
-            result = await rebuild_stage(
-                config=config,
-                stage=me.stage,
-                worker=service.worker,
-                transport=service.transport,
-                peers_by_stage=service.view.peers_by_stage,
-                rng=rng,
-            )
-            break
-        except RebuildFailed as e:
-            if attempt == attempts:
-                raise
-            logger.warning(f"rebuild of stage {me.stage} failed (attempt {attempt}/{attempts}): {e}")
-            await asyncio.sleep(retry_every)
-            await service.view.refresh()
+    result = await rebuild_stage(
+        config=config,
+        stage=me.stage,
+        worker=service.worker,
+        transport=service.transport,
+        peers_by_stage=service.view.peers_by_stage,
+        rng=random.Random(),
+    )
     gossip = service.gossip
     if gossip is not None:  # NoLoCo's outer weights restart from the rebuilt ones, momentum zero
         await gossip.reset_outer()

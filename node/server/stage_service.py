@@ -38,10 +38,11 @@ from node.pipeline.validation import Validator, open_validator
 from node.pipeline.verifier import Verifier
 from node.recovery.checkpoints import checkpoint_root, run_checkpoints
 from node.recovery.edge_copies import edge_copies_for, run_edge_copy_refresher
-from node.recovery.lost_stages import LostStageWatch, must_rebuild
+from node.recovery.lost_stages import LostStageWatch
 from node.recovery.rebalance import Rebalancer, plan_move
-from node.recovery.rebuild import RebuildFailed, rebuild_into_service, refresh_until_seen
-from node.recovery.state_transfer import join_live_stage, serve_state, state_provider
+from node.recovery.rebuild import RebuildImpossible, refresh_until_seen
+from node.recovery.stage_entry import enter_stage
+from node.recovery.state_transfer import serve_state, state_provider
 from node.runtime.byte_progress import ByteProgress
 from node.runtime.events import EventPublisher
 from node.runtime.meter import Meter
@@ -260,18 +261,16 @@ async def running_service(
         edge_copies = edge_copies_for(config, me.stage)  # CheckFree+: stage 1 / stage S keep stage 0's edges
         await serve_state(service.transport, state_provider(service.worker, me, edge_copies, service.gossip))
         await refresh_until_seen(service.view, me.peer_id)  # a new DHT node may read nothing at first
-        if service.view.online(me.stage, exclude=me.peer_id):
-            # a live stage: continue from its current state (still `joining`); False if the donors vanished.
-            # The join panel starts later (serve_current_stage), so a byte bar may use the terminal now.
-            with ByteProgress(bar=not options.quiet) as progress:
-                await join_live_stage(service, progress=progress)
-        await service.gossip.refresh_fingerprint()
-        if must_rebuild(service.view.peers_by_stage, me.stage, me.peer_id):
-            # nobody holds this stage any more: rebuild it from the neighbours (node/recovery/rebuild.py)
+        # live stage: download it (still `joining`); lost stage of a trained swarm: rebuild it from the
+        # neighbours (`rebuilding`); both retried under churn (node/recovery/stage_entry.py). The join
+        # panel starts later (serve_current_stage), so a byte bar may use the terminal now.
+        with ByteProgress(bar=not options.quiet) as progress:
             try:
-                await rebuild_into_service(service, SwarmRegistry(network.dht, config.swarm_id))
-            except RebuildFailed as e:  # e.g. the only block stage of a 2-stage swarm: nothing to rebuild from
+                entry = await enter_stage(service, SwarmRegistry(network.dht, config.swarm_id), progress)
+            except RebuildImpossible as e:  # e.g. the only block stage of a 2-stage swarm: nothing to rebuild from
                 raise JoinRefused(f"cannot serve stage {me.stage}: {e}") from None
+        logger.info(f"serving stage {me.stage} with weights from: {entry}")
+        await service.gossip.refresh_fingerprint()
         service.publish_progress()
         me.set_state(PeerState.ONLINE)
         tasks.append(asyncio.create_task(publish_progress_loop(service), name="progress"))

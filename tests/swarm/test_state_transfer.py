@@ -391,7 +391,7 @@ def test_checkpoints_keep_only_the_last_few(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_stage_service_joiner_downloads_before_going_online_and_keeps_edge_copies(monkeypatch):
-    import node.server.stage_service as stage_service
+    import node.recovery.stage_entry as stage_entry
     from dht.announcer import PeerAnnouncer
     from dht.registry import SwarmRegistry
     from node.server.stage_service import ServiceOptions, running_service
@@ -399,7 +399,7 @@ def test_stage_service_joiner_downloads_before_going_online_and_keeps_edge_copie
 
     config = tiny_config().replace(heartbeat={"period": 1.0, "ttl": 10.0}, recovery={"checkfree_plus": True})
     states_during_join = []
-    original_join = stage_service.join_live_stage
+    original_join = stage_entry.join_live_stage
 
     progress_during_join: list[ByteProgress] = []
 
@@ -409,7 +409,7 @@ def test_stage_service_joiner_downloads_before_going_online_and_keeps_edge_copie
             progress_during_join.append(progress)
         return await original_join(service, progress=progress)
 
-    monkeypatch.setattr(stage_service, "join_live_stage", observed_join)
+    monkeypatch.setattr(stage_entry, "join_live_stage", observed_join)
     source = torch.Generator().manual_seed(5)
 
     async def scenario():
