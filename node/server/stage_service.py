@@ -41,7 +41,7 @@ from node.recovery.edge_copies import edge_copies_for, run_edge_copy_refresher
 from node.recovery.lost_stages import LostStageWatch
 from node.recovery.rebalance import Rebalancer, plan_move
 from node.recovery.rebuild import RebuildImpossible, refresh_until_seen
-from node.recovery.stage_entry import enter_stage
+from node.recovery.stage_entry import EntryGaveUp, enter_stage
 from node.recovery.state_transfer import serve_state, state_provider
 from node.runtime.byte_progress import ByteProgress
 from node.runtime.events import EventPublisher
@@ -267,7 +267,7 @@ async def running_service(
         with ByteProgress(bar=not options.quiet) as progress:
             try:
                 entry = await enter_stage(service, SwarmRegistry(network.dht, config.swarm_id), progress)
-            except RebuildImpossible as e:  # e.g. the only block stage of a 2-stage swarm: nothing to rebuild from
+            except (RebuildImpossible, EntryGaveUp) as e:  # e.g. the only block stage of a 2-stage swarm
                 raise JoinRefused(f"cannot serve stage {me.stage}: {e}") from None
         logger.info(f"serving stage {me.stage} with weights from: {entry}")
         await service.gossip.refresh_fingerprint()

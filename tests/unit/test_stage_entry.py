@@ -17,7 +17,7 @@ from dht.records import PeerRecord, PeerState
 from node.p2p.transport import TransportError
 from node.recovery import stage_entry
 from node.recovery.rebuild import RebuildFailed, RebuildImpossible
-from node.recovery.stage_entry import EntryPatience, StageEntry, enter_stage
+from node.recovery.stage_entry import EntryGaveUp, EntryPatience, StageEntry, enter_stage
 
 FAST = EntryPatience(first=0.001, growth=2.0, longest=0.004)
 
@@ -149,6 +149,22 @@ def test_an_untrained_swarm_starts_from_the_seed_without_rebuilding(monkeypatch)
     calls = script(monkeypatch, join=lambda s: True, rebuild=lambda s: None)
     assert enter(service) == StageEntry.SEED
     assert calls == []
+
+
+def test_a_peer_that_never_gets_the_weights_gives_up_after_its_patience(monkeypatch):
+    # e.g. a peer whose network reaches no donor: waiting forever in `joining` would hold the stage,
+    # since the rebalancer leaves a stage with a joiner on its way to that joiner
+    service = FakeService(FakeView([SERVED_TWO]))
+
+    def join(service):
+        raise TransportError("every donor failed")
+
+    calls = script(monkeypatch, join=join, rebuild=lambda s: None)
+    patience = EntryPatience(first=0.01, growth=1.0, longest=0.01, give_up=0.1)
+    with pytest.raises(EntryGaveUp, match="every donor failed"):
+        asyncio.run(asyncio.wait_for(enter_stage(service, registry=None, patience=patience), timeout=10))
+    assert 5 <= len(calls) <= 10 and set(calls) == {"join"}
+    assert service.me.states[-1] == PeerState.JOINING
 
 
 def test_pauses_grow_to_a_ceiling():
