@@ -48,7 +48,7 @@ PEER_FLAGS = ("--threads", "1", "--quiet", "--join-jitter", "0.5")
 @dataclass
 class Sample:
     at: float
-    stage0_steps: int
+    stage0_steps: dict[str, int]  # each online stage-0 peer's inner step, by peer id
     loss: float | None
     empty_stages: set[int]
 
@@ -119,7 +119,7 @@ class ChaosRun:
         self.samples.append(
             Sample(
                 at=time.monotonic(),
-                stage0_steps=sum(p["inner_step"] for p in online.get(0, [])),
+                stage0_steps={p["peer_id"]: p["inner_step"] for p in online.get(0, [])},
                 loss=sum(losses) / len(losses) if losses else None,
                 empty_stages={stage for stage, peers in online.items() if not peers},
             )
@@ -137,14 +137,19 @@ class ChaosRun:
 
     # -- the report ----------------------------------------------------------------------------
     def steps_per_window(self, window: float) -> list[int]:
-        """Stage-0 steps made in each `window` seconds of the run (a count that drops when a stage-0
-        peer's record is briefly missing from a snapshot is clipped at 0)."""
+        """Stage-0 steps made in each `window` seconds of the run: per stage-0 peer, the growth of
+        its inner step since the last sample that showed it online. Per peer, because a swarm
+        total drops when a stage-0 peer moves to a lost stage (the rebalancer may take one) or its
+        record is briefly missing from a snapshot, and that drop would hide the other peers' steps."""
         if not self.samples:
             return []
         start, windows = self.samples[0].at, {}
-        for previous, sample in zip(self.samples, self.samples[1:]):
+        last_seen = dict(self.samples[0].stage0_steps)
+        for sample in self.samples[1:]:
             index = int((sample.at - start) // window)
-            windows[index] = windows.get(index, 0) + max(0, sample.stage0_steps - previous.stage0_steps)
+            made = sum(max(0, steps - last_seen.get(peer, steps)) for peer, steps in sample.stage0_steps.items())
+            last_seen.update(sample.stage0_steps)
+            windows[index] = windows.get(index, 0) + made
         last = int((self.samples[-1].at - start) // window)
         return [windows.get(i, 0) for i in range(last + (1 if self.samples[-1].at - start >= window else 0))]
 
