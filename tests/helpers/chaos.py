@@ -137,7 +137,7 @@ class ChaosRun:
 
     # -- the report ----------------------------------------------------------------------------
     def steps_per_window(self, window: float) -> list[int]:
-        """Stage-0 steps made in each `window` seconds of the run: per stage-0 peer, the growth of
+        """Stage-0 steps made in each complete `window` seconds of the run: per stage-0 peer, the growth of
         its inner step since the last sample that showed it online. Per peer, because a swarm
         total drops when a stage-0 peer moves to a lost stage (the rebalancer may take one) or its
         record is briefly missing from a snapshot, and that drop would hide the other peers' steps."""
@@ -150,8 +150,8 @@ class ChaosRun:
             made = sum(max(0, steps - last_seen.get(peer, steps)) for peer, steps in sample.stage0_steps.items())
             last_seen.update(sample.stage0_steps)
             windows[index] = windows.get(index, 0) + made
-        last = int((self.samples[-1].at - start) // window)
-        return [windows.get(i, 0) for i in range(last + (1 if self.samples[-1].at - start >= window else 0))]
+        complete = int((self.samples[-1].at - start) // window)  # a last partial window is not reported
+        return [windows.get(i, 0) for i in range(complete)]
 
     def outages(self) -> list[float]:
         """How long each block stage went without an online peer, per outage (seconds)."""
