@@ -1,6 +1,6 @@
 """How a peer that starts serving a stage gets the stage's weights: one path for joiners and movers.
 
-Reads beside docs/recovery.md ("Joining a stage"). Three outcomes, in order of preference:
+Reads beside docs/recovery.md ("Entering a stage under churn"). Three outcomes, in order of preference:
 
 - LIVE: an online peer holds the stage: download its state (node/recovery/state_transfer.py);
 - SEED: nobody holds it and the swarm has not trained yet: the seed's weights are the stage;
