@@ -281,7 +281,7 @@ def unrecoverable(
     for stage in sorted(lost):
         plan = plan_rebuild(stage, num_stages, strategy, checkfree_plus)
         if not plan.recoverable:
-            return f"stage {stage}: {plan.reason}"
+            return plan.reason  # every plan's reason names its stage already
         gone = sorted(set(plan.sources) & lost)
         if gone:
             what = (
