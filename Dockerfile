@@ -3,7 +3,7 @@
 #   make docker-image                          # podman, with the flags and local wheels this needs here
 #   docker build -t pipeswarm .                # anywhere a Docker engine and Docker Hub are reachable
 #   docker run --init --network host -v pipeswarm-state:/var/lib/pipeswarm pipeswarm join --stage auto \
-#       --port 31337 --initial-peers /ip4/<bootstrap ip>/tcp/<port>/p2p/<peer id>
+#       --port 31337 --direct-port 31338 --initial-peers /ip4/<bootstrap ip>/tcp/<port>/p2p/<peer id>
 #
 # docs/operations.md ("In a container") has the volumes, ports, ulimits and the CUDA variant.
 #
@@ -50,6 +50,7 @@ USER pipeswarm
 WORKDIR /var/lib/pipeswarm
 VOLUME /var/lib/pipeswarm
 
-EXPOSE 31337
+# 31337: libp2p (`--port`); 31338: direct links for pipeline traffic (`--direct-port 31338`, node/p2p/direct.py)
+EXPOSE 31337 31338
 ENTRYPOINT ["node"]
 CMD ["--help"]

@@ -217,6 +217,8 @@ class PeerRecord:
     # where others dial this peer (node/p2p/dialer.py) and what kind of address that is
     addrs: list[str] = field(default_factory=list)
     reachability: Reachability = Reachability.UNKNOWN
+    # the TCP port of this peer's direct links (node/p2p/direct.py), on the hosts of `addrs`; None: none
+    direct_port: int | None = None
     verification: VerificationReport | None = None
     updated: float = 0.0
     # filled in by the reader from the DHT entry, never sent
@@ -258,6 +260,9 @@ class PeerRecord:
             fingerprint=_check_floats(values.get("fingerprint"), "fingerprint", MAX_FINGERPRINT),
             addrs=_check_addrs(values.get("addrs", [])),
             reachability=_check_reachability(values.get("reachability", Reachability.UNKNOWN)),
+            direct_port=None
+            if values.get("direct_port") is None
+            else _check_int(values["direct_port"], "direct_port", 1, 65535),
             verification=None
             if values.get("verification") is None
             else VerificationReport.from_wire(values["verification"]),

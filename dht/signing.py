@@ -240,6 +240,17 @@ class Identity:
         return self._private_key.sign(data, _PADDING, _HASH)
 
 
+def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> str:
+    """The peer id whose libp2p key signed `data`; SignatureError if it did not (or the key is junk).
+    The caller bounds the sizes (a direct-link hello is at most 4 KiB, node/p2p/direct.py)."""
+    verifying_key, signer = _public_keys.get(public_key)
+    try:
+        verifying_key.verify(signature, data, _PADDING, _HASH)
+    except (InvalidSignature, ValueError):
+        raise SignatureError(f"signature of {signer} does not verify") from None
+    return signer
+
+
 # -- envelopes -----------------------------------------------------------------------------------
 
 

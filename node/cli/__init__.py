@@ -196,6 +196,8 @@ def node_options(args: argparse.Namespace) -> Any:
         "swarm_founder",
         "find_timeout",
         "reachability",
+        "direct_port",
+        "direct_links",
     ):
         if hasattr(args, name):
             setattr(options, name, getattr(args, name))

@@ -44,6 +44,20 @@ def add_network_flags(parser: argparse.ArgumentParser, listening: bool = True) -
             help="multiaddrs to announce instead of the listen ones (a port forwarded on a home router)",
         )
         parser.add_argument(
+            "--direct-port",
+            type=int,
+            default=0,
+            metavar="PORT",
+            help="TCP port for direct links, which carry pipeline traffic to peers that can reach it "
+            "without going through p2pd (default: any free port; open it beside --port on a firewall)",
+        )
+        parser.add_argument(
+            "--no-direct-links",
+            dest="direct_links",
+            action="store_false",
+            help="carry all traffic through libp2p (p2pd): no direct-link port is opened or dialed",
+        )
+        parser.add_argument(
             "--reachability",
             choices=[r.value for r in NatReachability],
             default=NatReachability.AUTO.value,

@@ -28,6 +28,7 @@ from hivemind.utils.multiaddr import Multiaddr  # hivemind vendors it; PyPI's mu
 
 from dht.signing import Identity, SignedRecordValidator
 from node.p2p.dht_guard import DHT_MESSAGE_LIMIT, DHTRequestGuard
+from node.p2p.direct import DirectLinks
 from node.p2p.identity_store import IdentityError
 from node.p2p.reachability import NatReachability, announced_addresses
 from node.runtime.loop_watch import LoopWatch
@@ -49,6 +50,8 @@ class Network:
     initial_peers: list[str] = field(default_factory=list)
     reachability: NatReachability = NatReachability.AUTO
     dht_guard: DHTRequestGuard | None = None
+    # pipeline channels without p2pd where peers reach each other (node/p2p/direct.py); None: off
+    direct: DirectLinks | None = None
     loop_watch: LoopWatch = field(default_factory=LoopWatch)
     _loop_watch_task: asyncio.Task | None = field(default=None, init=False, repr=False)
 
@@ -104,6 +107,8 @@ class Network:
     async def shutdown(self) -> None:
         if self._loop_watch_task is not None:
             self._loop_watch_task.cancel()
+        if self.direct is not None:
+            await self.direct.close()
         try:
             await self.dht.shutdown()
         finally:
@@ -188,9 +193,11 @@ async def start_network(
     startup_timeout: float = 30.0,
     swarm_key: bytes | None = None,
     reachability: NatReachability = NatReachability.AUTO,
+    direct_port: int | None = None,
 ) -> Network:
     """Start p2pd and a DHT node joined to `initial_peers` (none: this peer starts a new DHT). The DHT
-    node accepts only signed pipeswarm records (dht/signing.py) and signs with this peer's identity."""
+    node accepts only signed pipeswarm records (dht/signing.py) and signs with this peer's identity.
+    With `direct_port` (0: any free one) it also listens for direct links on `host` (node/p2p/direct.py)."""
     identity, key_file, temporary, fresh = load_identity(identity_path)
     try:
         p2p = await _finish_or_clean_up(
@@ -243,13 +250,18 @@ async def start_network(
             raise
         where = ", ".join(initial_peers) or "(none)"
         raise NetworkError(f"could not join the DHT through initial peers {where}: {e}") from e
-    guard = None
+    guard, direct = None, None
     if not client_mode:
         try:
             guard = await DHTRequestGuard.install(dht.protocol, p2p)
-        except BaseException:
+            if direct_port is not None:
+                direct = DirectLinks(identity, swarm_key)
+                await direct.listen(host, direct_port)
+        except BaseException as e:
             await asyncio.shield(dht.shutdown())
             await asyncio.shield(p2p.shutdown())
+            if isinstance(e, OSError):  # the port is taken or the host is not ours: one line for the user
+                raise NetworkError(f"cannot listen for direct links on {host}:{direct_port}: {e.strerror or e}") from e
             raise
     return Network(
         p2p=p2p,
@@ -258,4 +270,5 @@ async def start_network(
         initial_peers=list(initial_peers),
         reachability=NatReachability.AUTO if client_mode else reachability,
         dht_guard=guard,
+        direct=direct,
     )

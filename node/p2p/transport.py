@@ -17,13 +17,14 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from hivemind.p2p import P2P, PeerID
 
 from dht.records import short_peer_id
 from node.p2p.channels import CHANNEL_MAX_PAYLOAD, SERVER_IDLE, ChannelPool, ChannelServer
 from node.p2p.dialer import PeerDialer
+from node.p2p.direct import DirectLinkError, DirectLinks
 from node.p2p.metered_stream import metered
 from node.p2p.peer_conduct import PeerConduct
 from node.runtime.meter import Meter
@@ -98,8 +99,12 @@ class Transport:
         swarm_key: bytes | None = None,
         dialer: PeerDialer | None = None,
         meter: Meter | None = None,
+        direct: DirectLinks | None = None,
+        direct_addresses: Callable[[str], Sequence[tuple[str, int]]] = lambda peer_id: (),
     ):
         self.p2p = p2p
+        # channels to peers that take direct links bypass p2pd (node/p2p/direct.py); None: p2pd only
+        self.direct, self.direct_addresses = direct, direct_addresses
         self.meter = meter or Meter()  # bytes per service and hop latencies (node/runtime/meter.py)
         self.dialer = dialer  # dials a peer at its announced addresses before a stream (None: p2pd's routing only)
         self.swarm_key = swarm_key  # a private swarm: every message carries a MAC under it
@@ -126,6 +131,9 @@ class Transport:
         at shutdown the daemon may already be gone: failures are logged, not raised."""
         self._channels.close()
         self._channel_server.close()
+        if self.direct is not None:
+            for service in self._multiplexed:
+                self.direct.unserve(self.swarm_id, service)
         while self._handler_names:
             name = self._handler_names.pop()
             try:
@@ -171,19 +179,28 @@ class Transport:
         reads anything, and releases its slot and closes the stream however `body` ends."""
 
         async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            sender = info.peer_id.to_base58()
-            reader, writer = metered(reader, writer, self.meter, service)
-            refusal = self.conduct.admit(sender)
-            if refusal is not None:
-                await self._refuse(sender, service, writer, refusal)
-                return
-            try:
-                await body(sender, reader, writer)
-            finally:
-                self.conduct.release(sender)
-                writer.close()
+            await self._admit_and_run(info.peer_id.to_base58(), service, reader, writer, body)
 
         return on_stream
+
+    async def _admit_and_run(
+        self,
+        sender: str,
+        service: str,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        body: SessionHandler,
+    ) -> None:
+        reader, writer = metered(reader, writer, self.meter, service)
+        refusal = self.conduct.admit(sender)
+        if refusal is not None:
+            await self._refuse(sender, service, writer, refusal)
+            return
+        try:
+            await body(sender, reader, writer)
+        finally:
+            self.conduct.release(sender)
+            writer.close()
 
     async def _answer(self, sender: str, service: str, handler: RequestHandler, request: Message) -> Message:
         """`handler`'s reply to a decoded request; a ProtocolError it raises is a strike and an ERROR."""
@@ -230,6 +247,12 @@ class Transport:
                 )
 
             await self._add_handler(service, self._admitted(service, channel), self.channel_protocol_name(service))
+            if self.direct is not None:  # the same channel, on a direct link (node/p2p/direct.py)
+
+                async def direct_channel(sender: str, link) -> None:
+                    await self._admit_and_run(sender, service, link, link, channel)
+
+                self.direct.serve(self.swarm_id, service, direct_channel)
 
     async def serve_sessions(self, service: str, handler: SessionHandler) -> None:
         """A handler that owns the whole stream (gossip, state download); it bounds its own reads."""
@@ -291,6 +314,14 @@ class Transport:
     async def _open_channel_stream(
         self, peer_id: str, service: str, timeout: float
     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self.direct is not None and self.direct.usable(peer_id):
+            addresses = self.direct_addresses(peer_id)
+            if addresses:
+                try:
+                    link = await self.direct.open(peer_id, addresses, self.swarm_id, service, min(timeout, 5.0))
+                    return metered(link, link, self.meter, service)  # type: ignore[arg-type]
+                except DirectLinkError as e:  # through p2pd then, which may know a way (a relay)
+                    logger.info(f"{service} to {short_peer_id(peer_id)} goes through p2pd: {e}")
         try:
             return await self._open_stream(peer_id, service, self.channel_protocol_name(service), timeout)
         except TransportError as e:

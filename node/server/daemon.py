@@ -61,6 +61,8 @@ class NodeOptions:
     join_jitter: float = 2.0
     find_timeout: float = 30.0
     reachability: str = "auto"  # NatReachability: may this peer need relays (node/p2p/reachability.py)
+    direct_links: bool = True  # pipeline channels on direct TCP links where peers reach each other (node/p2p/direct.py)
+    direct_port: int = 0
     on_network: Callable[[Network], None] | None = None  # told once networking runs (`--metrics-port`)
 
 
@@ -117,6 +119,7 @@ async def start_peer_network(options: NodeOptions, role: IdentityRole, label: st
             announce_maddrs=options.announce_maddrs,
             swarm_key=options.swarm_key,
             reachability=NatReachability(options.reachability),
+            direct_port=options.direct_port if options.direct_links else None,
         )
     except BaseException:
         if claimed is not None:
@@ -297,6 +300,7 @@ async def join(options: NodeOptions, serve: StageService | None = None) -> int:
             throughput=options.throughput,
             version=__version__,
             name=options.name,
+            direct_port=network.direct.port if network.direct is not None else None,
         )
         me = PeerAnnouncer(registry, record, config.heartbeat.period, config.heartbeat.ttl)
         me.set_addresses(await network.announced_addresses())

@@ -26,6 +26,7 @@ from node.config import SwarmConfig
 from node.model.data import DataError, open_source, stream_id_from_peer
 from node.model.memory import available_memory, estimate_stage_memory, format_bytes, memory_refusal
 from node.p2p.dialer import PeerDialer, keep_connected
+from node.p2p.direct import direct_addresses_of
 from node.p2p.network import Network
 from node.p2p.peer_conduct import PeerConduct
 from node.p2p.reachability import carries_training
@@ -168,6 +169,8 @@ async def build_service(
         # dial peers where their signed records say, not only where p2pd's routing thinks they are
         dialer=PeerDialer(network.p2p, lambda peer_id: record.addrs if (record := view.record_of(peer_id)) else ()),
         meter=options.meter,
+        direct=network.direct,
+        direct_addresses=lambda peer_id: direct_addresses_of(view.record_of(peer_id)),
     )
 
     def stage_divergence(stage: int) -> float | None:

@@ -14,6 +14,9 @@ its own p2pd child process):
               and larger ones open a stream each; encode_message (+ wire compression none or fp16),
               length-prefixed frame, server decode_message (validation + tensor rebuild), ACK back.
               Between two peers made by node.p2p.network.start_network.
+  pipeswarm-direct  the same request on a direct link (node/p2p/direct.py): the channel on a TCP
+              connection of its own between the two peers, sealed with AES-256-GCM, no p2pd in the
+              way. What peers that can reach each other's direct port use (tensors a channel carries).
   pipeswarm-stream  the same request on a new libp2p stream per request (the path before issue
               16, and still that of services that do not multiplex): open a stream, frame, ACK,
               close. Measured for tensors a channel carries (larger ones take this path anyway).
@@ -190,8 +193,9 @@ async def run_network_benchmarks(shapes: list[tuple[int, ...]], args: argparse.N
     from node.p2p.transport import Transport
     from protocol import MessageKind, encode_message
 
-    server_net = await start_network(host="127.0.0.1")
-    client_net = await start_network(host="127.0.0.1", initial_peers=await server_net.visible_maddrs())
+    server_net = await start_network(host="127.0.0.1", direct_port=0)
+    client_net = await start_network(host="127.0.0.1", initial_peers=await server_net.visible_maddrs(), direct_port=0)
+    server_direct = [("127.0.0.1", server_net.direct.port)]
     tcp_server = None
     listener = sock_client = sock_server = None
     rows: list[dict] = []
@@ -203,12 +207,20 @@ async def run_network_benchmarks(shapes: list[tuple[int, ...]], args: argparse.N
         received = {"pipeswarm": 0, "hivemind": 0, "hivemind-unary": 0, "tcp-streams": 0, "tcp-socket": 0}
         clients: dict[str, Transport] = {}
         stream_clients: dict[str, Transport] = {}  # the same requests, one stream each (no multiplex)
+        direct_clients: dict[str, Transport] = {}  # the same channel on a direct link
         # back-to-back requests from one peer outrun a node's per-peer request rate (200/s): this
         # measures the transport, not the flood limit
         unlimited = ConductLimits(requests_per_second=1e9, request_burst=10**9)
         for compression in args.compressions:
             swarm_id = f"bench-{compression}"
-            server = Transport(server_net.p2p, swarm_id, 1, compression=compression, conduct=PeerConduct(unlimited))
+            server = Transport(
+                server_net.p2p,
+                swarm_id,
+                1,
+                compression=compression,
+                conduct=PeerConduct(unlimited),
+                direct=server_net.direct,
+            )
             server.multiplex("forward")
 
             async def on_forward(sender, msg, server=server):
@@ -220,6 +232,15 @@ async def run_network_benchmarks(shapes: list[tuple[int, ...]], args: argparse.N
             clients[compression] = Transport(client_net.p2p, swarm_id, 0, compression=compression)
             clients[compression].multiplex("forward")
             stream_clients[compression] = Transport(client_net.p2p, swarm_id, 0, compression=compression)
+            direct_clients[compression] = Transport(
+                client_net.p2p,
+                swarm_id,
+                0,
+                compression=compression,
+                direct=client_net.direct,
+                direct_addresses=lambda peer_id: server_direct,
+            )
+            direct_clients[compression].multiplex("forward")
 
         # (b) hivemind: expert-forward style protobuf stream, and the unary call it uses below 2 MiB
         async def hm_stream_handler(requests, context):
@@ -346,6 +367,11 @@ async def run_network_benchmarks(shapes: list[tuple[int, ...]], args: argparse.N
                         send_ours, stream_client, functools.partial(make_message, stream_client)
                     )
                     row("pipeswarm-stream", compression, wire, await measure(send_stream, payload, **reps))
+                    direct_client = direct_clients[compression]
+                    send_direct = functools.partial(
+                        send_ours, direct_client, functools.partial(make_message, direct_client)
+                    )
+                    row("pipeswarm-direct", compression, wire, await measure(send_direct, payload, **reps))
 
             for compression in args.compressions:
                 if compression not in hm_codecs:

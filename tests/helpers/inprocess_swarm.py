@@ -28,8 +28,11 @@ class Peer:
 
 
 @contextlib.asynccontextmanager
-async def inprocess_swarm(config: SwarmConfig, stages: list[int]) -> AsyncIterator[list[Peer]]:
-    """A bootstrap DHT node plus one serving peer per entry of `stages`, all online."""
+async def inprocess_swarm(
+    config: SwarmConfig, stages: list[int], direct_links: bool = True
+) -> AsyncIterator[list[Peer]]:
+    """A bootstrap DHT node plus one serving peer per entry of `stages`, all online; their pipeline
+    channels take direct links (node/p2p/direct.py) unless `direct_links` is false, as `node join` does."""
     anchor = await start_network(host="127.0.0.1")
     networks = [anchor]
     async with contextlib.AsyncExitStack() as stack:
@@ -40,12 +43,20 @@ async def inprocess_swarm(config: SwarmConfig, stages: list[int]) -> AsyncIterat
             initial = await anchor.visible_maddrs()
             peers = []
             for stage in stages:
-                network = await start_network(host="127.0.0.1", initial_peers=initial)
+                network = await start_network(
+                    host="127.0.0.1", initial_peers=initial, direct_port=0 if direct_links else None
+                )
                 networks.append(network)
-                record = PeerRecord(peer_id=network.peer_id, stage=stage, version=__version__)
+                record = PeerRecord(
+                    peer_id=network.peer_id,
+                    stage=stage,
+                    version=__version__,
+                    direct_port=network.direct.port if network.direct is not None else None,
+                )
                 me = PeerAnnouncer(
                     SwarmRegistry(network.dht, config.swarm_id), record, config.heartbeat.period, config.heartbeat.ttl
                 )
+                me.set_addresses(await network.announced_addresses())
                 await me.announce_now()
                 service = await stack.enter_async_context(
                     running_service(network, config, me, ServiceOptions(device="cpu"))

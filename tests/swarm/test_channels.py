@@ -167,3 +167,108 @@ def test_a_new_handler_gets_the_requests_after_close_and_a_peer_without_channels
             await new.close()
 
     run(main())
+
+
+@contextlib.asynccontextmanager
+async def two_direct_peers() -> AsyncIterator[tuple[Network, Network]]:
+    server = await start_network(host="127.0.0.1", direct_port=0)
+    try:
+        client = await start_network(host="127.0.0.1", initial_peers=await server.visible_maddrs(), direct_port=0)
+        try:
+            yield server, client
+        finally:
+            await client.shutdown()
+    finally:
+        await server.shutdown()
+
+
+def direct_transport(network: Network, stage: int, to: Network | None = None, swarm_key: bytes | None = None, **limits):
+    """A transport whose channels to `to` take a direct link (node/p2p/direct.py)."""
+    conduct = PeerConduct(ConductLimits(**limits)) if limits else None
+    addresses = [("127.0.0.1", to.direct.port)] if to is not None else []
+    result = Transport(
+        network.p2p,
+        SWARM,
+        stage,
+        swarm_key=swarm_key,
+        conduct=conduct,
+        direct=network.direct,
+        direct_addresses=lambda peer_id: addresses,
+    )
+    result.multiplex(SERVICE)
+    return result
+
+
+@pytest.mark.timeout(120)
+def test_on_a_direct_link_channels_keep_every_rule():
+    """Replies by id, one link for many requests, the MAC of a private swarm, strikes and bans: all as
+    on a p2pd channel; and a peer whose direct port does not answer is reached through p2pd."""
+
+    async def main() -> None:
+        async with two_direct_peers() as (server_net, client_net):
+            server = direct_transport(server_net, 1, swarm_key=b"k" * 32, strikes_to_ban=1)
+
+            async def handler(sender: str, request: Message) -> Message:
+                number = request.meta["number"]
+                await asyncio.sleep(0.01 * (10 - number))
+                return server.message(MessageKind.PONG, {"number": number, "sender": sender})
+
+            await server.serve_requests(SERVICE, handler)
+            client = direct_transport(client_net, 0, server_net, swarm_key=b"k" * 32)
+            replies = await asyncio.gather(
+                *(client.request(server_net.peer_id, SERVICE, ping(client, n), 10.0) for n in range(10))
+            )
+            assert [reply.meta["number"] for reply in replies] == list(range(10))
+            assert {reply.meta["sender"] for reply in replies} == {client_net.peer_id}
+            assert (client_net.direct.opened, server_net.direct.accepted) == (1, 1)
+            assert server.conduct.open_streams(client_net.peer_id) == 1
+
+            # a member of another private swarm: its link opens no record, so it is refused (no strike
+            # on the sender: the listener cannot tell a wrong key from a tampering network)
+            stranger = direct_transport(client_net, 0, server_net, swarm_key=b"x" * 32)
+            with pytest.raises(TransportError):
+                await stranger.request(server_net.peer_id, SERVICE, ping(stranger, 0), 10.0)
+
+            # a message whose MAC is wrong inside a good link is a strike, and (strikes_to_ban=1) a ban
+            forger = direct_transport(client_net, 0, server_net, swarm_key=b"k" * 32)
+            forger.swarm_key = b"y" * 32  # seals with another key on a link set up with the right one
+            with pytest.raises(TransportError):
+                await forger.request(server_net.peer_id, SERVICE, ping(forger, 0), 10.0)
+            assert server.conduct.is_banned(client_net.peer_id)
+            with pytest.raises(TransportError, match="banned"):
+                await client.request(server_net.peer_id, SERVICE, ping(client, 99), 10.0)
+            for t in (client, stranger, forger, server):
+                await t.close()
+
+    run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_direct_port_that_does_not_answer_falls_back_to_p2pd():
+    async def main() -> None:
+        async with two_direct_peers() as (server_net, client_net):
+            server = direct_transport(server_net, 1)
+
+            async def handler(sender: str, request: Message) -> Message:
+                return server.message(MessageKind.PONG, request_id=request.request_id)
+
+            await server.serve_requests(SERVICE, handler)
+            closed = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)  # answers, then hangs up
+            port = closed.sockets[0].getsockname()[1]
+            closed.close()
+            await closed.wait_closed()
+            client = Transport(
+                client_net.p2p,
+                SWARM,
+                0,
+                direct=client_net.direct,
+                direct_addresses=lambda peer_id: [("127.0.0.1", port)],
+            )
+            client.multiplex(SERVICE)
+            reply = await client.request(server_net.peer_id, SERVICE, ping(client, 0), 10.0)
+            assert reply.kind == MessageKind.PONG
+            assert client_net.direct.opened == 0 and not client_net.direct.usable(server_net.peer_id)
+            await client.close()
+            await server.close()
+
+    run(main())

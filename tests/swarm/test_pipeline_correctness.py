@@ -49,6 +49,9 @@ def test_swarm_gradients_equal_single_process_gradients():
             for tokens, targets in batches:
                 loss = await peers[0].service.pipeline.run_microbatch(tokens, targets)
                 assert loss is not None
+            # every hop went over direct links (node/p2p/direct.py), not through p2pd
+            assert [peer.network.direct.opened for peer in peers] == [2, 2, 2]
+            assert [peer.network.direct.accepted for peer in peers] == [2, 2, 2]
             return [
                 {name: p.grad.clone() for name, p in peer.service.worker.module.named_parameters()} for peer in peers
             ]
