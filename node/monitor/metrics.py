@@ -210,6 +210,16 @@ class NodeMetrics(Collector):
             lag = GaugeMetricFamily(f"{PREFIX}_event_loop_lag_seconds", "worst event-loop lateness of the last minute")
             lag.add_metric([], self.network.loop_watch.worst_lag)
             yield lag
+            direct = self.network.direct
+            if direct is not None:
+                links = CounterMetricFamily(
+                    f"{PREFIX}_direct_links",
+                    "direct links set up (node/p2p/direct.py): opened to other peers, accepted from them",
+                    labels=["side"],
+                )
+                links.add_metric(["opened"], direct.opened)
+                links.add_metric(["accepted"], direct.accepted)
+                yield links
         service = self.service
         if service is None:
             return

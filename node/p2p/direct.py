@@ -122,8 +122,7 @@ class SecureStream:
                 raise DirectLinkError("direct link used up its nonces: open a new one")
             sealed = self._seal.encrypt(_nonce(self._sent), view[start : start + MAX_RECORD_BYTES], None)
             self._sent += 1
-            self._writer.write(_LENGTH.pack(len(sealed)))
-            self._writer.write(sealed)
+            self._writer.writelines((_LENGTH.pack(len(sealed)), sealed))  # one send, no copy
 
     def close(self) -> None:
         with contextlib.suppress(Exception):  # what was written and not drained still goes out
@@ -392,8 +391,15 @@ class DirectLinks:
             logger.debug(f"refused a direct link from {writer.get_extra_info('peername')}: {e}")
             writer.close()
             return
+        except Exception:  # a bug of ours: logged, and only this connection ends
+            logger.exception(f"direct link handshake with {writer.get_extra_info('peername')} failed")
+            writer.close()
+            return
+        handler = self._handlers.get((hello.swarm_id, hello.service))
+        if handler is None:  # the service stopped during the handshake (a stage move)
+            link.close()
+            return
         self.accepted += 1
-        handler = self._handlers[(hello.swarm_id, hello.service)]
         self._links.add(link)
         try:
             await handler(hello.peer_id, link)

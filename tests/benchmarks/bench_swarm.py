@@ -175,7 +175,9 @@ def stage0_throughput(first: dict, last: dict, microbatches_per_step: int) -> li
     return per_peer
 
 
-def swarm_run(peers_per_stage: int, warmup: float, window: float, workdir: Path) -> dict:
+def swarm_run(peers_per_stage: int, warmup: float, window: float, workdir: Path, links: str = "direct") -> dict:
+    """One swarm's window; `links` "direct": as `node join` runs (pipeline channels on direct links,
+    node/p2p/direct.py), "p2pd": every hop through the libp2p daemons (`--no-direct-links`)."""
     from node.config import SwarmConfig
     from node.local_swarm import Swarm, peers_by_stage, wait_for
 
@@ -194,7 +196,11 @@ def swarm_run(peers_per_stage: int, warmup: float, window: float, workdir: Path)
             "--heartbeat-ttl",
             str(HEARTBEAT_TTL),
         )
-        nodes = [swarm.join(f"peer{i}", "--stage", str(i % stages), "--threads", "1", "--quiet") for i in range(total)]
+        link_flags = ["--no-direct-links"] if links == "p2pd" else []
+        nodes = [
+            swarm.join(f"peer{i}", "--stage", str(i % stages), "--threads", "1", "--quiet", *link_flags)
+            for i in range(total)
+        ]
         wait_for(
             lambda: sum(map(len, peers_by_stage(snapshot(swarm.initial_peers)).values())) == total,
             180,
@@ -234,7 +240,8 @@ def swarm_run(peers_per_stage: int, warmup: float, window: float, workdir: Path)
         microbatches_per_s = sum(p["microbatches_per_s"] for p in per_peer)
         cpu = sum(cpu_after.get(pid, 0.0) - cpu_before.get(pid, 0.0) for pid in cpu_after if pid in cpu_before)
         result = {
-            "layout": f"3 stages x {peers_per_stage} peer(s)",
+            "layout": f"3 stages x {peers_per_stage} peer(s)" + (", hops through p2pd" if links == "p2pd" else ""),
+            "links": links,
             "cpu_seconds_window": cpu,
             "cpu_cores_used": cpu / cpu_wall,
             "cpu_ms_per_microbatch": 1e3 * cpu / cpu_wall / microbatches_per_s if microbatches_per_s else None,
@@ -321,6 +328,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=float, default=20.0, help="swarm seconds after the first loss, not measured")
     parser.add_argument("--window", type=float, default=60.0, help="swarm measurement window (s)")
     parser.add_argument("--workdir", help="where swarm logs go (default: a temporary directory)")
+    parser.add_argument(
+        "--links",
+        nargs="+",
+        choices=["direct", "p2pd"],
+        default=["direct"],
+        help="how the swarm's hops travel: direct links (as `node join` runs) and/or through p2pd only "
+        "(--no-direct-links); one swarm run per layout and choice",
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -347,10 +362,11 @@ def run(args: argparse.Namespace) -> dict:
         result["single"].append(single_process(args.single_seconds, threads))
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pipeswarm-bench-"))
     for peers in args.layouts:
-        log(f"swarm benchmark: swarm 3 stages x {peers} ... (logs in {workdir})")
-        run_dir = workdir / f"swarm-3x{peers}"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        result["swarm"].append(swarm_run(peers, args.warmup, args.window, run_dir))
+        for links in args.links:
+            log(f"swarm benchmark: swarm 3 stages x {peers}, {links} hops ... (logs in {workdir})")
+            run_dir = workdir / f"swarm-3x{peers}-{links}"
+            run_dir.mkdir(parents=True, exist_ok=True)
+            result["swarm"].append(swarm_run(peers, args.warmup, args.window, run_dir, links))
     result["machine_after"] = machine_info()
     return result
 

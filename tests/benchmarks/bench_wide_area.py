@@ -76,6 +76,9 @@ HOSTS = ("boot", "s0", "s1", "s2")
 CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     "default": {},
     "window16": {"training": {"max_in_flight": 16, "microbatches_per_step": 8}},
+    # the same staleness bound (at most 2 optimizer steps between a forward and its backward) with a
+    # window that covers a 100 ms RTT pipeline's round trip at the unshaped rate (docs/benchmarks.md)
+    "window32": {"training": {"max_in_flight": 32, "microbatches_per_step": 16}},
 }
 TARGET_RATIO = 0.8  # issue 16: shaped tokens/s >= 0.8 x unshaped
 STATUS_TIMEOUT = 120.0  # `node status` over shaped links does a few DHT round trips more slowly

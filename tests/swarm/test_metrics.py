@@ -114,6 +114,9 @@ def test_a_training_peer_serves_growing_prometheus_metrics(swarm: Swarm):
     assert value(block_values, "pipeswarm_hops_forwarded_total") > 0
     assert value(block_values, "pipeswarm_compute_seconds_count", **{"pass": "backward"}) > 0
     assert value(block_values, "pipeswarm_peer_state", stage="1", state="online") == 1
+    # `node join` carries pipeline channels on direct links (node/p2p/direct.py), not through p2pd
+    assert value(second, "pipeswarm_direct_links_total", side="opened") >= 1
+    assert value(block_values, "pipeswarm_direct_links_total", side="accepted") >= 1
 
     # the metrics server stops with the node: a clean exit, and the port is closed
     edge.process.send_signal(signal.SIGTERM)
