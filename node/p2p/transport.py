@@ -6,7 +6,9 @@ reply; a session handler owns the stream for multi-message exchanges (gossip, st
 Requests of most services take one stream per exchange; services that `multiplex` (pipeline hops:
 many small requests to the same few peers) keep one long-lived stream per peer and tell replies
 apart by request id (node/p2p/channels.py), which cuts the per-request cost of opening a stream
-(issue 16). Both paths admit, check, MAC and strike alike. Malformed input from a stranger is
+(issue 16); a channel to a peer that announces a direct-link port runs on a TCP connection of its
+own instead of through p2pd (node/p2p/direct.py), falling back to p2pd when that fails. Every path
+admits, checks, MACs and strikes alike. Malformed input from a stranger is
 answered with an ERROR message (when the stream still works) and logged; it never takes the node down.
 """
 

@@ -23,10 +23,13 @@ SWARM = "channels-test"
 
 
 @contextlib.asynccontextmanager
-async def two_peers() -> AsyncIterator[tuple[Network, Network]]:
-    server = await start_network(host="127.0.0.1")
+async def two_peers(direct_port: int | None = None) -> AsyncIterator[tuple[Network, Network]]:
+    """Two peers on loopback; with `direct_port` (0: any) each also listens for direct links."""
+    server = await start_network(host="127.0.0.1", direct_port=direct_port)
     try:
-        client = await start_network(host="127.0.0.1", initial_peers=await server.visible_maddrs())
+        client = await start_network(
+            host="127.0.0.1", initial_peers=await server.visible_maddrs(), direct_port=direct_port
+        )
         try:
             yield server, client
         finally:
@@ -35,11 +38,35 @@ async def two_peers() -> AsyncIterator[tuple[Network, Network]]:
         await server.shutdown()
 
 
-def transport(network: Network, stage: int, swarm_key: bytes | None = None, **limits) -> Transport:
+def transport(
+    network: Network, stage: int, swarm_key: bytes | None = None, to: Network | None = None, **limits
+) -> Transport:
+    """A multiplexing transport; its channels to `to` take a direct link (node/p2p/direct.py) when
+    both listen for them."""
     conduct = PeerConduct(ConductLimits(**limits)) if limits else None
-    result = Transport(network.p2p, SWARM, stage, swarm_key=swarm_key, conduct=conduct)
+    addresses = [("127.0.0.1", to.direct.port)] if to is not None and to.direct is not None else []
+    result = Transport(
+        network.p2p,
+        SWARM,
+        stage,
+        swarm_key=swarm_key,
+        conduct=conduct,
+        direct=network.direct,
+        direct_addresses=lambda peer_id: addresses,
+    )
     result.multiplex(SERVICE)
     return result
+
+
+async def pong_server(network: Network, stage: int, **options) -> Transport:
+    """A transport serving SERVICE with a PONG to every request."""
+    server = transport(network, stage, **options)
+
+    async def handler(sender: str, request: Message) -> Message:
+        return server.message(MessageKind.PONG, request_id=request.request_id)
+
+    await server.serve_requests(SERVICE, handler)
+    return server
 
 
 def ping(client: Transport, number: int) -> Message:
@@ -79,12 +106,7 @@ def test_concurrent_requests_share_one_channel_and_get_their_own_replies():
 def test_garbage_on_a_channel_is_a_strike_and_ends_it_and_a_ban_refuses_the_next():
     async def main() -> None:
         async with two_peers() as (server_net, client_net):
-            server = transport(server_net, 1, strikes_to_ban=2)
-
-            async def handler(sender: str, request: Message) -> Message:
-                return server.message(MessageKind.PONG, request_id=request.request_id)
-
-            await server.serve_requests(SERVICE, handler)
+            server = await pong_server(server_net, 1, strikes_to_ban=2)
             peer = PeerID.from_base58(server_net.peer_id)
             for _ in range(2):  # a hand-made channel: a frame of msgpack garbage
                 _, reader, writer = await client_net.p2p.call_binary_stream_handler(
@@ -169,44 +191,14 @@ def test_a_new_handler_gets_the_requests_after_close_and_a_peer_without_channels
     run(main())
 
 
-@contextlib.asynccontextmanager
-async def two_direct_peers() -> AsyncIterator[tuple[Network, Network]]:
-    server = await start_network(host="127.0.0.1", direct_port=0)
-    try:
-        client = await start_network(host="127.0.0.1", initial_peers=await server.visible_maddrs(), direct_port=0)
-        try:
-            yield server, client
-        finally:
-            await client.shutdown()
-    finally:
-        await server.shutdown()
-
-
-def direct_transport(network: Network, stage: int, to: Network | None = None, swarm_key: bytes | None = None, **limits):
-    """A transport whose channels to `to` take a direct link (node/p2p/direct.py)."""
-    conduct = PeerConduct(ConductLimits(**limits)) if limits else None
-    addresses = [("127.0.0.1", to.direct.port)] if to is not None else []
-    result = Transport(
-        network.p2p,
-        SWARM,
-        stage,
-        swarm_key=swarm_key,
-        conduct=conduct,
-        direct=network.direct,
-        direct_addresses=lambda peer_id: addresses,
-    )
-    result.multiplex(SERVICE)
-    return result
-
-
 @pytest.mark.timeout(120)
 def test_on_a_direct_link_channels_keep_every_rule():
     """Replies by id, one link for many requests, the MAC of a private swarm, strikes and bans: all as
     on a p2pd channel; and a peer whose direct port does not answer is reached through p2pd."""
 
     async def main() -> None:
-        async with two_direct_peers() as (server_net, client_net):
-            server = direct_transport(server_net, 1, swarm_key=b"k" * 32, strikes_to_ban=1)
+        async with two_peers(direct_port=0) as (server_net, client_net):
+            server = transport(server_net, 1, swarm_key=b"k" * 32, strikes_to_ban=1)
 
             async def handler(sender: str, request: Message) -> Message:
                 number = request.meta["number"]
@@ -214,7 +206,7 @@ def test_on_a_direct_link_channels_keep_every_rule():
                 return server.message(MessageKind.PONG, {"number": number, "sender": sender})
 
             await server.serve_requests(SERVICE, handler)
-            client = direct_transport(client_net, 0, server_net, swarm_key=b"k" * 32)
+            client = transport(client_net, 0, swarm_key=b"k" * 32, to=server_net)
             replies = await asyncio.gather(
                 *(client.request(server_net.peer_id, SERVICE, ping(client, n), 10.0) for n in range(10))
             )
@@ -225,12 +217,12 @@ def test_on_a_direct_link_channels_keep_every_rule():
 
             # a member of another private swarm: its link opens no record, so it is refused (no strike
             # on the sender: the listener cannot tell a wrong key from a tampering network)
-            stranger = direct_transport(client_net, 0, server_net, swarm_key=b"x" * 32)
+            stranger = transport(client_net, 0, swarm_key=b"x" * 32, to=server_net)
             with pytest.raises(TransportError):
                 await stranger.request(server_net.peer_id, SERVICE, ping(stranger, 0), 10.0)
 
             # a message whose MAC is wrong inside a good link is a strike, and (strikes_to_ban=1) a ban
-            forger = direct_transport(client_net, 0, server_net, swarm_key=b"k" * 32)
+            forger = transport(client_net, 0, swarm_key=b"k" * 32, to=server_net)
             forger.swarm_key = b"y" * 32  # seals with another key on a link set up with the right one
             with pytest.raises(TransportError):
                 await forger.request(server_net.peer_id, SERVICE, ping(forger, 0), 10.0)
@@ -246,13 +238,8 @@ def test_on_a_direct_link_channels_keep_every_rule():
 @pytest.mark.timeout(120)
 def test_a_direct_port_that_does_not_answer_falls_back_to_p2pd():
     async def main() -> None:
-        async with two_direct_peers() as (server_net, client_net):
-            server = direct_transport(server_net, 1)
-
-            async def handler(sender: str, request: Message) -> Message:
-                return server.message(MessageKind.PONG, request_id=request.request_id)
-
-            await server.serve_requests(SERVICE, handler)
+        async with two_peers(direct_port=0) as (server_net, client_net):
+            server = await pong_server(server_net, 1)
             closed = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)  # answers, then hangs up
             port = closed.sockets[0].getsockname()[1]
             closed.close()

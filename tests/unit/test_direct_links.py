@@ -150,15 +150,20 @@ class TamperingProxy:
         self.server.close()
 
 
+async def link_through_proxy(server_id: Identity, client_id: Identity, port: int):
+    """A direct link from `client_id` to the listener on `port`, through a TamperingProxy."""
+    proxy = TamperingProxy(port, flip_at=None)
+    proxy_port = await proxy.start()
+    link = await DirectLinks(client_id).open(server_id.peer_id, [("127.0.0.1", proxy_port)], SWARM, SERVICE, 5.0)
+    return proxy, link
+
+
 def test_a_tampered_record_ends_the_link_and_the_listener_goes_on(identities):
     server_id, client_id, _ = identities
 
     async def scenario():
         server, port, _served, failures = await echo_listener(server_id)
-        proxy = TamperingProxy(port, flip_at=None)
-        proxy_port = await proxy.start()
-        client = DirectLinks(client_id)
-        link = await client.open(server_id.peer_id, [("127.0.0.1", proxy_port)], SWARM, SERVICE, 5.0)
+        proxy, link = await link_through_proxy(server_id, client_id, port)
         await write_frame(link, b"first")
         assert await read_frame(link) == b"first"
         proxy.flip_at = proxy.forwarded + 40  # inside the next record's ciphertext
@@ -187,9 +192,7 @@ def test_a_replayed_hello_gets_no_answer(identities, caplog):
 
     async def scenario():
         server, port, served, _ = await echo_listener(server_id)
-        proxy = TamperingProxy(port, flip_at=None)
-        proxy_port = await proxy.start()
-        link = await DirectLinks(client_id).open(server_id.peer_id, [("127.0.0.1", proxy_port)], SWARM, SERVICE, 5.0)
+        proxy, link = await link_through_proxy(server_id, client_id, port)
         (length,) = struct.unpack(">I", proxy.hello[:4])
         hello = proxy.hello[: 4 + length]
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
