@@ -55,7 +55,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from dht.records import PeerRecord, Reachability, short_peer_id
+from dht.records import CIRCUIT, PeerRecord, Reachability, short_peer_id
 from dht.signing import Identity, SignatureError, verify_signature
 
 logger = logging.getLogger(__name__)
@@ -332,7 +332,7 @@ def direct_addresses(addrs: Sequence[str], port: int | None) -> list[tuple[str, 
     hosts: list[tuple[str, int]] = []
     for addr in addrs:
         parts = addr.split("/")
-        if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp" or "p2p-circuit" in parts:
+        if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp" or CIRCUIT in addr:
             continue
         if (parts[2], port) not in hosts:
             hosts.append((parts[2], port))
@@ -439,7 +439,8 @@ class DirectLinks:
         """A link to `peer_id` for `service` at the first of `addresses` that answers, within
         `timeout`; DirectLinkError (and p2pd for this peer during FAILED_FOR) if none does."""
         errors = []
-        deadline = time.monotonic() + timeout
+        # bounded by our own deadlines too: the caller's timeout is for p2pd, which comes next if this fails
+        deadline = time.monotonic() + min(timeout, CONNECT_TIMEOUT + HANDSHAKE_TIMEOUT)
         for host, port in addresses[:4]:
             left = deadline - time.monotonic()
             if left <= 0:

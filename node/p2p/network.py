@@ -63,6 +63,11 @@ class Network:
         return self.p2p.peer_id.to_base58()
 
     @property
+    def direct_port(self) -> int | None:
+        """The port this peer takes direct links on (its record announces it); None: it takes none."""
+        return self.direct.port if self.direct is not None else None
+
+    @property
     def validator(self) -> SignedRecordValidator:
         return self.dht.protocol.record_validator  # type: ignore[return-value]
 

@@ -320,7 +320,7 @@ class Transport:
             addresses = self.direct_addresses(peer_id)
             if addresses:
                 try:
-                    link = await self.direct.open(peer_id, addresses, self.swarm_id, service, min(timeout, 5.0))
+                    link = await self.direct.open(peer_id, addresses, self.swarm_id, service, timeout)
                     return metered(link, link, self.meter, service)  # type: ignore[arg-type]
                 except DirectLinkError as e:  # through p2pd then, which may know a way (a relay)
                     logger.info(f"{service} to {short_peer_id(peer_id)} goes through p2pd: {e}")

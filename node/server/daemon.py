@@ -300,7 +300,7 @@ async def join(options: NodeOptions, serve: StageService | None = None) -> int:
             throughput=options.throughput,
             version=__version__,
             name=options.name,
-            direct_port=network.direct.port if network.direct is not None else None,
+            direct_port=network.direct_port,
         )
         me = PeerAnnouncer(registry, record, config.heartbeat.period, config.heartbeat.ttl)
         me.set_addresses(await network.announced_addresses())

@@ -51,7 +51,7 @@ async def inprocess_swarm(
                     peer_id=network.peer_id,
                     stage=stage,
                     version=__version__,
-                    direct_port=network.direct.port if network.direct is not None else None,
+                    direct_port=network.direct_port,
                 )
                 me = PeerAnnouncer(
                     SwarmRegistry(network.dht, config.swarm_id), record, config.heartbeat.period, config.heartbeat.ttl
