@@ -242,10 +242,16 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _utf8_length_over(value: str, limit: int) -> bool:
+    """Whether `value` takes more than `limit` bytes in UTF-8; a code point takes at most 4, so a short
+    string (every id and name on the hop path) needs no encoding to tell."""
+    return len(value) * 4 > limit and len(value.encode("utf-8", "surrogatepass")) > limit
+
+
 def _check_string(value: Any, what: str, limits: Limits) -> None:
     if not isinstance(value, str) or not value:
         raise ProtocolError(f"{what} must be a non-empty string, got {value!r:.80}")
-    if len(value.encode("utf-8", "surrogatepass")) > limits.max_string_bytes:
+    if _utf8_length_over(value, limits.max_string_bytes):
         raise ProtocolError(f"{what} is longer than max_string_bytes {limits.max_string_bytes}")
 
 
@@ -287,8 +293,12 @@ def _check_meta_value(value: Any, key: str, limits: Limits, depth: int) -> None:
             raise ProtocolError(f"meta {key!r} int out of 64-bit range")
         return
     if isinstance(value, (str, bytes)):
-        size = len(value.encode("utf-8", "surrogatepass")) if isinstance(value, str) else len(value)
-        if size > limits.max_string_bytes:
+        too_long = (
+            _utf8_length_over(value, limits.max_string_bytes)
+            if isinstance(value, str)
+            else len(value) > limits.max_string_bytes
+        )
+        if too_long:
             raise ProtocolError(f"meta {key!r} value is longer than max_string_bytes {limits.max_string_bytes}")
         return
     if isinstance(value, list):
@@ -296,6 +306,12 @@ def _check_meta_value(value: Any, key: str, limits: Limits, depth: int) -> None:
             raise ProtocolError(f"meta {key!r} nests lists deeper than {_MAX_META_DEPTH}")
         if len(value) > limits.max_list_items:
             raise ProtocolError(f"meta {key!r} has {len(value)} items > max_list_items {limits.max_list_items}")
+        # every hop carries a path of peer ids and a stage order: short strings and small ints, told
+        # valid in one pass without a call per item
+        if all(type(item) is str and len(item) * 4 <= limits.max_string_bytes for item in value):
+            return
+        if all(type(item) is int and 0 <= item < (1 << 63) for item in value):
+            return
         for item in value:
             _check_meta_value(item, key, limits, depth + 1)
         return
@@ -304,7 +320,14 @@ def _check_meta_value(value: Any, key: str, limits: Limits, depth: int) -> None:
 
 def _matches(value: Any, spec: Any) -> bool:
     if isinstance(spec, types.GenericAlias):  # list[X]
-        return isinstance(value, list) and all(_matches(item, spec.__args__[0]) for item in value)
+        if not isinstance(value, list):
+            return False
+        item_spec = spec.__args__[0]
+        # the hop path's lists (peer ids, a stage order) in one pass without a call per item; a
+        # subclass (an enum) takes the general way
+        if (item_spec is str or item_spec is int) and all(type(item) is item_spec for item in value):
+            return item_spec is str or all(item >= 0 for item in value)
+        return all(_matches(item, item_spec) for item in value)
     if spec is int:
         return _is_int(value) and value >= 0
     if spec is float:

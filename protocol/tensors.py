@@ -50,6 +50,8 @@ COMPRESSIONS = tuple(Compression)
 FP16_MAX = torch.finfo(torch.float16).max  # 65504: larger values overflow to inf
 # bytes per element of "data" for each lossy codec ("none" uses the original dtype's itemsize)
 _CODEC_ITEMSIZE = {"fp16": 2, "bf16": 2, "int8": 1}
+# the 16-bit codecs' wire dtypes (little-endian, as every tensor on the wire)
+_WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # int8 scales are fp32: fp16 would flush the scales of typical gradients (absmax ~1e-6) to zero
 _SCALE_ITEMSIZE = 4
 _MAX_BLOCK = 1 << 30
@@ -140,22 +142,21 @@ def decode_tensor(obj: Any, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
         if data.readonly:
             data = memoryview(bytearray(data))
         flat = torch.frombuffer(data, dtype=dtype)
-    elif codec == "fp16":
-        # numpy reads read-only buffers without torch's "non-writable" warning; astype copies
-        flat = torch.from_numpy(np.frombuffer(data, dtype="<f2").astype(np.float32))
-    elif codec == "bf16":
-        # bf16 is the top half of an fp32: widening the bits is exact and needs no bf16 numpy dtype
-        bits = np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16
-        flat = torch.from_numpy(bits.view(np.float32))
+    elif codec in ("fp16", "bf16"):
+        # widening is exact; torch's conversion is vectorized where numpy's float16 one is not (0.12
+        # against 0.02 ms for a 32k-element activation here). The bytearray copy makes the buffer
+        # writable for torch (msgpack's bytes are not) and is ~3 us of that.
+        flat = torch.frombuffer(bytearray(data), dtype=_WIRE_DTYPES[codec]).to(torch.float32)
     else:
         flat = _dequantize_int8(data, obj["block"], scales, numel)
     return flat.to(dtype).reshape(shape)
 
 
 def _beyond_fp16(t: torch.Tensor) -> bool:
-    """Whether a value of `t` is outside fp16's range: one pass, no |t| copy on the hop path."""
+    """Whether a value of `t` is outside fp16's range: one pass, no |t| copy on the hop path, and the
+    comparison on Python floats (two tensor comparisons cost more than the pass itself)."""
     low, high = torch.aminmax(t)
-    return bool(high > FP16_MAX) or bool(low < -FP16_MAX)
+    return high.item() > FP16_MAX or low.item() < -FP16_MAX
 
 
 def _to_bytes(t: torch.Tensor) -> bytes:
