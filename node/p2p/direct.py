@@ -31,7 +31,8 @@ the listener refuses a hello it has seen or whose time is off by more than HELLO
 spends an RSA signature on it. Every handshake message is bounded (MAX_HANDSHAKE_BYTES, checked
 before it is read), every step has a deadline, and at most MAX_PENDING_HANDSHAKES run at once.
 After the handshake the link is a channel like any other: the same frames, limits, per-request
-admission, rate and strikes (node/p2p/channels.py, ChannelServer).
+admission, rate and strikes (node/p2p/channels.py, ChannelServer), on the sealed records of
+node/p2p/sealed_link.py.
 """
 
 from __future__ import annotations
@@ -48,15 +49,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from dht.records import CIRCUIT, PeerRecord, Reachability, short_peer_id
 from dht.signing import Identity, SignatureError, verify_signature
+from node.p2p import sealed_link
+from node.p2p.sealed_link import DirectLinkError, SecureStream
 
 logger = logging.getLogger(__name__)
 
@@ -67,109 +68,13 @@ CONNECT_TIMEOUT = 3.0  # for the TCP connect of one address (an unreachable peer
 MAX_HANDSHAKE_BYTES = 4096  # an RSA-4096 key (~550 B) and signature (512 B) fit with room to spare
 MAX_PENDING_HANDSHAKES = 16
 HELLO_WINDOW = 120.0  # seconds a hello's clock may differ from ours (hellos seen within it are refused again)
-MAX_RECORD_BYTES = 1 << 20  # plaintext per sealed record: a frame spans as many records as it needs
-MAX_RECORDS = 1 << 40  # per direction and connection: far below where a GCM counter nonce could repeat
 # a peer whose direct link failed is reached through p2pd for FAILED_FOR seconds, doubled after each
 # failure in a row up to FAILED_FOR_MAX: a direct port that is closed (a router forwarding only the
 # libp2p port) then costs a connect timeout every half hour, not every minute
 FAILED_FOR = 60.0
 FAILED_FOR_MAX = 1800.0
 
-_TAG_BYTES = 16
-_LENGTH = struct.Struct(">I")
-
-
-class DirectLinkError(ConnectionError):
-    """A direct link could not be set up, or a record on it did not authenticate (the link is dropped;
-    nobody is struck: a network in between could be the cause)."""
-
-
-# -- the sealed record layer ---------------------------------------------------------------------
-
-
-def _nonce(counter: int) -> bytes:
-    return counter.to_bytes(12, "big")
-
-
-class SecureStream:
-    """Both ends of one direct link, as a stream reader and writer: plaintext written between two
-    `drain()`s is sealed into records (each <= MAX_RECORD_BYTES) at the `drain()`, so a frame's
-    header and payload travel as one record; `readexactly` opens records as it needs them."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, send_key: bytes, receive_key: bytes):
-        self._reader, self._writer = reader, writer
-        self._seal, self._open = AESGCM(send_key), AESGCM(receive_key)
-        self._sent = self._received = 0
-        self._pending: list[Any] = []
-        self._buffer = bytearray()
-
-    # writer side
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        self._pending.append(data)
-
-    async def drain(self) -> None:
-        self._flush()
-        await self._writer.drain()
-
-    def _flush(self) -> None:
-        if not self._pending:
-            return
-        data = self._pending[0] if len(self._pending) == 1 else b"".join(self._pending)
-        self._pending.clear()
-        view = memoryview(data).cast("B")
-        for start in range(0, len(view), MAX_RECORD_BYTES):
-            if self._sent >= MAX_RECORDS:
-                raise DirectLinkError("direct link used up its nonces: open a new one")
-            sealed = self._seal.encrypt(_nonce(self._sent), view[start : start + MAX_RECORD_BYTES], None)
-            self._sent += 1
-            self._writer.writelines((_LENGTH.pack(len(sealed)), sealed))  # one send, no copy
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):  # what was written and not drained still goes out
-            self._flush()
-        self._writer.close()
-
-    def is_closing(self) -> bool:
-        return self._writer.is_closing()
-
-    async def wait_closed(self) -> None:
-        await self._writer.wait_closed()
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return self._writer.get_extra_info(name, default)
-
-    # reader side
-    async def readexactly(self, n: int) -> bytes:
-        while len(self._buffer) < n:
-            try:
-                header = await self._reader.readexactly(_LENGTH.size)
-            except asyncio.IncompleteReadError as e:
-                if e.partial:  # the connection broke inside a record header
-                    raise ConnectionResetError("direct link closed inside a record") from None
-                raise asyncio.IncompleteReadError(bytes(self._buffer), n) from None
-            (length,) = _LENGTH.unpack(header)
-            if not _TAG_BYTES < length <= MAX_RECORD_BYTES + _TAG_BYTES:
-                raise DirectLinkError(f"direct link record of {length} bytes")
-            try:
-                sealed = await self._reader.readexactly(length)
-            except asyncio.IncompleteReadError:
-                raise ConnectionResetError("direct link closed inside a record") from None
-            if self._received >= MAX_RECORDS:
-                raise DirectLinkError("direct link used up its nonces")
-            try:
-                plain = self._open.decrypt(_nonce(self._received), sealed, None)
-            except InvalidTag:
-                raise DirectLinkError("a record on the direct link does not authenticate") from None
-            self._received += 1
-            if not self._buffer and len(plain) == n:  # a whole read in one record: no copy
-                return plain
-            self._buffer += plain
-        data = bytes(self._buffer[:n])
-        del self._buffer[:n]
-        return data
-
-    def at_eof(self) -> bool:
-        return not self._buffer and self._reader.at_eof()
+_LENGTH = struct.Struct(">I")  # of a handshake message
 
 
 # -- the handshake -------------------------------------------------------------------------------
@@ -370,7 +275,7 @@ class DirectLinks:
 
     async def listen(self, host: str, port: int = 0) -> int:
         """Start accepting links on `host`:`port` (0: any free port); returns the port."""
-        self._server = await asyncio.start_server(self._accept, host, port, limit=MAX_RECORD_BYTES)
+        self._server = await sealed_link.listen(self._accept, host, port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -447,9 +352,7 @@ class DirectLinks:
                 break
             writer = None
             try:
-                reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(host, port, limit=MAX_RECORD_BYTES), min(left, CONNECT_TIMEOUT)
-                )
+                reader, writer = await asyncio.wait_for(sealed_link.connect(host, port), min(left, CONNECT_TIMEOUT))
                 link = await asyncio.wait_for(
                     initiate(reader, writer, self.identity, peer_id, swarm_id, service, self.swarm_key),
                     max(deadline - time.monotonic(), 0.01),

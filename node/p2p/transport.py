@@ -26,9 +26,10 @@ from hivemind.p2p import P2P, PeerID
 from dht.records import short_peer_id
 from node.p2p.channels import CHANNEL_MAX_PAYLOAD, SERVER_IDLE, ChannelPool, ChannelServer
 from node.p2p.dialer import PeerDialer
-from node.p2p.direct import DirectLinkError, DirectLinks
+from node.p2p.direct import DirectLinks
 from node.p2p.metered_stream import metered
 from node.p2p.peer_conduct import PeerConduct
+from node.p2p.sealed_link import DirectLinkError
 from node.runtime.meter import Meter
 from node.runtime.timeouts import within
 from protocol import (

@@ -1,4 +1,4 @@
-"""Direct links (node/p2p/direct.py): the handshake authenticates both peers, records are sealed,
+"""Direct links (node/p2p/direct.py, node/p2p/sealed_link.py): the handshake authenticates both peers, records are sealed,
 and bad input from a stranger ends only its own connection."""
 
 from __future__ import annotations
@@ -16,12 +16,11 @@ from dht.signing import Identity
 from node.p2p.direct import (
     MAX_HANDSHAKE_BYTES,
     MAX_PENDING_HANDSHAKES,
-    MAX_RECORD_BYTES,
-    DirectLinkError,
     DirectLinks,
     direct_addresses,
     direct_addresses_of,
 )
+from node.p2p.sealed_link import MAX_RECORD_BYTES, DirectLinkError, _RecordReader
 from protocol import read_frame, write_frame
 
 SWARM = "test-swarm"
@@ -300,3 +299,33 @@ def test_a_records_direct_port_is_checked():
     for bad in (0, 70000, "5000", True):
         with pytest.raises(RecordError):
             PeerRecord.from_wire({**wire, "direct_port": bad})
+
+
+def test_a_record_arriving_in_segments_wakes_its_reader_once():
+    """A record fed in TCP-segment-sized pieces resumes the task waiting for it only when the last piece
+    is in (the stock StreamReader resumes it for every piece), with the bytes intact; the end of the
+    connection inside a record still ends the read with what arrived."""
+
+    async def main() -> None:
+        record = os.urandom(64 * 1024)
+        reader = _RecordReader(limit=MAX_RECORD_BYTES)
+        waits = []  # each time the reading task (re)starts waiting: once per wakeup
+        wait_for_data = reader._wait_for_data
+        reader._wait_for_data = lambda name: (waits.append(name), wait_for_data(name))[1]
+        read = asyncio.create_task(reader.readexactly(len(record)))
+        await asyncio.sleep(0)
+        for start in range(0, len(record), 1448):
+            reader.feed_data(record[start : start + 1448])
+            await asyncio.sleep(0)
+        assert await asyncio.wait_for(read, 5) == record
+        assert len(waits) == 1, f"the reader waited {len(waits)} times for one record"
+
+        cut = asyncio.create_task(reader.readexactly(100))
+        await asyncio.sleep(0)
+        reader.feed_data(b"x" * 40)
+        reader.feed_eof()
+        with pytest.raises(asyncio.IncompleteReadError) as error:
+            await asyncio.wait_for(cut, 5)
+        assert error.value.partial == b"x" * 40
+
+    asyncio.run(main())
