@@ -15,7 +15,10 @@ Shaping     A path between two hosts adds both hosts' shaping, so every host get
             delay (25 ms: 50 ms one way, 100 ms round trip per path) and a 50 Mbit/s rate (tbf, up
             and down). All four hosts are shaped, the bootstrap's too (the DHT crosses the links).
             Where the kernel has no netem the delay is the test bed's userspace delay line, a
-            Python process whose CPU is reported beside the swarm's.
+            Python process whose CPU is reported beside the swarm's. It runs with offload
+            (tests/helpers/delay_line.py): it takes TCP bursts as super-packets, as a NIC with
+            TSO/GRO would, so it forwards ~20x fewer packets than at 1500 bytes each and takes far
+            less of the 2 cores the swarm needs (0.30 cores before, docs/benchmarks.md).
 Procedure   One swarm per config, measured three times: after every peer is online and stage 0
             reports a loss, `--wide-warmup` seconds pass, then a `--wide-window` of unshaped links;
             then every host is shaped, `--wide-settle` seconds pass, a window of shaped links; then
@@ -179,7 +182,7 @@ def config_run(name: str, table: dict, args: argparse.Namespace, workdir: Path) 
     t = config.training
     tokens_per_mb = t.microbatch_size * t.sequence_length
     per_host_delay, per_host_rate = args.wide_rtt_ms / 4, args.wide_rate_mbit
-    with TestBed() as bed:
+    with TestBed(offload=True) as bed:
         for host in HOSTS:
             bed.add_public_host(host)
         swarm = make_swarm(workdir)

@@ -169,14 +169,19 @@ class TestBed:
 
     __test__ = False  # not a pytest test class, whatever its name
 
-    def __init__(self, *, netem: bool | None = None, grace: float = 3.0, seed: int | None = None) -> None:
+    def __init__(
+        self, *, netem: bool | None = None, grace: float = 3.0, seed: int | None = None, offload: bool = False
+    ) -> None:
         """``netem``: None picks netem when the kernel has it; False forces the userspace delay line.
-        ``grace``: seconds between SIGTERM and SIGKILL at close. ``seed``: loss/jitter draws of the delay line."""
+        ``grace``: seconds between SIGTERM and SIGKILL at close. ``seed``: loss/jitter draws of the delay line.
+        ``offload``: the delay line takes TCP super-packets (delay_line.py, ``--offload``): far less of its
+        CPU per byte, for benchmarks; loss is refused then."""
         sweep_stale()
         self.prefix = f"ps{os.getpid()}x{next(_beds)}-"
         self.core = self.prefix + "core"
         self._grace = grace
         self._seed = seed
+        self._offload = offload
         self._netem = netem
         self._nodes: dict[str, _Node] = {}
         self._namespaces: list[str] = []
@@ -364,6 +369,8 @@ class TestBed:
             raise ValueError("delay and jitter must be >= 0, loss in [0, 1], rate > 0")
         if jitter_dist not in ("uniform", "normal"):
             raise ValueError("jitter_dist is 'uniform' or 'normal'")
+        if loss and self._offload:
+            raise ValueError("a bed made with offload=True shapes no loss: it would drop whole TCP bursts")
         impair = (delay_ms, jitter_ms, loss, jitter_dist) if (delay_ms or jitter_ms or loss) else None
         site = node.lan or node
         if node.lan is not None and len(node.lan.members) > 1 and impair is not None:
@@ -405,7 +412,7 @@ class TestBed:
         imp = site.impair
         if imp is not None:
             if self._line is None:
-                self._line = DelayLineClient(self.core, _DELAY_TUN, seed=self._seed)
+                self._line = DelayLineClient(self.core, _DELAY_TUN, seed=self._seed, offload=self._offload)
                 _ip(
                     self.core,
                     f"link set {_DELAY_TUN} up",
