@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from node.runtime.finite import is_finite
+
 __all__ = [
     "OuterState",
     "apply_to_parameters",
@@ -221,7 +223,7 @@ def validate_partner_update(
                 return f"{what}: tensor {k} has shape {tuple(t.shape)}, expected {tuple(o.shape)}"
             if not t.is_floating_point():
                 return f"{what}: tensor {k} has non-float dtype {t.dtype}"
-            if not bool(torch.isfinite(t).all()):
+            if not is_finite(t):
                 return f"{what}: tensor {k} holds NaN or Inf"
         own_norm, their_norm = _global_norm(own), _global_norm(theirs)
         limit = max_norm_factor * own_norm + eps

@@ -27,6 +27,7 @@ from node.averaging.noloco import (
 )
 from node.averaging.plausibility import PartnerMeasures, PlausibilityBounds, implausible, measure
 from node.config import GossipConfig
+from node.runtime.finite import is_finite
 
 __all__ = ["STEPPED", "OuterReplica", "RoundOutcome", "RoundStart", "RoundStatus"]
 
@@ -167,7 +168,7 @@ class OuterReplica:
                 t = tensors[f"{kind}.{name}"]
                 if not isinstance(t, Tensor) or t.shape != param.shape or not t.is_floating_point():
                     raise ValueError(f"{kind}.{name}: expected a float tensor of shape {tuple(param.shape)}")
-                if not bool(torch.isfinite(t).all()):
+                if not is_finite(t):
                     raise ValueError(f"{kind}.{name}: holds NaN or Inf")
                 column.append(t.detach().to("cpu", torch.float32, copy=True))
             columns[kind] = column

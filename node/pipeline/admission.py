@@ -14,6 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from node.runtime.finite import is_finite
+
 INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 # An incoming gradient whose norm exceeds this many times the running norm of the gradients this
@@ -67,7 +69,7 @@ def check_hidden(
         if hidden.shape[2] != hidden_size:
             raise RejectedInput(f"{what}: hidden size {hidden.shape[2]} != {hidden_size}")
     hidden = hidden.detach().to(device=device, dtype=dtype)
-    if not torch.isfinite(hidden).all():  # checked after the cast: fp32 values may overflow fp16
+    if not is_finite(hidden):  # checked after the cast: fp32 values may overflow fp16
         raise RejectedInput(f"{what}: contains NaN or infinite values")
     return hidden
 
@@ -101,7 +103,7 @@ def check_tokens(
 def check_finite(what: str, tensors: Sequence[Tensor | None]) -> None:
     """Every tensor finite (None entries are unused parameters)."""
     for tensor in tensors:
-        if tensor is not None and not torch.isfinite(tensor).all():
+        if tensor is not None and not is_finite(tensor):
             raise RejectedInput(f"{what}: not finite")
 
 
@@ -145,5 +147,5 @@ def check_state_dict(own: dict[str, Tensor], incoming: dict[str, Tensor]) -> Non
         if not isinstance(value, Tensor) or value.shape != own[name].shape:
             shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
             raise RejectedInput(f"{name}: expected shape {tuple(own[name].shape)}, got {shape}")
-        if not value.is_floating_point() or not torch.isfinite(value).all():
+        if not value.is_floating_point() or not is_finite(value):
             raise RejectedInput(f"{name}: weights must be finite floating-point values")

@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from node.config import Precision
+from node.runtime.finite import is_finite
 
 __all__ = [
     "GROWTH_INTERVAL",
@@ -116,7 +117,7 @@ class LossScaler:
 
 
 def all_finite(tensors: Sequence[Tensor | None]) -> bool:
-    return all(t is None or bool(torch.isfinite(t).all()) for t in tensors)
+    return all(t is None or is_finite(t) for t in tensors)
 
 
 class StagePrecision:

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from node.config import RecoveryStrategy
 from node.pipeline.order import pipeline_order
+from node.runtime.finite import is_finite
 
 __all__ = [
     "CHECKFREE_EPS",
@@ -384,7 +385,7 @@ def execute_rebuild(
                         f"rebuilt stage {plan.lost_stage}: {key!r} has shape {tuple(result[key].shape)}, expected {tuple(t.shape)}"
                     )
         for key, value in result.items():
-            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            if value.is_floating_point() and not is_finite(value):
                 raise ValueError(f"rebuilt stage {plan.lost_stage}: {key!r} holds NaN or Inf (bad neighbour weights)")
     return result
 
