@@ -5,7 +5,7 @@ worker's plain synchronous methods off the asyncio event loop::
 
     out = await worker.compute(worker.forward, key, hidden)
 
-``worker.executor`` is a single-thread ThreadPoolExecutor, so all of one stage's compute is
+``worker.executor`` is one thread (node/runtime/compute_thread.py), so all of one stage's compute is
 serialized. Thread-safety contract: every method that touches the module or the optimizer
 (forward, backward, embed, head_loss_backward, embed_backward, measure_throughput, state_dict,
 load_state_dict, reset_optimizer) must be called through that executor, and takes no lock.
@@ -39,13 +39,11 @@ stage; weights, gradients, optimizer state and the tensors this worker returns s
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import math
 import time
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
@@ -63,6 +61,7 @@ from node.pipeline.admission import (
     check_tokens,
 )
 from node.pipeline.precision import StagePrecision
+from node.runtime.compute_thread import ComputeThread
 from node.runtime.meter import Meter
 
 T = TypeVar("T")
@@ -150,11 +149,11 @@ class StageWorker:
         self._closed = False
         self.gradient_gate = GradientGate()  # refuses absurd gradients from other peers
         self.optimizer: torch.optim.AdamW = self._new_optimizer()
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage}-worker")
+        self.executor = ComputeThread(f"stage{stage}-worker")
 
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on this stage's compute thread and wait for it from the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, self.meter.timed(fn), *args)
+        return await self.executor.run(self.meter.timed(fn), *args)
 
     # ------------------------------------------------------------------------------------------
     # Optimizer, schedule, state

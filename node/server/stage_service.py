@@ -257,7 +257,7 @@ async def running_service(
         tasks.append(asyncio.create_task(connections, name="connections"))
     try:
         # announce a measured speed from the start: routers and stage choice compare these numbers
-        await asyncio.get_running_loop().run_in_executor(service.worker.executor, service.worker.measure_throughput)
+        await service.worker.executor.run(service.worker.measure_throughput)
         await service.pipeline.start()
         await service.verifier.start()
         await service.gossip.start()
@@ -426,4 +426,4 @@ async def publish_progress_loop(service: StageService) -> None:
         service.publish_progress()
         horizon = 4 * service.config.training.hop_timeout * service.config.num_stages
         # the worker's state belongs to its compute thread: expire there, not on the event loop
-        await asyncio.get_running_loop().run_in_executor(service.worker.executor, service.worker.expire, horizon)
+        await service.worker.executor.run(service.worker.expire, horizon)
