@@ -3,7 +3,7 @@
 Not a test: a script that prints a report (docs/benchmarks.md holds a recorded run).
 
     python tests/benchmarks/bench_swarm.py [--single-seconds 30] [--warmup 20] [--window 60] \
-        [--layouts 1 2] [--single-threads 1 2] [--json out.json]
+        [--layouts 1 2] [--single-threads 1 2] [--heartbeat-period P --heartbeat-ttl T] [--json out.json]
 
 single process  The default config (SwarmConfig()), the same StageWorkers (stage 0, 1, 2: embed,
                 two block stages, norm+head+loss; AdamW, clipping, microbatches_per_step
@@ -13,17 +13,15 @@ single process  The default config (SwarmConfig()), the same StageWorkers (stage
                 microbatches.
 swarm           node/local_swarm.py: a bootstrap process plus 3 stages x P peers (`node join
                 --stage s --threads 1 --quiet`), each a process with its own p2pd, on 127.0.0.1,
-                default config (fp16 wire compression, max_in_flight 4), heartbeat 1 s.
+                default config (fp16 wire compression, max_in_flight 4, heartbeat 5 s / TTL 15 s;
+                `--heartbeat-period 1 --heartbeat-ttl 5` is what runs before 2026-11-26 16:30 UTC
+                used, whose DHT traffic cost the swarm CPU a peer on the defaults does not spend).
                 After every peer is online and stage 0 reports a loss, `--warmup` seconds pass,
-                then two DHT snapshots `--window` seconds apart are read (as `node status` does).
-                For each stage-0 peer: completed microbatches = delta(inner_step) *
-                microbatches_per_step (stage 0 steps once per microbatches_per_step finished
-                embedding backward passes, i.e. per completed microbatches), time = delta of the
-                record's DHT expiration (= announce time + TTL, so the delta is the time between
-                the two announcements). Swarm tokens/s = sum over stage-0 peers of
-                completed * microbatch_size * sequence_length / time. Resolution: inner_step is
-                copied into the record once per heartbeat period (1 s), so each end is up to 1 s
-                stale, and it moves in steps of microbatches_per_step microbatches.
+                then each stage-0 peer's `pipeswarm_microbatches_completed_total` is read from its
+                `--metrics-port` twice, `--window` seconds apart. Swarm tokens/s = sum over stage-0
+                peers of completed * microbatch_size * sequence_length / the time between its two
+                reads. A DHT snapshot (as `node status` reads) at both ends gives the losses and
+                the block stages' steps.
 CPU cost        Beside tokens/s, both runs report CPU seconds (user+system) per microbatch: for the
                 single process its own process time, for the swarm the psutil CPU times of every
                 process the swarm started (bootstrap, peers, all their p2pd daemons) over the
@@ -35,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 import time
@@ -49,7 +48,10 @@ import torch  # noqa: E402
 
 from tests.benchmarks.bench_transport import machine_info, script_main  # noqa: E402
 
+# bench_wide_area.py counts microbatches from the records inside its namespaces: a 1 s heartbeat
+# gives it the resolution (its ratio compares windows of one swarm, so the DHT's cost cancels there)
 HEARTBEAT_PERIOD, HEARTBEAT_TTL = 1.0, 5.0
+METRICS_LINE = re.compile(r"Prometheus metrics on http://127\.0\.0\.1:(\d+)/metrics")
 
 
 def log(text: str) -> None:
@@ -149,6 +151,21 @@ def swarm_cpu_seconds(swarm) -> dict[int, float]:
     return seconds
 
 
+def completed_microbatches(port: int) -> tuple[float, float]:
+    """(monotonic time of the read, a stage-0 peer's completed microbatches so far) from its /metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        at, text = time.monotonic(), reply.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "pipeswarm_microbatches_completed_total":
+                return at, sample.value
+    raise RuntimeError(f"no pipeswarm_microbatches_completed_total on port {port}")
+
+
 def stage0_throughput(first: dict, last: dict, microbatches_per_step: int) -> list[dict]:
     """Per stage-0 peer online in both snapshots: microbatches it completed between them (inner_step
     delta x microbatches_per_step) over the time between its two announcements (delta of the record's
@@ -175,9 +192,17 @@ def stage0_throughput(first: dict, last: dict, microbatches_per_step: int) -> li
     return per_peer
 
 
-def swarm_run(peers_per_stage: int, warmup: float, window: float, workdir: Path, links: str = "direct") -> dict:
+def swarm_run(
+    peers_per_stage: int,
+    warmup: float,
+    window: float,
+    workdir: Path,
+    links: str = "direct",
+    heartbeat: tuple[float, float] | None = None,
+) -> dict:
     """One swarm's window; `links` "direct": as `node join` runs (pipeline channels on direct links,
-    node/p2p/direct.py), "p2pd": every hop through the libp2p daemons (`--no-direct-links`)."""
+    node/p2p/direct.py), "p2pd": every hop through the libp2p daemons (`--no-direct-links`);
+    `heartbeat` (period, TTL): None for the defaults."""
     from node.config import SwarmConfig
     from node.local_swarm import Swarm, peers_by_stage, wait_for
 
@@ -188,17 +213,17 @@ def swarm_run(peers_per_stage: int, warmup: float, window: float, workdir: Path,
     swarm = Swarm(workdir)
     try:
         t0 = time.monotonic()
-        swarm.bootstrap(
-            "--num-stages",
-            str(stages),
-            "--heartbeat-period",
-            str(HEARTBEAT_PERIOD),
-            "--heartbeat-ttl",
-            str(HEARTBEAT_TTL),
-        )
+        heartbeat_flags = []
+        if heartbeat is not None:
+            heartbeat_flags = ["--heartbeat-period", str(heartbeat[0]), "--heartbeat-ttl", str(heartbeat[1])]
+        swarm.bootstrap("--num-stages", str(stages), *heartbeat_flags)
         link_flags = ["--no-direct-links"] if links == "p2pd" else []
         nodes = [
-            swarm.join(f"peer{i}", "--stage", str(i % stages), "--threads", "1", "--quiet", *link_flags)
+            swarm.join(
+                f"peer{i}",
+                *("--stage", str(i % stages), "--threads", "1", "--quiet", *link_flags),
+                *(("--metrics-port", "0") if i % stages == 0 else ()),
+            )
             for i in range(total)
         ]
         wait_for(
@@ -218,11 +243,19 @@ def swarm_run(peers_per_stage: int, warmup: float, window: float, workdir: Path,
             f"  swarm 3x{peers_per_stage}: all {total} peers online and training after {startup:.0f} s; "
             f"warm-up {warmup:.0f} s"
         )
+        ports = {}
+        for node in nodes[::stages]:  # the stage-0 peers
+            found = METRICS_LINE.search(node.log())
+            if found is None:
+                raise RuntimeError(f"{node.name} printed no metrics address:\n{node.log()[-1500:]}")
+            ports[node.name] = int(found.group(1))
         time.sleep(warmup)
         load_before = os.getloadavg()
         first = snapshot(swarm.initial_peers)
         cpu_before, cpu_t0 = swarm_cpu_seconds(swarm), time.monotonic()
+        counts_before = {name: completed_microbatches(port) for name, port in ports.items()}
         time.sleep(window)
+        counts_after = {name: completed_microbatches(port) for name, port in ports.items()}
         cpu_after, cpu_wall = swarm_cpu_seconds(swarm), time.monotonic() - cpu_t0
         last = snapshot(swarm.initial_peers)
         load_after = os.getloadavg()
@@ -232,7 +265,16 @@ def swarm_run(peers_per_stage: int, warmup: float, window: float, workdir: Path,
             log(f"  swarm 3x{peers_per_stage}: {crashed} exited during the window; this run is INVALID")
 
         tokens_per_mb = t.microbatch_size * t.sequence_length
-        per_peer = stage0_throughput(first, last, t.microbatches_per_step)
+        per_peer = [
+            {
+                "peer": name,
+                "microbatches": counts_after[name][1] - counts_before[name][1],
+                "seconds": counts_after[name][0] - counts_before[name][0],
+                "microbatches_per_s": (counts_after[name][1] - counts_before[name][1])
+                / (counts_after[name][0] - counts_before[name][0]),
+            }
+            for name in ports
+        ]
         block_steps = {
             s: sum(p["inner_step"] for p in online(last, s)) - sum(p["inner_step"] for p in online(first, s))
             for s in range(1, stages)
@@ -274,7 +316,8 @@ def format_report(result: dict) -> str:
     lines.append(
         f"Model/config: defaults (hidden {config['hidden_size']}, {config['num_stages']} stages, microbatch "
         f"{config['microbatch_size']} x {config['sequence_length']} tokens = {config['tokens_per_microbatch']} "
-        f"tokens, microbatches_per_step {config['microbatches_per_step']}, wire {config['wire_compression']})."
+        f"tokens, microbatches_per_step {config['microbatches_per_step']}, wire {config['wire_compression']}, "
+        f"heartbeat {config['heartbeat'][0]:g} s / TTL {config['heartbeat'][1]:g} s)."
     )
     lines.append("")
     lines.append(
@@ -305,7 +348,9 @@ def format_report(result: dict) -> str:
         )
     lines.append("")
     for r in result["swarm"]:
-        peers = ", ".join(f"{p['peer']}: {p['microbatches']} mb in {p['seconds']:.1f} s" for p in r["per_stage0_peer"])
+        peers = ", ".join(
+            f"{p['peer']}: {p['microbatches']:.0f} mb in {p['seconds']:.1f} s" for p in r["per_stage0_peer"]
+        )
         lines.append(
             f"- swarm {r['layout']}: stage-0 peers {peers}; block-stage microbatches in the window "
             f"{r['block_stage_microbatches']}; 1-min load average {r['loadavg_window'][0]} -> "
@@ -336,6 +381,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how the swarm's hops travel: direct links (as `node join` runs) and/or through p2pd only "
         "(--no-direct-links); one swarm run per layout and choice",
     )
+    parser.add_argument(
+        "--heartbeat-period",
+        type=float,
+        help="the swarm's heartbeat period in s (default: the config's, 5 s; give --heartbeat-ttl with it)",
+    )
+    parser.add_argument("--heartbeat-ttl", type=float, help="the swarm's record TTL in s (default: the config's, 15 s)")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -360,13 +411,17 @@ def run(args: argparse.Namespace) -> dict:
     for threads in args.single_threads:
         log(f"swarm benchmark: single process, {threads} torch thread(s), {args.single_seconds:.0f} s ...")
         result["single"].append(single_process(args.single_seconds, threads))
+    heartbeat = None
+    if getattr(args, "heartbeat_period", None) is not None:
+        heartbeat = (args.heartbeat_period, args.heartbeat_ttl or 5 * args.heartbeat_period)
+    result["config"]["heartbeat"] = list(heartbeat or (config.heartbeat.period, config.heartbeat.ttl))
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pipeswarm-bench-"))
     for peers in args.layouts:
         for links in args.links:
             log(f"swarm benchmark: swarm 3 stages x {peers}, {links} hops ... (logs in {workdir})")
             run_dir = workdir / f"swarm-3x{peers}-{links}"
             run_dir.mkdir(parents=True, exist_ok=True)
-            result["swarm"].append(swarm_run(peers, args.warmup, args.window, run_dir, links))
+            result["swarm"].append(swarm_run(peers, args.warmup, args.window, run_dir, links, heartbeat))
     result["machine_after"] = machine_info()
     return result
 
