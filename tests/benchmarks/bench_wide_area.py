@@ -38,7 +38,9 @@ tokens/s    As bench_swarm.py: two `node status --json` snapshots (run inside `b
 Configs     `default`: SwarmConfig() (max_in_flight 4 = min_in_flight, so the window is fixed at 4;
             microbatches_per_step 2: up to 2 optimizer steps stale). `window16`: max_in_flight 16
             with microbatches_per_step 8, passed to `node bootstrap --config`: the window may grow
-            to 16 while staleness stays at 16 / 8 = 2 steps.
+            to 16 while staleness stays at 16 / 8 = 2 steps. `window32`: 32 / 16 likewise.
+            `window16-int8` (only when asked for): 16 / 8 with int8 activations on the wire, half
+            the bytes of fp16, for a swarm that 50 Mbit/s of fp16 activations would cap.
 Window      The window's size is in no record or metric; stage 0 logs "in-flight window A -> B" when
             it doubled or halved since its last such line, so the report gives the last logged size
             per phase (to within a factor of 2) and its min round trip. For a fixed window, the mean
@@ -48,6 +50,7 @@ Window      The window's size is in no record or metric; stage 0 logs "in-flight
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -76,22 +79,27 @@ from tests.benchmarks.bench_swarm import (  # noqa: E402
 from tests.benchmarks.bench_transport import machine_info, script_main  # noqa: E402
 
 HOSTS = ("boot", "s0", "s1", "s2")
-CONFIGS: dict[str, dict[str, dict[str, int]]] = {
+CONFIGS: dict[str, dict[str, dict[str, int | str]]] = {
     "default": {},
     "window16": {"training": {"max_in_flight": 16, "microbatches_per_step": 8}},
     # the same staleness bound (at most 2 optimizer steps between a forward and its backward) with a
     # window that covers a 100 ms RTT pipeline's round trip at the unshaped rate (docs/benchmarks.md)
     "window32": {"training": {"max_in_flight": 32, "microbatches_per_step": 16}},
+    # each host carries 2 activations in and 2 out per microbatch: 128 KiB each way in fp16, which
+    # 50 Mbit/s caps at ~47 microbatches/s (~24k tokens/s); int8 halves the bytes (not in the default run)
+    "window16-int8": {"training": {"max_in_flight": 16, "microbatches_per_step": 8, "wire_compression": "int8"}},
 }
+DEFAULT_CONFIGS = ("default", "window16", "window32")
 TARGET_RATIO = 0.8  # issue 16: shaped tokens/s >= 0.8 x unshaped
 STATUS_TIMEOUT = 120.0  # `node status` over shaped links does a few DHT round trips more slowly
 WINDOW_LINE = re.compile(r"in-flight window (\d+) -> (\d+) \(min round trip ([\d.]+) s, ([\d.]+) microbatches/s\)")
 
 
-def write_config(path: Path, table: dict[str, dict[str, int]]) -> Path:
-    """The TOML `node bootstrap --config` reads (sections of integer keys are all this needs)."""
+def write_config(path: Path, table: dict[str, dict[str, int | str]]) -> Path:
+    """The TOML `node bootstrap --config` reads (sections of integer and plain string keys)."""
     text = "".join(
-        f"[{section}]\n" + "".join(f"{k} = {v}\n" for k, v in keys.items()) for section, keys in table.items()
+        f"[{section}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
+        for section, keys in table.items()
     )
     path.write_text(text)
     return path
@@ -262,6 +270,7 @@ def config_run(name: str, table: dict, args: argparse.Namespace, workdir: Path) 
         "min_in_flight": t.min_in_flight,
         "max_in_flight": t.max_in_flight,
         "microbatches_per_step": t.microbatches_per_step,
+        "wire_compression": str(t.wire_compression),
         "staleness_steps": t.max_in_flight / t.microbatches_per_step,
         "tokens_per_microbatch": tokens_per_mb,
         "startup_seconds": startup,
@@ -314,7 +323,8 @@ def format_report(result: dict) -> str:
         verdict = "INVALID" if invalid else ("met" if met else "NOT met")
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "-"
         lines.append(
-            f"| {r['config']} (max_in_flight {r['max_in_flight']}, microbatches_per_step {r['microbatches_per_step']}) "
+            f"| {r['config']} (max_in_flight {r['max_in_flight']}, microbatches_per_step {r['microbatches_per_step']}, "
+            f"wire {r.get('wire_compression', 'fp16')}) "
             f"| {r['staleness_steps']:g} | {r['unshaped_tokens_per_s']:.0f} "
             f"| {r['phases']['shaped']['tokens_per_s']:.0f} | {ratio} | {verdict} |"
         )
@@ -365,7 +375,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--wide-configs",
         nargs="+",
         choices=sorted(CONFIGS),
-        default=list(CONFIGS),
+        default=list(DEFAULT_CONFIGS),
         help="wide-area: configs to run, in order",
     )
     parser.add_argument(
