@@ -242,16 +242,18 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _utf8_length_over(value: str, limit: int) -> bool:
-    """Whether `value` takes more than `limit` bytes in UTF-8; a code point takes at most 4, so a short
-    string (every id and name on the hop path) needs no encoding to tell."""
+def _bytes_over(value: str | bytes, limit: int) -> bool:
+    """Whether `value` takes more than `limit` bytes (a string in UTF-8); a code point takes at most 4,
+    so a short string (every id and name on the hop path) needs no encoding to tell."""
+    if isinstance(value, bytes):
+        return len(value) > limit
     return len(value) * 4 > limit and len(value.encode("utf-8", "surrogatepass")) > limit
 
 
 def _check_string(value: Any, what: str, limits: Limits) -> None:
     if not isinstance(value, str) or not value:
         raise ProtocolError(f"{what} must be a non-empty string, got {value!r:.80}")
-    if _utf8_length_over(value, limits.max_string_bytes):
+    if _bytes_over(value, limits.max_string_bytes):
         raise ProtocolError(f"{what} is longer than max_string_bytes {limits.max_string_bytes}")
 
 
@@ -293,12 +295,7 @@ def _check_meta_value(value: Any, key: str, limits: Limits, depth: int) -> None:
             raise ProtocolError(f"meta {key!r} int out of 64-bit range")
         return
     if isinstance(value, (str, bytes)):
-        too_long = (
-            _utf8_length_over(value, limits.max_string_bytes)
-            if isinstance(value, str)
-            else len(value) > limits.max_string_bytes
-        )
-        if too_long:
+        if _bytes_over(value, limits.max_string_bytes):
             raise ProtocolError(f"meta {key!r} value is longer than max_string_bytes {limits.max_string_bytes}")
         return
     if isinstance(value, list):

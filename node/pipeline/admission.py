@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from node.runtime.finite import is_finite
+from node.runtime.finite import all_finite, is_finite
 
 INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
@@ -102,9 +102,8 @@ def check_tokens(
 
 def check_finite(what: str, tensors: Sequence[Tensor | None]) -> None:
     """Every tensor finite (None entries are unused parameters)."""
-    for tensor in tensors:
-        if tensor is not None and not is_finite(tensor):
-            raise RejectedInput(f"{what}: not finite")
+    if not all_finite(tensors):
+        raise RejectedInput(f"{what}: not finite")
 
 
 class GradientGate:

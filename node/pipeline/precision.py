@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from node.config import Precision
-from node.runtime.finite import is_finite
+from node.runtime.finite import all_finite
 
 __all__ = [
     "GROWTH_INTERVAL",
@@ -114,10 +114,6 @@ class LossScaler:
         if self.clean >= self.growth_interval:
             self.clean = 0
             self.scale *= 2.0
-
-
-def all_finite(tensors: Sequence[Tensor | None]) -> bool:
-    return all(t is None or is_finite(t) for t in tensors)
 
 
 class StagePrecision:

@@ -11,6 +11,7 @@ values whose sum overflows) is settled by the exact test.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -19,3 +20,8 @@ from torch import Tensor
 def is_finite(t: Tensor) -> bool:
     """Every element of the floating-point tensor `t` is finite (True for an empty tensor)."""
     return math.isfinite(t.sum().item()) or bool(torch.isfinite(t).all())
+
+
+def all_finite(tensors: Sequence[Tensor | None]) -> bool:
+    """Every tensor finite; None entries (unused parameters' gradients) are skipped."""
+    return all(t is None or is_finite(t) for t in tensors)

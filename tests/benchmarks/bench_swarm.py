@@ -265,16 +265,17 @@ def swarm_run(
             log(f"  swarm 3x{peers_per_stage}: {crashed} exited during the window; this run is INVALID")
 
         tokens_per_mb = t.microbatch_size * t.sequence_length
-        per_peer = [
-            {
-                "peer": name,
-                "microbatches": counts_after[name][1] - counts_before[name][1],
-                "seconds": counts_after[name][0] - counts_before[name][0],
-                "microbatches_per_s": (counts_after[name][1] - counts_before[name][1])
-                / (counts_after[name][0] - counts_before[name][0]),
-            }
-            for name in ports
-        ]
+        per_peer = []
+        for name in ports:
+            (t0, done0), (t1, done1) = counts_before[name], counts_after[name]
+            per_peer.append(
+                {
+                    "peer": name,
+                    "microbatches": done1 - done0,
+                    "seconds": t1 - t0,
+                    "microbatches_per_s": (done1 - done0) / (t1 - t0),
+                }
+            )
         block_steps = {
             s: sum(p["inner_step"] for p in online(last, s)) - sum(p["inner_step"] for p in online(first, s))
             for s in range(1, stages)
