@@ -1,11 +1,10 @@
 """The swarm configuration: one immutable description every peer of a swarm agrees on.
 
 The bootstrapper builds it from defaults, a TOML file and flags, publishes it in the DHT with its
-hash, and every joiner refuses to train if its own protocol version or the hash differ. Defaults follow
-docs/algorithms.md (NoLoCo alpha 0.5, beta 0.7, gamma = beta, H = 50; CheckFree lr scale 1.1; clip 1.0).
-
-Every field carries a one-line attribute docstring (what it is, its unit, why the default);
-node/config/reference.py turns them into docs/config.md: `python -m node.config > docs/config.md`.
+hash, and every joiner refuses to train if its own protocol version or the hash differ. Defaults
+follow docs/algorithms.md (NoLoCo alpha 0.5, beta 0.7, gamma = beta, H = 50; CheckFree lr scale
+1.1; clip 1.0). Every field carries a one-line attribute docstring (what it is, its unit, why the
+default), which node/config/reference.py turns into docs/config.md (`python -m node.config`).
 """
 
 from __future__ import annotations
@@ -127,6 +126,8 @@ class TrainingConfig:
     """Microbatches a stage-0 peer keeps in the pipeline at least, >= 1; 4 keeps 3 stages busy on one host, where a round trip is mostly compute."""
     max_in_flight: int = 4
     """Most microbatches a stage-0 peer keeps in the pipeline, >= min_in_flight; between the two the window follows delivery rate x minimum RTT (node/pipeline/in_flight_window.py). It bounds staleness: a stage steps every microbatches_per_step backwards, so a microbatch's gradient is up to max_in_flight / microbatches_per_step steps stale; with 16 (8 steps) the default model's residual stream blew up in 5 of 8 swarm runs (docs/reliability.md), with 4 none did. Over long round trips raise both together."""
+    stashed_weights: int = 4
+    """Copies of a block stage's weights kept alive at once so a microbatch forwarded before a step backpropagates through the weights it used (PipeDream's weight stashing, node/pipeline/weight_stash.py), >= 0; one copy per step still in flight. 4 covers the default window (up to max_in_flight / microbatches_per_step = 2 steps stale, plus the current weights, plus one); past the limit, and with 0, the backward recomputes the forward at the current weights (hivemind's expert backends)."""
     learning_rate: float = 3e-3
     """Peak learning rate of the inner AdamW; 3e-3 suits a 64-wide model (small models take larger rates)."""
     warmup_steps: int = 20
@@ -365,13 +366,8 @@ def _build(cls: type, raw: Mapping[str, Any], where: str) -> Any:
     return cls(**values)
 
 
-_ENUM_TYPES: dict[str, type[StrEnum]] = {
-    "Compression": Compression,
-    "GossipMode": GossipMode,
-    "Precision": Precision,
-    "RecoveryStrategy": RecoveryStrategy,
-    "RoutingMode": RoutingMode,
-}
+_ENUMS = (Compression, GossipMode, Precision, RecoveryStrategy, RoutingMode)
+_ENUM_TYPES: dict[str, type[StrEnum]] = {e.__name__: e for e in _ENUMS}  # by annotation name (strings here)
 
 
 def _coerce(spec: dataclasses.Field, value: Any, path: str) -> Any:
@@ -419,7 +415,10 @@ def validate(config: SwarmConfig) -> None:
     need(t.sequence_length <= m.max_position_embeddings, "sequence_length exceeds max_position_embeddings")
     need(t.microbatch_size >= 1 and t.microbatches_per_step >= 1 and t.min_in_flight >= 1, "batch sizes must be >= 1")
     need(t.min_in_flight <= t.max_in_flight, "training.max_in_flight must be >= training.min_in_flight")
-    need(t.hop_timeout > 0 and t.max_retries >= 0 and t.grad_clip > 0, "hop_timeout, grad_clip > 0; max_retries >= 0")
+    need(
+        t.hop_timeout > 0 and t.grad_clip > 0 and min(t.max_retries, t.stashed_weights) >= 0,
+        "hop_timeout, grad_clip > 0; max_retries, stashed_weights >= 0",
+    )
     g = config.gossip
     need(
         g.inner_steps >= 1 and g.round_timeout > 0 and g.max_norm_factor > 1,

@@ -12,6 +12,8 @@ The estimate counts what the code keeps, in fp32 (4 bytes a value), at its peak:
   applied): theta and Delta captured at the start, the partner's phi and Delta, the new phi and
   momentum, and the inner progress made meanwhile = 7 model-sized copies; none with gossip off.
   DiLoCo holds one Delta per replica instead of the partner's pair: more with over 3 replicas;
+- stashed weights (block stages): up to `training.stashed_weights` copies of the parameters that
+  forwards ran on, kept for their backwards (node/pipeline/weight_stash.py);
 - edge copies (CheckFree+): stage 1 keeps stage 0's embedding, stage S its final norm and LM
   head (node/recovery/edge_copies.py);
 - activations in flight: `training.max_in_flight` microbatches of microbatch_size x
@@ -77,6 +79,7 @@ class StageMemory:
     optimizer: int
     outer_state: int
     gossip_round: int
+    stashed_weights: int
     edge_copies: int
     activations: int
     loss_head: int
@@ -130,6 +133,7 @@ def estimate_stage_memory(config: SwarmConfig, stage: int) -> StageMemory:
         optimizer=ADAMW_MOMENTS * parameters * FP32,
         outer_state=OUTER_STATE_COPIES * parameters * FP32,
         gossip_round=GOSSIP_ROUND_COPIES * parameters * FP32 if gossiping else 0,
+        stashed_weights=t.stashed_weights * parameters * FP32 if stage > 0 else 0,
         edge_copies=_edge_copy_parameters(config, stage) * FP32,
         activations=activations,
         loss_head=loss_head,

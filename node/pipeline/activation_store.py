@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from node.pipeline.weight_stash import StashedWeights
+
 logger = logging.getLogger(__name__)
 
 
@@ -38,6 +40,7 @@ class StoredMicrobatch:
     created: float  # time.monotonic() when stored
     seconds: float  # compute time spent on this microbatch so far
     head_grads: list[Tensor | None] | None = field(default=None)  # edge: norm/head grads, applied at embed_backward
+    stash: StashedWeights | None = field(default=None)  # block: the weights the graph was built on, if stashed
 
 
 class ActivationStore:

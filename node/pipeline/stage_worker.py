@@ -27,10 +27,14 @@ Each stage steps on its own after ``microbatches_per_step`` completed backward p
 microbatches of different stage-0 peers mix at the block stages: SWARM's design).
 
 Weight staleness: a microbatch forwarded before an optimizer step (or any other in-place change of
-the weights, e.g. a gossip update through load_state_dict) and backpropagated after it cannot use
-its stored autograd graph (the saved weights were modified in place). The worker notices through
-the parameters' version counters and then recomputes the forward from the stored input with the
-current weights before backpropagating, as SWARM / hivemind expert backends always do.
+the weights, e.g. a gossip update through load_state_dict) is backpropagated after it. A block
+stage's forward runs on a stashed copy of the weights (node/pipeline/weight_stash.py, PipeDream's
+weight stashing), so its stored graph stays valid and the backward differentiates the loss the
+forward really produced; the gradient is added to the live weights. When training.stashed_weights
+copies are already alive (or it is 0), the forward runs on the live weights; if they changed
+before the backward (the version counters tell), the backward recomputes the forward from the
+stored input with the current weights, as hivemind's expert backends always do. Stage 0 always
+takes that path: its embedding is one lookup, cheaper to redo than to copy.
 
 Precision (node/pipeline/precision.py): every forward runs under the stage's autocast and every
 backward through ``StagePrecision.grad``, which applies and removes fp16's loss scale within the
@@ -61,6 +65,7 @@ from node.pipeline.admission import (
     check_tokens,
 )
 from node.pipeline.precision import StagePrecision
+from node.pipeline.weight_stash import WeightStashes
 from node.runtime.compute_thread import ComputeThread
 from node.runtime.meter import Meter
 
@@ -136,6 +141,7 @@ class StageWorker:
         self.throughput = 0.0  # microbatches/s of compute, EMA; 0.0 = not measured yet
         self.meter = Meter()  # times forward/backward/head on the compute thread; a service hands its own
         self.store = ActivationStore(stage, self.max_stored)
+        self.stashes = WeightStashes(self.module, t.stashed_weights if stage > 0 else 0)
         bounds = {
             "max_batch": self.max_batch,
             "max_positions": config.model.max_position_embeddings,
@@ -194,8 +200,8 @@ class StageWorker:
 
         fresh_optimizer=True (rejoin, CheckFree rebuild): new AdamW and the gradients accumulated
         so far are discarded. False (a gossip/outer update): optimizer moments and the current
-        accumulation are kept. Stored activations stay valid: their backward recomputes the
-        forward with the new weights.
+        accumulation are kept. Stored activations stay valid: their backward runs through the
+        weights they were forwarded with (stashed) or recomputes the forward with the new ones.
         """
         own = self.module.state_dict()
         check_state_dict(own, sd)
@@ -260,12 +266,12 @@ class StageWorker:
         start = time.perf_counter()
         x = self.check_hidden("forward input", hidden)
         leaf = x.requires_grad_(True)
+        stash = self.stashes.for_forward(versions := self._versions())
         with torch.enable_grad(), self.precision.autocast():
-            out = self.module(leaf)
+            out = self.stashes.forward(stash, leaf)
         elapsed = time.perf_counter() - start
-        self.store.put(
-            key, StoredMicrobatch("block", x.detach(), leaf, out, self._versions(), time.monotonic(), elapsed)
-        )
+        stored = StoredMicrobatch("block", x.detach(), leaf, out, versions, time.monotonic(), elapsed, stash=stash)
+        self.store.put(key, stored)
         return self._out(out)
 
     def backward(self, key: Hashable, grad_output: Tensor) -> Tensor:
@@ -276,15 +282,17 @@ class StageWorker:
         grad = self.check_hidden("backward gradient", grad_output, shape=item.output.shape)
         norm = self.gradient_gate.check("backward gradient", grad)
         self.store.take(key, item)
-        leaf, out = item.leaf, item.output
-        if item.versions != self._versions():  # weights changed since the forward: recompute
+        leaf, out, weights = item.leaf, item.output, self._params
+        if item.stash is not None:  # the graph holds the forward's own weights: valid whatever stepped since
+            weights = item.stash.params
+        elif item.versions != self._versions():  # live weights changed since the forward: recompute
             leaf = item.inputs.detach().requires_grad_(True)
             with torch.enable_grad(), self.precision.autocast():
                 out = self.module(leaf)
         assert leaf is not None
         # this microbatch's gradients alone first: a hostile gradient must not poison the step's
         # accumulation (it is dropped here, the honest ones already added survive)
-        grad_in, *param_grads = self.precision.grad(out, [leaf, *self._params], grad)  # unscaled, fp32
+        grad_in, *param_grads = self.precision.grad(out, [leaf, *weights], grad)  # unscaled, fp32
         check_finite("gradients of this microbatch", [grad_in, *param_grads])
         accumulate(self._params, param_grads)
         self.gradient_gate.accept(norm)
@@ -371,6 +379,7 @@ class StageWorker:
 
     def _step(self) -> None:
         self.accumulated = 0
+        self.stashes.clear()  # the version it copied is over: free it with its last microbatch
         norm = clipped_step(self.optimizer, self._params, self.config.training.grad_clip, self.current_lr)
         if norm is None:
             self.skipped_steps += 1

@@ -37,7 +37,7 @@ from protocol.version import PROTOCOL_VERSION
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "config.md"
 REGENERATE = ".venv/bin/python -m node.config > docs/config.md"
-DEFAULT_HASH = "d2532775e77aaa48"  # protocol 2 + routing, precision, tokenizer_hash, the order-2 markov source, [validation], [verification], max_in_flight 4: changing it splits old and new peers
+DEFAULT_HASH = "5270091db70b9425"  # protocol 2 + routing, precision, tokenizer_hash, the order-2 markov source, [validation], [verification], max_in_flight 4, stashed_weights 4: changing it splits old and new peers
 SECTIONS = SECTION_TYPES
 TOP_LEVEL = [f.name for f in dataclasses.fields(SwarmConfig) if f.name not in SECTIONS]
 
@@ -185,9 +185,10 @@ RULES = [
     ("training.microbatches_per_step", 0, 1, "batch sizes must be >= 1"),
     ("training.min_in_flight", 0, 1, "batch sizes must be >= 1"),
     ("training.max_in_flight", 3, 4, "training.max_in_flight must be >= training.min_in_flight"),
-    ("training.hop_timeout", 0.0, 0.01, "hop_timeout, grad_clip > 0; max_retries >= 0"),
-    ("training.max_retries", -1, 0, "hop_timeout, grad_clip > 0; max_retries >= 0"),
-    ("training.grad_clip", 0.0, 0.01, "hop_timeout, grad_clip > 0; max_retries >= 0"),
+    ("training.hop_timeout", 0.0, 0.01, "hop_timeout, grad_clip > 0; max_retries, stashed_weights >= 0"),
+    ("training.max_retries", -1, 0, "hop_timeout, grad_clip > 0; max_retries, stashed_weights >= 0"),
+    ("training.stashed_weights", -1, 0, "hop_timeout, grad_clip > 0; max_retries, stashed_weights >= 0"),
+    ("training.grad_clip", 0.0, 0.01, "hop_timeout, grad_clip > 0; max_retries, stashed_weights >= 0"),
     ("gossip.inner_steps", 0, 1, "gossip: inner_steps >= 1, timeout > 0, norm factor > 1"),
     ("gossip.round_timeout", 0.0, 0.01, "gossip: inner_steps >= 1, timeout > 0, norm factor > 1"),
     ("gossip.max_norm_factor", 1.0, 1.01, "gossip: inner_steps >= 1, timeout > 0, norm factor > 1"),

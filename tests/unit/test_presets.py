@@ -192,6 +192,7 @@ def test_the_memory_estimate_of_tiny_equals_a_hand_computation():
         "optimizer": 8 * p0,
         "outer_state": 8 * p0,
         "gossip_round": 28 * p0,  # 7 fp32 copies
+        "stashed_weights": 0,  # stage 0 redoes its embedding lookup instead
         "edge_copies": 0,
         # embedding output (4 x H bytes) and int64 ids and targets per token, plus the head's
         # gradients (V x H + H values) kept per microbatch between its loss and its embedding backward
@@ -204,11 +205,12 @@ def test_the_memory_estimate_of_tiny_equals_a_hand_computation():
     first = estimate_stage_memory(config, 1)
     activations = tokens_in_flight * (2 * 64 + 9 * 64 + 4 * 176) * 4  # input, output, one layer's saved values
     assert (first.parameters, first.activations, first.edge_copies) == (p1, activations, 256 * 64 * 4)
-    # 56 x 50,304 + 65,536 + 2,048 x 1,408 x 4
-    assert first.total == 56 * p1 + 256 * 64 * 4 + activations == 2_817_024 + 65_536 + 11_534_336
+    assert first.stashed_weights == 4 * p1 * 4  # training.stashed_weights fp32 copies
+    # 72 x 50,304 + 65,536 + 2,048 x 1,408 x 4
+    assert first.total == 72 * p1 + 256 * 64 * 4 + activations == 3_621_888 + 65_536 + 11_534_336
     last = estimate_stage_memory(config, 2)
     assert last.edge_copies == (256 * 64 + 64) * 4  # the LM head and the final norm
-    assert format_bytes(first.total) == "13.7 MiB"
+    assert format_bytes(first.total) == "14.5 MiB"
 
 
 def test_gossip_off_drops_the_round_and_no_checkfree_plus_drops_the_edge_copies():

@@ -96,22 +96,56 @@ def test_pipeline_grads_and_step_match_reference() -> None:
         close_all(ws)
 
 
-def test_backward_after_an_intervening_step_recomputes() -> None:
-    config = cfg(microbatches_per_step=1)
+def test_backward_after_an_intervening_step_uses_the_weights_its_forward_ran_on() -> None:
+    config = cfg(microbatches_per_step=2)
     w = StageWorker(config, 1)
     try:
-        xa, xb = torch.randn(2, 8, 64), torch.randn(2, 8, 64)
+        xa, xb, xc = (torch.randn(2, 8, 64) for _ in range(3))
+        weights_of_a = copy.deepcopy(w.module)
+        for key, x in (("a", xa), ("b", xb), ("c", xc)):
+            w.forward(key, x)
+        assert w.stashes.made == 1  # one weight version, one copy for all three
+        w.backward("b", torch.randn(2, 8, 64))
+        w.backward("c", torch.randn(2, 8, 64))  # steps: the live weights move on
+        assert w.inner_step == 1
+        forwards = []
+        hook = w.module.register_forward_hook(lambda *_: forwards.append(1))
+        g = torch.randn(2, 8, 64)
+        grad_in = w.backward("a", g)  # would raise "modified by an inplace operation" without a stash
+        hook.remove()
+        assert not forwards  # no second forward
+        x = xa.clone().requires_grad_(True)
+        weights_of_a(x).backward(g)
+        assert torch.allclose(grad_in, x.grad, atol=1e-6)
+        for live, old in zip(w.module.parameters(), weights_of_a.parameters(), strict=True):
+            assert not torch.equal(live, old)  # the step did change them ...
+            assert torch.allclose(live.grad, old.grad, atol=1e-6)  # ... and a's gradient is at a's weights
+        assert len(w.stashes) == 0  # every microbatch of that version is done: the copy is freed
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("stashed_weights", [0, 1])
+def test_past_the_stash_limit_the_backward_recomputes_at_the_current_weights(stashed_weights: int) -> None:
+    config = cfg(microbatches_per_step=1, stashed_weights=stashed_weights)
+    w = StageWorker(config, 1)
+    try:
+        xa, xb, xc = (torch.randn(2, 8, 64) for _ in range(3))
         w.forward("a", xa)
         w.forward("b", xb)
-        w.backward("b", torch.randn(2, 8, 64))  # steps: the weights "a" saw are gone
-        assert w.inner_step == 1
-        expected_module = copy.deepcopy(w.module)
-        x = xa.clone().requires_grad_(True)
-        g = torch.randn(2, 8, 64)
-        expected_module(x).backward(g)
-        grad_in = w.backward("a", g)  # would raise "modified by an inplace operation" without recompute
-        assert torch.allclose(grad_in, x.grad, atol=1e-6)
+        w.backward("b", torch.randn(2, 8, 64))  # steps; a still holds its stash (if any)
+        w.forward("c", xc)  # a new version, but the limit is reached: c runs on the live weights
+        assert w.stashes.made == stashed_weights
+        w.backward("a", torch.randn(2, 8, 64))  # steps again: the weights c's graph saved change in place
         assert w.inner_step == 2
+        current = copy.deepcopy(w.module)
+        g = torch.randn(2, 8, 64)
+        grad_in = w.backward("c", g)  # would raise "modified by an inplace operation" without recompute
+        x = xc.clone().requires_grad_(True)
+        current(x).backward(g)
+        assert torch.allclose(grad_in, x.grad, atol=1e-6)
+        w.forward("d", xa)  # a's copy is gone with a: room for a new one
+        assert w.stashes.made == 2 * stashed_weights
     finally:
         w.close()
 
