@@ -35,6 +35,7 @@ class PeerProgress:
     """What a serving peer measured since its last announcement (the record's progress fields)."""
 
     inner_step: int
+    microbatches: int
     throughput: float
     grad_norm: float | None
     loss: float | None
@@ -118,13 +119,8 @@ class PeerAnnouncer:
         await self._announce_leaving()
         record = self._record
         record.stage, record.state = stage, PeerState.JOINING
-        record.inner_step, record.loss, record.grad_norm, record.divergence, record.last_partner = (
-            0,
-            None,
-            None,
-            None,
-            None,
-        )
+        record.inner_step = record.microbatches = 0
+        record.loss = record.grad_norm = record.divergence = record.last_partner = None
         record.val_loss = record.val_step = None
         await self.announce_now()
         logger.info(f"moved from stage {old} to stage {stage}")

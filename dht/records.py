@@ -201,6 +201,9 @@ class PeerRecord:
     state: PeerState = PeerState.JOINING
     throughput: float = 0.0
     inner_step: int = 0
+    # backward passes this peer completed at its stage: a step takes microbatches_per_step of them or
+    # more (node/pipeline/stage_worker.py, step_size), so steps alone do not count microbatches
+    microbatches: int = 0
     outer_round: int = 0
     loss: float | None = None
     grad_norm: float | None = None
@@ -246,6 +249,7 @@ class PeerRecord:
             state=_check_state(values["state"]),
             throughput=_check_float(values.get("throughput", 0.0), "throughput", low=0.0),  # type: ignore[arg-type]
             inner_step=_check_int(values.get("inner_step", 0), "inner_step"),
+            microbatches=_check_int(values.get("microbatches", 0), "microbatches"),
             outer_round=_check_int(values.get("outer_round", 0), "outer_round"),
             loss=_check_float(values.get("loss"), "loss", optional=True),
             grad_norm=_check_float(values.get("grad_norm"), "grad_norm", optional=True, low=0.0),

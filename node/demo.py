@@ -56,7 +56,7 @@ def summarize(snapshot: dict) -> dict:
         "per_stage": [len(ids) for ids in peers_by_stage(snapshot).values()],
         "loss": sum(losses) / len(losses) if losses else None,
         "steps": [peer["inner_step"] for peer in online],
-        "stage0_steps": {peer["peer_id"]: peer["inner_step"] for peer in online if peer["stage"] == 0},
+        "stage0_microbatches": {peer["peer_id"]: peer["microbatches"] for peer in online if peer["stage"] == 0},
         # NoLoCo rounds each stage has made so far (its most advanced online replica)
         "rounds": [
             max((p["outer_round"] for p in stage["peers"] if p["state"] == PeerState.ONLINE), default=0)
@@ -87,7 +87,7 @@ class DemoRun:
     losses: list[float] = field(default_factory=list)
     # every stage-0 peer's latest inner step: a peer missing from one snapshot (a late heartbeat)
     # keeps its count, so the throughput never goes backwards
-    stage0_steps: dict[str, int] = field(default_factory=dict)
+    stage0_microbatches: dict[str, int] = field(default_factory=dict)
 
     def join(self, *stage_args: str) -> NodeProcess:
         self.started += 1
@@ -136,7 +136,7 @@ class DemoRun:
         self, observer: Observer, duration: float, interval: float, failures: list[Failure], floor: float | None
     ) -> dict:
         training = self.config.training
-        tokens_per_step = training.microbatches_per_step * training.microbatch_size * training.sequence_length
+        tokens_per_microbatch = training.microbatch_size * training.sequence_length
         previous: tuple[float, int] | None = None
         first: tuple[float, int] | None = None
         snapshot: dict = {}
@@ -158,15 +158,14 @@ class DemoRun:
             self.report_events(snapshot)
             if summary["loss"] is not None:
                 self.losses.append(summary["loss"])
-            # every stage-0 optimizer step is microbatches_per_step microbatches that went all the
-            # way through the swarm and back
-            for peer_id, step in summary["stage0_steps"].items():
-                self.stage0_steps[peer_id] = max(step, self.stage0_steps.get(peer_id, 0))
-            steps_so_far = sum(self.stage0_steps.values())
+            # a microbatch finished at stage 0 went all the way through the swarm and back
+            for peer_id, done in summary["stage0_microbatches"].items():
+                self.stage0_microbatches[peer_id] = max(done, self.stage0_microbatches.get(peer_id, 0))
+            done_so_far = sum(self.stage0_microbatches.values())
             rate = "-"
             if previous is not None and now > previous[0]:
-                rate = f"{(steps_so_far - previous[1]) * tokens_per_step / (now - previous[0]):.0f}"
-            previous = (now, steps_so_far)
+                rate = f"{(done_so_far - previous[1]) * tokens_per_microbatch / (now - previous[0]):.0f}"
+            previous = (now, done_so_far)
             first = first or previous
             loss = "-" if summary["loss"] is None else f"{summary['loss']:.3f}"
             floor_text = "" if floor is None else f" (floor {floor:.3f})"
@@ -177,7 +176,7 @@ class DemoRun:
             await asyncio.sleep(interval)
         average_rate = None
         if first is not None and previous is not None and previous[0] > first[0]:
-            average_rate = (previous[1] - first[1]) * tokens_per_step / (previous[0] - first[0])
+            average_rate = (previous[1] - first[1]) * tokens_per_microbatch / (previous[0] - first[0])
         return {"snapshot": snapshot, "tokens_per_s": average_rate}
 
 

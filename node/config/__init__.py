@@ -92,13 +92,15 @@ class TrainingConfig:
     sequence_length: int = 64
     """Tokens per sequence, <= model.max_position_embeddings; 64 is cheap on a laptop and long enough for the synthetic chain."""
     microbatches_per_step: int = 2
-    """Microbatches whose gradients are accumulated into one optimizer (inner) step, >= 1; 2 averages out some gradient noise."""
+    """Fewest microbatches whose gradients are accumulated into one optimizer (inner) step, >= 1; 2 averages out some gradient noise. A stage with more microbatches in flight takes larger steps (max_staleness_steps)."""
     min_in_flight: int = 4
     """Microbatches a stage-0 peer keeps in the pipeline at least, >= 1; 4 keeps 3 stages busy on one host, where a round trip is mostly compute."""
-    max_in_flight: int = 4
-    """Most microbatches a stage-0 peer keeps in the pipeline, >= min_in_flight; between the two the window follows delivery rate x minimum RTT (node/pipeline/in_flight_window.py). It bounds staleness: a stage steps every microbatches_per_step backwards, so a microbatch's gradient is up to max_in_flight / microbatches_per_step steps stale; with 16 (8 steps) the default model's residual stream blew up in 5 of 8 swarm runs (docs/reliability.md), with 4 none did. Over long round trips raise both together."""
+    max_in_flight: int = 16
+    """Most microbatches a stage-0 peer keeps in the pipeline, >= min_in_flight; between the two the window follows delivery rate x minimum RTT (node/pipeline/in_flight_window.py). A bound on memory (stored activations, node/model/memory.py), not on staleness: 16 hides a 100 ms-per-link round trip on the default model."""
+    max_staleness_steps: int = 2
+    """Optimizer steps a microbatch's gradient may arrive after its forward, >= 1: a stage holding F microbatches between forward and backward steps every max(microbatches_per_step, ceil(F / this)) backwards, so a wide window makes larger steps instead of staler gradients. 2 is what the default model survived; 8 diverged (docs/reliability.md, "Staleness")."""
     stashed_weights: int = 4
-    """Copies of a block stage's weights kept alive at once so a microbatch forwarded before a step backpropagates through the weights it used (PipeDream's weight stashing, node/pipeline/weight_stash.py), >= 0; one copy per step still in flight. 4 covers the default window (up to max_in_flight / microbatches_per_step = 2 steps stale, plus the current weights, plus one); past the limit, and with 0, the backward recomputes the forward at the current weights (hivemind's expert backends)."""
+    """Copies of a block stage's weights kept alive at once so a microbatch forwarded before a step backpropagates through the weights it used (PipeDream's weight stashing, node/pipeline/weight_stash.py), >= 0; one copy per step still in flight. 4 covers max_staleness_steps (2) plus the current weights plus one; past the limit, and with 0, the backward recomputes the forward at the current weights (hivemind's expert backends)."""
     learning_rate: float = 3e-3
     """Peak learning rate of the inner AdamW; 3e-3 suits a 64-wide model (small models take larger rates)."""
     warmup_steps: int = 20
@@ -385,6 +387,7 @@ def validate(config: SwarmConfig) -> None:
     t = config.training
     need(t.sequence_length <= m.max_position_embeddings, "sequence_length exceeds max_position_embeddings")
     need(t.microbatch_size >= 1 and t.microbatches_per_step >= 1 and t.min_in_flight >= 1, "batch sizes must be >= 1")
+    need(t.max_staleness_steps >= 1, "training.max_staleness_steps must be >= 1")
     need(t.min_in_flight <= t.max_in_flight, "training.max_in_flight must be >= training.min_in_flight")
     need(
         t.hop_timeout > 0 and t.grad_clip > 0 and min(t.max_retries, t.stashed_weights) >= 0,

@@ -23,8 +23,10 @@ pipeline computes norm + head + loss; block stages (1..S) map hidden -> hidden. 
     stage s  backward(key, grad)                    -> grad wrt input   (counts; steps when due)
     stage 0  embed_backward(key, grad)                                  (counts; steps when due)
 
-Each stage steps on its own after ``microbatches_per_step`` completed backward passes (in a swarm,
-microbatches of different stage-0 peers mix at the block stages: SWARM's design).
+Each stage steps on its own after ``step_size`` completed backward passes: ``microbatches_per_step``,
+or more while more microbatches are stored between forward and backward, so that none of them
+gets its gradient more than ``max_staleness_steps`` steps late (in a swarm, microbatches of
+different stage-0 peers mix at the block stages: SWARM's design).
 
 Weight staleness: a microbatch forwarded before an optimizer step (or any other in-place change of
 the weights, e.g. a gossip update through load_state_dict) is backpropagated after it. A block
@@ -53,7 +55,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from node.config import SwarmConfig
+from node.config import SwarmConfig, TrainingConfig
 from node.model.llama import BlockStage, EdgeStage, build_stage
 from node.pipeline.activation_store import ActivationStore, StoredMicrobatch, UnknownMicrobatch
 from node.pipeline.admission import (
@@ -71,7 +73,7 @@ from node.runtime.meter import Meter
 
 T = TypeVar("T")
 
-__all__ = ["ADAM_BETAS", "ADAM_EPS", "THROUGHPUT_EMA", "StageWorker", "UnknownMicrobatch", "lr_at"]
+__all__ = ["ADAM_BETAS", "ADAM_EPS", "THROUGHPUT_EMA", "StageWorker", "UnknownMicrobatch", "lr_at", "step_size"]
 
 logger = logging.getLogger(__name__)
 
@@ -370,17 +372,15 @@ class StageWorker:
         self.microbatches_done += 1
         self.accumulated += 1
         if seconds > 0:
-            sample = 1.0 / seconds
-            self.throughput = (
-                sample if self.throughput <= 0 else (1 - THROUGHPUT_EMA) * self.throughput + THROUGHPUT_EMA * sample
-            )
-        if self.accumulated >= self.config.training.microbatches_per_step:
+            self.throughput = smoothed_throughput(self.throughput, 1.0 / seconds)
+        if self.accumulated >= step_size(self.config.training, len(self.store)):
             self._step()
 
     def _step(self) -> None:
-        self.accumulated = 0
+        t = self.config.training  # losses came scaled by 1 / microbatches_per_step: a larger step takes the mean
+        grad_scale, self.accumulated = t.microbatches_per_step / max(self.accumulated, t.microbatches_per_step), 0
         self.stashes.clear()  # the version it copied is over: free it with its last microbatch
-        norm = clipped_step(self.optimizer, self._params, self.config.training.grad_clip, self.current_lr)
+        norm = clipped_step(self.optimizer, self._params, t.grad_clip, self.current_lr, grad_scale)
         if norm is None:
             self.skipped_steps += 1
             logger.warning("stage %d: gradient norm is not finite, step skipped", self.stage)
@@ -434,6 +434,18 @@ def time_forward_backward(
     return best
 
 
+def smoothed_throughput(previous: float, sample: float) -> float:
+    """SWARM's throughput estimate: an EMA of microbatches/s, the first sample taken as it is."""
+    return sample if previous <= 0 else (1 - THROUGHPUT_EMA) * previous + THROUGHPUT_EMA * sample
+
+
+def step_size(training: TrainingConfig, stored: int) -> int:
+    """Backward passes per optimizer step for a stage holding `stored` other microbatches between
+    their forward and backward: each of those waits about stored / step_size steps for its
+    gradient, so larger windows take larger steps and staleness stays <= max_staleness_steps."""
+    return max(training.microbatches_per_step, math.ceil(stored / training.max_staleness_steps))
+
+
 def accumulate(params: Sequence[nn.Parameter], grads: Sequence[Tensor | None]) -> None:
     """Add one microbatch's (checked) parameter gradients to the step's accumulation."""
     with torch.no_grad():
@@ -446,12 +458,17 @@ def accumulate(params: Sequence[nn.Parameter], grads: Sequence[Tensor | None]) -
                 p.grad.add_(g)
 
 
-def clipped_step(optimizer: torch.optim.Optimizer, params: Sequence[Tensor], clip: float, lr: float) -> float | None:
-    """One optimizer step on the accumulated gradients, clipped to `clip`: the clipped norm; None
-    (and the gradients dropped) when the norm is not finite; NaN when there was nothing to step."""
+def clipped_step(
+    optimizer: torch.optim.Optimizer, params: Sequence[Tensor], clip: float, lr: float, grad_scale: float = 1.0
+) -> float | None:
+    """One optimizer step on the accumulated gradients times `grad_scale`, clipped to `clip`: the
+    clipped norm; None (and the gradients dropped) when the norm is not finite; NaN when there was
+    nothing to step."""
     with_grad = [p for p in params if p.grad is not None]
     if not with_grad:
         return math.nan
+    if grad_scale != 1.0:
+        torch._foreach_mul_([p.grad for p in with_grad], grad_scale)
     total = torch.nn.utils.clip_grad_norm_(with_grad, clip)
     if not torch.isfinite(total):
         optimizer.zero_grad(set_to_none=True)

@@ -108,6 +108,7 @@ class StageService:
         validated = self.validator.latest if self.validator is not None else None
         return PeerProgress(
             inner_step=self.worker.inner_step,
+            microbatches=self.worker.microbatches_done,
             throughput=max(self.worker.throughput, 1e-3),
             grad_norm=self.worker.last_grad_norm,
             loss=self.pipeline.stats.recent_loss if self.me.stage == 0 else None,

@@ -166,17 +166,17 @@ def completed_microbatches(port: int) -> tuple[float, float]:
     raise RuntimeError(f"no pipeswarm_microbatches_completed_total on port {port}")
 
 
-def stage0_throughput(first: dict, last: dict, microbatches_per_step: int) -> list[dict]:
-    """Per stage-0 peer online in both snapshots: microbatches it completed between them (inner_step
-    delta x microbatches_per_step) over the time between its two announcements (delta of the record's
-    expiration, which is announce time + TTL)."""
+def stage0_throughput(first: dict, last: dict) -> list[dict]:
+    """Per stage-0 peer online in both snapshots: microbatches it completed between them (delta of
+    its record's `microbatches`; a step may take more than microbatches_per_step of them) over the
+    time between its two announcements (delta of the record's expiration: announce time + TTL)."""
     per_peer = []
     by_id = {p["peer_id"]: p for p in online(first, 0)}
     for p in online(last, 0):
         q = by_id.get(p["peer_id"])
         if q is None:
             continue
-        microbatches = (p["inner_step"] - q["inner_step"]) * microbatches_per_step
+        microbatches = p["microbatches"] - q["microbatches"]
         seconds = p["expires"] - q["expires"]
         if seconds <= 0:  # the same announcement read twice: no time passed as far as the record says
             continue
@@ -276,8 +276,8 @@ def swarm_run(
                     "microbatches_per_s": (done1 - done0) / (t1 - t0),
                 }
             )
-        block_steps = {
-            s: sum(p["inner_step"] for p in online(last, s)) - sum(p["inner_step"] for p in online(first, s))
+        block_microbatches = {
+            s: sum(p["microbatches"] for p in online(last, s)) - sum(p["microbatches"] for p in online(first, s))
             for s in range(1, stages)
         }
         microbatches_per_s = sum(p["microbatches_per_s"] for p in per_peer)
@@ -295,7 +295,7 @@ def swarm_run(
             "per_stage0_peer": per_peer,
             "microbatches_per_s": sum(p["microbatches_per_s"] for p in per_peer),
             "tokens_per_s": sum(p["microbatches_per_s"] for p in per_peer) * tokens_per_mb,
-            "block_stage_microbatches": {s: n * t.microbatches_per_step for s, n in block_steps.items()},
+            "block_stage_microbatches": block_microbatches,
             "loss_end": [p["loss"] for p in online(last, 0)],
             "loadavg_window": [round(load_before[0], 2), round(load_after[0], 2)],
             "crashed": crashed,

@@ -59,7 +59,7 @@ def compute_ratio(reps: int = 30) -> tuple[float, float]:
 def swarm_tokens_per_second(rate: float, warmup: float, window: float) -> tuple[float, str]:
     config = SwarmConfig()
     t = config.training
-    tokens_per_step = t.microbatches_per_step * t.microbatch_size * t.sequence_length
+    tokens_per_microbatch = t.microbatch_size * t.sequence_length
     with tempfile.TemporaryDirectory(prefix="bench-verification-") as tmp:
         workdir = Path(tmp)
         (workdir / "swarm.toml").write_text(f'[training]\nrouting = "random"\n[verification]\nrate = {rate}\n')
@@ -69,12 +69,12 @@ def swarm_tokens_per_second(rate: float, warmup: float, window: float) -> tuple[
             swarm.join("stage0", "--stage", "0", "--threads", "1", "--quiet")
             for i in range(3):
                 swarm.join(f"replica{i}", "--stage", "1", "--threads", "1", "--quiet")
-            return asyncio.run(_measure(swarm, warmup, window, tokens_per_step)), os.getloadavg().__repr__()
+            return asyncio.run(_measure(swarm, warmup, window, tokens_per_microbatch)), os.getloadavg().__repr__()
         finally:
             swarm.close()
 
 
-async def _measure(swarm, warmup: float, window: float, tokens_per_step: int) -> float:
+async def _measure(swarm, warmup: float, window: float, tokens_per_microbatch: int) -> float:
     async with observe(swarm.initial_peers, None) as observer:
         deadline = time.monotonic() + 180.0
         while time.monotonic() < deadline:
@@ -86,18 +86,18 @@ async def _measure(swarm, warmup: float, window: float, tokens_per_step: int) ->
             raise RuntimeError("the swarm did not come online")
         await asyncio.sleep(warmup)
 
-        async def stage0_step() -> tuple[float, int]:
+        async def stage0_microbatches() -> tuple[float, int]:
             for _ in range(30):
                 peers = [p for p in (await observer.snapshot())["stages"][0]["peers"] if p["state"] == "online"]
                 if peers:
-                    return time.monotonic(), peers[0]["inner_step"]
+                    return time.monotonic(), peers[0]["microbatches"]
                 await asyncio.sleep(1.0)
             raise RuntimeError("no stage-0 record")
 
-        t0, s0 = await stage0_step()
+        t0, done0 = await stage0_microbatches()
         await asyncio.sleep(window)
-        t1, s1 = await stage0_step()
-        return (s1 - s0) * tokens_per_step / (t1 - t0)
+        t1, done1 = await stage0_microbatches()
+        return (done1 - done0) * tokens_per_microbatch / (t1 - t0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@ iproute2 (network namespaces); where tests/helpers/netns.py's namespaces_support
 prints one line saying why and measures nothing.
 
     python tests/benchmarks/bench_wide_area.py [--wide-warmup 20] [--wide-window 60] [--wide-settle 40] \
-        [--wide-resettle 15] [--wide-configs default window16] [--wide-rtt-ms 100] [--wide-rate-mbit 50] \
+        [--wide-resettle 15] [--wide-configs default window32 int8] [--wide-rtt-ms 100] [--wide-rate-mbit 50] \
         [--quick] [--json out.json]
 
 Layout      A namespace test bed (tests/helpers/netns.py) with four public hosts: the bootstrap on
@@ -30,17 +30,17 @@ Procedure   One swarm per config, measured three times: after every peer is onli
             node/pipeline/in_flight_window.py), so an adaptive window has re-measured the round trip
             of the shaped links by then; a shorter round trip is taken at once, so unshaping needs less.
 tokens/s    As bench_swarm.py: two `node status --json` snapshots (run inside `boot`) a window
-            apart; stage-0 microbatches = delta(inner_step) x microbatches_per_step, time = delta of
+            apart; stage-0 microbatches = delta of the record's `microbatches`, time = delta of
             the stage-0 record's expiration (the time between its two announcements), tokens/s =
             microbatches x microbatch_size x sequence_length / time. Ratio = shaped / (mean of the two
             unshaped windows). Beside it: CPU cores used by the swarm's processes (p2pd included), by
             the delay line, and by the whole machine (anyone's processes) during each window.
-Configs     `default`: SwarmConfig() (max_in_flight 4 = min_in_flight, so the window is fixed at 4;
-            microbatches_per_step 2: up to 2 optimizer steps stale). `window16`: max_in_flight 16
-            with microbatches_per_step 8, passed to `node bootstrap --config`: the window may grow
-            to 16 while staleness stays at 16 / 8 = 2 steps. `window32`: 32 / 16 likewise.
-            `window16-int8` (only when asked for): 16 / 8 with int8 activations on the wire, half
-            the bytes of fp16, for a swarm that 50 Mbit/s of fp16 activations would cap.
+Configs     `default`: SwarmConfig(): the window adapts between 4 and max_in_flight 16, and every
+            stage takes steps of max(2, ceil(held / 2)) microbatches, so staleness stays within
+            max_staleness_steps = 2 however wide the window grows. `window32`: max_in_flight 32,
+            passed to `node bootstrap --config`. `int8` (only when asked for): the defaults with
+            int8 activations on the wire, half the bytes of fp16, for a swarm that 50 Mbit/s of
+            fp16 activations would cap.
 Window      The window's size is in no record or metric; stage 0 logs "in-flight window A -> B" when
             it doubled or halved since its last such line, so the report gives the last logged size
             per phase (to within a factor of 2) and its min round trip. For a fixed window, the mean
@@ -81,15 +81,14 @@ from tests.benchmarks.bench_transport import machine_info, script_main  # noqa: 
 HOSTS = ("boot", "s0", "s1", "s2")
 CONFIGS: dict[str, dict[str, dict[str, int | str]]] = {
     "default": {},
-    "window16": {"training": {"max_in_flight": 16, "microbatches_per_step": 8}},
-    # the same staleness bound (at most 2 optimizer steps between a forward and its backward) with a
-    # window that covers a 100 ms RTT pipeline's round trip at the unshaped rate (docs/benchmarks.md)
-    "window32": {"training": {"max_in_flight": 32, "microbatches_per_step": 16}},
+    # a ceiling over the default's, for a faster swarm's round trip (steps grow with the window,
+    # so staleness stays within max_staleness_steps)
+    "window32": {"training": {"max_in_flight": 32}},
     # each host carries 2 activations in and 2 out per microbatch: 128 KiB each way in fp16, which
     # 50 Mbit/s caps at ~47 microbatches/s (~24k tokens/s); int8 halves the bytes (not in the default run)
-    "window16-int8": {"training": {"max_in_flight": 16, "microbatches_per_step": 8, "wire_compression": "int8"}},
+    "int8": {"training": {"wire_compression": "int8"}},
 }
-DEFAULT_CONFIGS = ("default", "window16", "window32")
+DEFAULT_CONFIGS = ("default", "window32")
 TARGET_RATIO = 0.8  # issue 16: shaped tokens/s >= 0.8 x unshaped
 STATUS_TIMEOUT = 120.0  # `node status` over shaped links does a few DHT round trips more slowly
 WINDOW_LINE = re.compile(r"in-flight window (\d+) -> (\d+) \(min round trip ([\d.]+) s, ([\d.]+) microbatches/s\)")
@@ -134,7 +133,7 @@ def machine_busy_seconds() -> float:
     return sum(times.values()) - sum(times.get(k, 0.0) for k in ("idle", "iowait", "steal", "guest", "guest_nice"))
 
 
-def measure(swarm: Swarm, bed: TestBed, window: float, microbatches_per_step: int, tokens_per_mb: int) -> dict:
+def measure(swarm: Swarm, bed: TestBed, window: float, tokens_per_mb: int) -> dict:
     """Stage-0 throughput over one window, with the CPU the swarm and the delay line used meanwhile."""
     launcher = bed.launcher("boot")
     load_before = os.getloadavg()
@@ -155,7 +154,7 @@ def measure(swarm: Swarm, bed: TestBed, window: float, microbatches_per_step: in
     )
     wall = time.monotonic() - t0
     last = swarm.status(launcher=launcher, timeout=STATUS_TIMEOUT)
-    per_peer = stage0_throughput(first, last, microbatches_per_step)
+    per_peer = stage0_throughput(first, last)
     microbatches_per_s = sum(p["microbatches_per_s"] for p in per_peer)
     cpu = sum(cpu_after[pid] - cpu_before[pid] for pid in cpu_after if pid in cpu_before)
     line_cpu = line_after - line_before if line_before is not None and line_after is not None else None
@@ -241,7 +240,7 @@ def config_run(name: str, table: dict, args: argparse.Namespace, workdir: Path) 
                         else:
                             bed.shape(host)
                     time.sleep(args.wide_settle if shaped else args.wide_resettle)
-                result = measure(swarm, bed, args.wide_window, t.microbatches_per_step, tokens_per_mb)
+                result = measure(swarm, bed, args.wide_window, tokens_per_mb)
                 window_log = window_lines(peers[0].log())
                 # the size this phase began with: the last one logged before it, else the floor it starts at
                 result["window_at_start"] = window_log[logged - 1]["to"] if logged else t.min_in_flight
@@ -271,7 +270,7 @@ def config_run(name: str, table: dict, args: argparse.Namespace, workdir: Path) 
         "max_in_flight": t.max_in_flight,
         "microbatches_per_step": t.microbatches_per_step,
         "wire_compression": str(t.wire_compression),
-        "staleness_steps": t.max_in_flight / t.microbatches_per_step,
+        "staleness_steps": t.max_staleness_steps,
         "tokens_per_microbatch": tokens_per_mb,
         "startup_seconds": startup,
         "phases": phases,

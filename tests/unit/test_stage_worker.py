@@ -13,7 +13,7 @@ import torch
 from node.config import SwarmConfig
 from node.model.data import open_source
 from node.model.llama import ReferenceModel
-from node.pipeline.stage_worker import ADAM_BETAS, ADAM_EPS, StageWorker, UnknownMicrobatch, lr_at
+from node.pipeline.stage_worker import ADAM_BETAS, ADAM_EPS, StageWorker, UnknownMicrobatch, lr_at, step_size
 
 BASE = SwarmConfig(num_stages=3)
 
@@ -146,6 +146,40 @@ def test_past_the_stash_limit_the_backward_recomputes_at_the_current_weights(sta
         assert torch.allclose(grad_in, x.grad, atol=1e-6)
         w.forward("d", xa)  # a's copy is gone with a: room for a new one
         assert w.stashes.made == 2 * stashed_weights
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize(
+    ("per_step", "staleness", "stored", "expected"),
+    [(2, 2, 0, 2), (2, 2, 4, 2), (2, 2, 5, 3), (2, 2, 16, 8), (1, 1, 3, 3), (4, 1, 2, 4)],
+)
+def test_a_stage_holding_more_microbatches_takes_larger_steps(per_step, staleness, stored, expected) -> None:
+    training = cfg(microbatches_per_step=per_step, max_staleness_steps=staleness).training
+    assert step_size(training, stored) == expected
+    # a microbatch behind `stored` others waits about stored / step_size steps: within the budget
+    assert stored / step_size(training, stored) <= staleness
+
+
+def test_a_larger_step_uses_the_mean_of_its_microbatches_gradients() -> None:
+    config = cfg(microbatches_per_step=1, max_staleness_steps=1, grad_clip=1e9)
+    w = StageWorker(config, 1)
+    try:
+        reference = copy.deepcopy(w.module)
+        xs = {key: torch.randn(2, 8, 64) for key in "abc"}
+        gs = {key: torch.randn(2, 8, 64) for key in "abc"}
+        for key, x in xs.items():
+            w.forward(key, x)
+        w.backward("a", gs["a"])  # b and c still stored: steps of 2, so no step yet
+        assert w.inner_step == 0 and w.accumulated == 1
+        w.backward("b", gs["b"])  # one stored (c): 2 accumulated >= 1, a step of 2
+        assert w.inner_step == 1 and w.accumulated == 0
+        for key in "ab":
+            reference(xs[key]).backward(gs[key])
+        mean_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()])) / 2
+        assert w.last_grad_norm == pytest.approx(float(mean_norm), rel=1e-5)
+        w.backward("c", gs["c"])  # nothing else in flight: back to steps of microbatches_per_step
+        assert w.inner_step == 2
     finally:
         w.close()
 
