@@ -16,7 +16,8 @@ The estimate counts what the code keeps, in fp32 (4 bytes a value), at its peak:
   forwards ran on, kept for their backwards (node/pipeline/weight_stash.py);
 - edge copies (CheckFree+): stage 1 keeps stage 0's embedding, stage S its final norm and LM
   head (node/recovery/edge_copies.py);
-- activations in flight: `training.max_in_flight` microbatches of microbatch_size x
+- activations in flight: F microbatches (`training.max_in_flight`, or fewer where a device fits
+  fewer: `fitting_in_flight` sizes a peer's window by its free memory) of microbatch_size x
   sequence_length tokens each (a block peer fed by several stage-0 peers may hold more: its store
   accepts up to 4 x max_in_flight). A block stage keeps, per token, its input and output (2 x
   hidden) plus what autograd saves in each layer: activation_values_per_layer, 9 x hidden + 4 x
@@ -48,6 +49,7 @@ __all__ = [
     "activation_values_per_layer",
     "available_memory",
     "estimate_stage_memory",
+    "fitting_in_flight",
     "format_bytes",
     "memory_refusal",
 ]
@@ -105,18 +107,20 @@ def _edge_copy_parameters(config: SwarmConfig, stage: int) -> int:
     return (embedding if stage == 1 else 0) + (head if stage == last else 0)
 
 
-def estimate_stage_memory(config: SwarmConfig, stage: int) -> StageMemory:
-    """The peak memory a peer serving `stage` needs (module docstring: what is counted, and why)."""
+def estimate_stage_memory(config: SwarmConfig, stage: int, in_flight: int | None = None) -> StageMemory:
+    """The peak memory a peer serving `stage` with `in_flight` microbatches in flight (default
+    training.max_in_flight) needs (module docstring: what is counted, and why)."""
     if not 0 <= stage < config.num_stages:
         raise ValueError(f"stage {stage} out of range 0..{config.num_stages - 1}")
     m, t = config.model, config.training
+    in_flight = t.max_in_flight if in_flight is None else in_flight
     parameters = count_stage_parameters(config, stage)
-    tokens_in_flight = t.max_in_flight * t.microbatch_size * t.sequence_length
+    tokens_in_flight = in_flight * t.microbatch_size * t.sequence_length
     microbatch_tokens = t.microbatch_size * t.sequence_length
     if stage == 0:
         head_parameters = m.vocab_size * m.hidden_size + m.hidden_size
         activations = tokens_in_flight * (m.hidden_size * FP32 + 2 * TOKEN_ID)  # embedding output, ids, targets
-        activations += t.max_in_flight * head_parameters * FP32
+        activations += in_flight * head_parameters * FP32
         loss_head = LOSS_HEAD_COPIES * microbatch_tokens * m.vocab_size * FP32
     else:
         per_token = 2 * m.hidden_size + m.layers_per_stage * activation_values_per_layer(
@@ -161,6 +165,19 @@ def available_memory(device: str) -> DeviceMemory:
     return DeviceMemory(device, int(psutil.virtual_memory().available))
 
 
+def fitting_in_flight(config: SwarmConfig, stage: int, free: int) -> tuple[int | None, StageMemory]:
+    """The most microbatches in flight, from training.max_in_flight down to min_in_flight, whose
+    estimate fits in `free` bytes, with that estimate: the window is bounded by memory, so a smaller
+    device gets a narrower window instead of a refusal. (None, the estimate at min_in_flight) when
+    not even that fits."""
+    t = config.training
+    for in_flight in range(t.max_in_flight, t.min_in_flight - 1, -1):
+        estimate = estimate_stage_memory(config, stage, in_flight)
+        if estimate.total <= free:
+            return in_flight, estimate
+    return None, estimate
+
+
 def memory_refusal(config: SwarmConfig, estimate: StageMemory, available: DeviceMemory) -> str | None:
     """Why this device cannot serve the stage (one line), or None when the estimate fits."""
     if estimate.total <= available.free:
@@ -173,5 +190,5 @@ def memory_refusal(config: SwarmConfig, estimate: StageMemory, available: Device
     return (
         f"stage {estimate.stage} of swarm {config.swarm_id} needs about {format_bytes(estimate.total)} "
         f"({breakdown}, ...) but {available.device} has {format_bytes(available.free)} free: use a larger "
-        f"device, or a swarm with more stages or a smaller training.max_in_flight"
+        f"device, or a swarm with more stages or a smaller training.min_in_flight"
     )

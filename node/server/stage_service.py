@@ -13,7 +13,7 @@ import random
 import statistics
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -24,7 +24,7 @@ from dht.swarm_view import SwarmView
 from node.averaging.gossip import Gossip
 from node.config import SwarmConfig
 from node.model.data import DataError, open_source, stream_id_from_peer
-from node.model.memory import available_memory, estimate_stage_memory, format_bytes, memory_refusal
+from node.model.memory import available_memory, fitting_in_flight, format_bytes, memory_refusal
 from node.p2p.dialer import PeerDialer, keep_connected
 from node.p2p.direct import direct_addresses_of
 from node.p2p.network import Network
@@ -60,26 +60,30 @@ class ServiceOptions:
     threads: int | None = None
     quiet: bool = False
     check_memory: bool = True  # refuse a stage whose estimated memory exceeds what the device has free
+    # microbatches in flight this peer's memory allows (check_stage_fits); None: training.max_in_flight
+    max_in_flight: int | None = None
     meter: Meter = field(default_factory=Meter)  # one per process: its totals outlive a move to another stage
     # told of each stage service as it starts (and None as it ends): `--metrics-port` reads it at scrape time
     on_service: Callable[[StageService | None], None] | None = None
 
 
-def check_stage_fits(config: SwarmConfig, stage: int, device: str) -> None:
-    """JoinRefused (exit code 3, one line) when `device` has less free memory than a peer of
-    `stage` needs by node/model/memory.py's estimate."""
-    estimate = estimate_stage_memory(config, stage)
+def check_stage_fits(config: SwarmConfig, stage: int, device: str) -> int:
+    """The most microbatches in flight `device`'s free memory allows a peer of `stage`, by
+    node/model/memory.py's estimate; JoinRefused (exit code 3, one line) when not even
+    training.min_in_flight fits."""
     try:
         available = available_memory(device)
     except (RuntimeError, AssertionError, ValueError) as e:  # torch's answers for a device it lacks
         raise JoinRefused(f"cannot use device {device}: {e}") from None
+    in_flight, estimate = fitting_in_flight(config, stage, available.free)
     refusal = memory_refusal(config, estimate, available)
-    if refusal is not None:
-        raise JoinRefused(refusal)
+    if refusal is not None or in_flight is None:
+        raise JoinRefused(refusal or "no window fits")
     logger.info(
-        f"stage {stage} needs about {format_bytes(estimate.total)} ({estimate.parameters:,} parameters); "
-        f"{available.device} has {format_bytes(available.free)} free"
+        f"stage {stage} needs about {format_bytes(estimate.total)} ({estimate.parameters:,} parameters, "
+        f"{in_flight} microbatches in flight); {available.device} has {format_bytes(available.free)} free"
     )
+    return in_flight
 
 
 def pick_device(requested: str) -> str:
@@ -147,7 +151,9 @@ async def build_service(
     view = SwarmView(registry, config.num_stages, period=max(0.5, config.heartbeat.period / 2))
     router = Router(rng, config.num_stages, mode=config.training.routing)
     view.on_refresh(router.refresh)
-    worker = StageWorker(config, me.stage, device=pick_device(options.device))
+    # the window's ceiling: this device's memory bounds it (check_stage_fits), the swarm's config too
+    max_in_flight = options.max_in_flight or config.training.max_in_flight
+    worker = StageWorker(config, me.stage, device=pick_device(options.device), max_stored=4 * max_in_flight)
     # `auto` is resolved per peer (node/pipeline/precision.py): say what this peer computes in
     logger.info(f"stage {me.stage} computes in {worker.precision.precision} on {worker.device}")
     worker.meter = options.meter  # the process's meter: compute latencies survive a move to another stage
@@ -210,6 +216,7 @@ async def build_service(
         is_member=lambda peer_id: view.record_of(peer_id) is not None,
         unreachable=lambda: unreachable_peers(me, view),
         verifier=verifier,
+        max_in_flight=max_in_flight,
     )
     gossip = Gossip(config, me, worker, transport, view, router.bans, registry, ban_until, rng=rng)
     return StageService(config, me, worker, transport, router, view, pipeline, gossip, verifier)
@@ -332,7 +339,7 @@ async def serve_stage(
         torch.set_num_threads(options.threads)
     while True:
         if options.check_memory:
-            check_stage_fits(config, me.stage, pick_device(options.device))
+            options = replace(options, max_in_flight=check_stage_fits(config, me.stage, pick_device(options.device)))
         target = await serve_current_stage(network, config, me, stop, options)
         if target is None:
             return

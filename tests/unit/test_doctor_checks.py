@@ -79,9 +79,15 @@ def test_reachability_reads_the_announced_addresses():
 
 def test_memory_fails_when_the_device_cannot_hold_the_stage():
     config = SwarmConfig()
-    need = estimate_stage_memory(config, 1).total
-    assert check_memory(1, config, "cpu", lambda device: DeviceMemory(device, need * 2)).outcome == Outcome.OK
-    small = check_memory(1, config, "cpu", lambda device: DeviceMemory(device, need // 2))
+    need = estimate_stage_memory(config, 1).total  # at max_in_flight
+    least = estimate_stage_memory(config, 1, config.training.min_in_flight).total
+    wide = check_memory(1, config, "cpu", lambda device: DeviceMemory(device, need * 2))
+    assert wide.outcome == Outcome.OK and f"with {config.training.max_in_flight} microbatches in flight" in wide.found
+    # less than the widest window needs, more than the narrowest: OK, with a narrower window
+    narrow = check_memory(1, config, "cpu", lambda device: DeviceMemory(device, (need + least) // 2))
+    assert narrow.outcome == Outcome.OK and "microbatches in flight" in narrow.found
+    assert f"with {config.training.max_in_flight} " not in narrow.found
+    small = check_memory(1, config, "cpu", lambda device: DeviceMemory(device, least // 2))
     assert small.outcome == Outcome.FAIL and "stage 1" in small.found
 
     def no_device(device: str) -> DeviceMemory:

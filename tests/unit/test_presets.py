@@ -17,6 +17,7 @@ from node.model.memory import (
     DeviceMemory,
     activation_values_per_layer,
     estimate_stage_memory,
+    fitting_in_flight,
     format_bytes,
     memory_refusal,
 )
@@ -211,6 +212,17 @@ def test_the_memory_estimate_of_tiny_equals_a_hand_computation():
     last = estimate_stage_memory(config, 2)
     assert last.edge_copies == (256 * 64 + 64) * 4  # the LM head and the final norm
     assert format_bytes(first.total) == "47.5 MiB"
+
+
+def test_a_device_too_small_for_the_widest_window_gets_the_widest_that_fits():
+    config = SwarmConfig()  # windows of 4..16
+    widest = estimate_stage_memory(config, 1).total
+    assert fitting_in_flight(config, 1, widest) == (16, estimate_stage_memory(config, 1))
+    free = estimate_stage_memory(config, 1, 9).total + 1  # 9 fit, 10 do not
+    in_flight, estimate = fitting_in_flight(config, 1, free)
+    assert in_flight == 9 and estimate.total <= free < estimate_stage_memory(config, 1, 10).total
+    least = estimate_stage_memory(config, 1, 4)
+    assert fitting_in_flight(config, 1, least.total - 1) == (None, least)  # not even the floor: refused
 
 
 def test_gossip_off_drops_the_round_and_no_checkfree_plus_drops_the_edge_copies():
