@@ -17,12 +17,13 @@ one-host behaviour, `ceiling` bounds stored activations and queues on the stages
 The rule assumes each stage is a server whose speed does not depend on how much waits for it. Where
 stages share cores (several peers on one host, or a GPU that batches better with a queue), more in
 flight can deliver more although the minimum RTT says the pipeline is full: on this repository's
-2-core test host a window of 16 delivered ~74 microbatches/s against ~65 at BBR's 4. So, like BBR's
-ProbeBW, the window probes: after PROBE_QUIET rate spans without a drain or probe, below the ceiling, it runs at
-PROBE_GROWTH times its size for a measuring span, and keeps that size as a learned floor when the
-probe delivered PROBE_GAIN more than the span before it. A probe that gains nothing changes nothing;
-the learned size never exceeds the ceiling, and staleness does not grow with it (a stage's step
-grows with what it holds, node/pipeline/stage_worker.py).
+2-core test host a window of 16 delivered ~74 microbatches/s against ~65 at BBR's 4. So, like
+BBR's ProbeBW, the window probes: after PROBE_QUIET rate spans without a drain or a probe, and
+below the ceiling, it runs at PROBE_GROWTH times its size for one rate span (after one round trip
+to fill), and keeps that size as a learned floor when the probe delivered PROBE_GAIN more than the
+span before it. A probe that gains nothing changes nothing; the learned size never exceeds the
+ceiling, and staleness does not grow with it (a stage's step grows with what it holds,
+node/pipeline/stage_worker.py).
 
 The window has no clock or networking of its own: the caller reports completions with their times.
 """

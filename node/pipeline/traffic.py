@@ -114,7 +114,7 @@ class Pipeline:
         is_member: Callable[[str], bool] | None = None,
         unreachable: Callable[[], set[str]] = set,
         verifier: Verifier | None = None,
-        max_in_flight: int | None = None,
+        max_in_flight: int | None = None,  # the window's ceiling here: less than the swarm's where memory is short
     ):
         self.config = config
         self.transport = transport
@@ -126,14 +126,11 @@ class Pipeline:
         # whether a peer has a live record in this swarm: compute is spent only on members' microbatches
         self.is_member = is_member or (lambda peer_id: True)
         training = config.training
-        # this peer's ceiling: the swarm's max_in_flight, or less where its memory holds less
-        ceiling = max_in_flight or training.max_in_flight
-        self.max_queue = max_queue or ceiling
+        self.window = InFlightWindow(training.min_in_flight, max_in_flight or training.max_in_flight)
+        self.max_queue = max_queue or self.window.ceiling
         self.hop_timeout = training.hop_timeout
-        self.compression = training.wire_compression
         self.num_block_stages = config.num_stages - 1
         self.in_flight: dict[int, InFlight] = {}
-        self.window = InFlightWindow(training.min_in_flight, ceiling)
         self.stats = PipelineStats()
         self.hops = HopSender(
             transport, router, self.stats, self.hop_timeout, training.max_retries, self.ban_until, unreachable, verifier
