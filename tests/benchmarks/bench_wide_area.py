@@ -38,9 +38,9 @@ tokens/s    As bench_swarm.py: two `node status --json` snapshots (run inside `b
 Configs     `default`: SwarmConfig(): the window adapts between 4 and max_in_flight 16, and every
             stage takes steps of max(2, ceil(held / 2)) microbatches, so staleness stays within
             max_staleness_steps = 2 however wide the window grows. `window32`: max_in_flight 32,
-            passed to `node bootstrap --config`. `int8` (only when asked for): the defaults with
-            int8 activations on the wire, half the bytes of fp16, for a swarm that 50 Mbit/s of
-            fp16 activations would cap.
+            passed to `node bootstrap --config`. `window32-int8`: the same with int8 activations
+            on the wire, half the bytes of fp16, for a swarm that 50 Mbit/s of fp16 activations
+            would cap. `int8` (only when asked for): the defaults with int8 on the wire.
 Window      The window's size is in no record or metric; stage 0 logs "in-flight window A -> B" when
             it doubled or halved since its last such line, so the report gives the last logged size
             per phase (to within a factor of 2) and its min round trip. For a fixed window, the mean
@@ -85,10 +85,11 @@ CONFIGS: dict[str, dict[str, dict[str, int | str]]] = {
     # so staleness stays within max_staleness_steps)
     "window32": {"training": {"max_in_flight": 32}},
     # each host carries 2 activations in and 2 out per microbatch: 128 KiB each way in fp16, which
-    # 50 Mbit/s caps at ~47 microbatches/s (~24k tokens/s); int8 halves the bytes (not in the default run)
+    # 50 Mbit/s caps at ~47 microbatches/s (~24k tokens/s); int8 halves the bytes
+    "window32-int8": {"training": {"max_in_flight": 32, "wire_compression": "int8"}},
     "int8": {"training": {"wire_compression": "int8"}},
 }
-DEFAULT_CONFIGS = ("default", "window32")
+DEFAULT_CONFIGS = ("default", "window32", "window32-int8")
 TARGET_RATIO = 0.8  # issue 16: shaped tokens/s >= 0.8 x unshaped
 STATUS_TIMEOUT = 120.0  # `node status` over shaped links does a few DHT round trips more slowly
 WINDOW_LINE = re.compile(r"in-flight window (\d+) -> (\d+) \(min round trip ([\d.]+) s, ([\d.]+) microbatches/s\)")
