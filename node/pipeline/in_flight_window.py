@@ -50,7 +50,7 @@ PROBE_GAIN = 1.05  # what a probe must deliver over the span before it to be kep
 
 @dataclass
 class _Probe:
-    """One probe: `size` in flight from `started`; delivery counted from `measure_from` to `ends`."""
+    """One probe: `size` in flight until `ends`; its delivery counted from `measure_from` on."""
 
     size: int
     baseline: float  # microbatches/s over the span before the probe

@@ -468,7 +468,9 @@ def clipped_step(
     if not with_grad:
         return math.nan
     if grad_scale != 1.0:
-        torch._foreach_mul_([p.grad for p in with_grad], grad_scale)
+        with torch.no_grad():
+            for p in with_grad:
+                p.grad.mul_(grad_scale)
     total = torch.nn.utils.clip_grad_norm_(with_grad, clip)
     if not torch.isfinite(total):
         optimizer.zero_grad(set_to_none=True)
