@@ -73,13 +73,25 @@ from node.runtime.meter import Meter
 
 T = TypeVar("T")
 
-__all__ = ["ADAM_BETAS", "ADAM_EPS", "THROUGHPUT_EMA", "StageWorker", "UnknownMicrobatch", "lr_at", "step_size"]
+__all__ = [
+    "ADAM_BETAS",
+    "ADAM_EPS",
+    "STORED_PER_IN_FLIGHT",
+    "THROUGHPUT_EMA",
+    "StageWorker",
+    "UnknownMicrobatch",
+    "lr_at",
+    "step_size",
+]
 
 logger = logging.getLogger(__name__)
 
 ADAM_BETAS = (0.9, 0.95)
 ADAM_EPS = 1e-8
 THROUGHPUT_EMA = 0.1  # weight of the newest sample (SWARM's alpha)
+# stored activations per microbatch a stage-0 peer may keep in flight: a block peer fed by several
+# stage-0 peers holds more than one window (node/model/memory.py counts one)
+STORED_PER_IN_FLIGHT = 4
 
 
 def lr_at(config: SwarmConfig, step: int, lr_scale: float = 1.0) -> float:
@@ -129,7 +141,7 @@ class StageWorker:
         self._params = [p for p in self.module.parameters()]
         self.dtype = self._params[0].dtype  # of the master weights and the wire tensors: fp32
         self.precision = StagePrecision(t.precision, self.device)  # compute: autocast, fp16's loss scale
-        self.max_stored = max_stored if max_stored is not None else 4 * t.max_in_flight
+        self.max_stored = max_stored if max_stored is not None else STORED_PER_IN_FLIGHT * t.max_in_flight
         self.max_batch = max_batch if max_batch is not None else t.microbatch_size
         if self.max_stored < 1 or self.max_batch < 1:
             raise ValueError("max_stored and max_batch must be >= 1")

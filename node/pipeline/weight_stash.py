@@ -32,8 +32,12 @@ class StashedWeights:
     """One copy of a stage's parameters, as leaves the backward differentiates against."""
 
     versions: tuple[int, ...]  # the live parameters' version counters when copied
-    named: dict[str, Tensor]  # parameter name -> copy (requires_grad), for functional_call
-    params: list[Tensor]  # the same copies in module.parameters() order
+    named: dict[str, Tensor]  # parameter name -> copy (requires_grad), in module.parameters() order
+
+    @property
+    def params(self) -> list[Tensor]:
+        """The copies in module.parameters() order: what the backward differentiates against."""
+        return list(self.named.values())
 
 
 class WeightStashes:
@@ -47,7 +51,6 @@ class WeightStashes:
         self._live: weakref.WeakSet[StashedWeights] = weakref.WeakSet()
         self._current: StashedWeights | None = None
         self.made = 0  # stashes made so far
-        self.refused = 0  # forwards that ran on the live weights because `limit` copies were alive
 
     def __len__(self) -> int:
         """Stashes alive: the current one and those stored microbatches still refer to."""
@@ -63,10 +66,9 @@ class WeightStashes:
             return current
         self._current = None  # this worker's own hold on the old version goes first
         if len(self._live) >= self.limit:
-            self.refused += 1
             return None
         named = {name: p.detach().clone().requires_grad_(True) for name, p in self.module.named_parameters()}
-        stash = StashedWeights(versions, named, list(named.values()))
+        stash = StashedWeights(versions, named)
         self._live.add(stash)
         self._current = stash
         self.made += 1

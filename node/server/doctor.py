@@ -32,7 +32,7 @@ from dht.records import PeerRecord, PeerState, Reachability, reachability_of
 from dht.registry import SwarmRegistry
 from node import __version__
 from node.config import SwarmConfig
-from node.model.memory import DeviceMemory, available_memory, fitting_in_flight, format_bytes, memory_refusal
+from node.model.memory import DeviceMemory, available_memory, fitting_in_flight, format_bytes
 from node.p2p.network import Network, NetworkError, peer_id_of_maddr, start_network
 from node.p2p.reachability import NatReachability
 from node.server.daemon import JoinRefused, check_compatible, expected_founder, find_swarm
@@ -167,13 +167,11 @@ def check_memory(
     except (RuntimeError, AssertionError, ValueError) as e:  # torch's answers for a device it lacks
         return Check("memory", Outcome.FAIL, f"cannot use device {device}: {e}", "pick another --device")
     in_flight, estimate = fitting_in_flight(config, stage, free.free)
-    refusal = memory_refusal(config, estimate, free)
-    window = f" with {in_flight} microbatches in flight" if in_flight is not None else ""
-    found = (
-        f"stage {stage} needs about {format_bytes(estimate.total)}{window}; {device} has {format_bytes(free.free)} free"
-    )
-    if refusal is not None:
+    needs = f"stage {stage} needs about {format_bytes(estimate.total)}"
+    if in_flight is None:  # not even min_in_flight fits
+        found = f"{needs}; {device} has {format_bytes(free.free)} free"
         return Check("memory", Outcome.FAIL, found, "use a larger device, or a swarm with more stages")
+    found = f"{needs} with {in_flight} microbatches in flight; {device} has {format_bytes(free.free)} free"
     return Check("memory", Outcome.OK, found)
 
 

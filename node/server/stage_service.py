@@ -33,7 +33,7 @@ from node.p2p.reachability import carries_training
 from node.p2p.transport import Transport
 from node.pipeline.evaluation import MicrobatchPurpose
 from node.pipeline.routing import Router
-from node.pipeline.stage_worker import StageWorker
+from node.pipeline.stage_worker import STORED_PER_IN_FLIGHT, StageWorker
 from node.pipeline.traffic import Pipeline
 from node.pipeline.validation import Validator, open_validator
 from node.pipeline.verifier import Verifier
@@ -76,9 +76,8 @@ def check_stage_fits(config: SwarmConfig, stage: int, device: str) -> int:
     except (RuntimeError, AssertionError, ValueError) as e:  # torch's answers for a device it lacks
         raise JoinRefused(f"cannot use device {device}: {e}") from None
     in_flight, estimate = fitting_in_flight(config, stage, available.free)
-    refusal = memory_refusal(config, estimate, available)
-    if refusal is not None or in_flight is None:
-        raise JoinRefused(refusal or "no window fits")
+    if in_flight is None:  # not even min_in_flight fits
+        raise JoinRefused(memory_refusal(config, estimate, available))
     logger.info(
         f"stage {stage} needs about {format_bytes(estimate.total)} ({estimate.parameters:,} parameters, "
         f"{in_flight} microbatches in flight); {available.device} has {format_bytes(available.free)} free"
@@ -153,7 +152,8 @@ async def build_service(
     view.on_refresh(router.refresh)
     # the window's ceiling: this device's memory bounds it (check_stage_fits), the swarm's config too
     max_in_flight = options.max_in_flight or config.training.max_in_flight
-    worker = StageWorker(config, me.stage, device=pick_device(options.device), max_stored=4 * max_in_flight)
+    max_stored = STORED_PER_IN_FLIGHT * max_in_flight
+    worker = StageWorker(config, me.stage, device=pick_device(options.device), max_stored=max_stored)
     # `auto` is resolved per peer (node/pipeline/precision.py): say what this peer computes in
     logger.info(f"stage {me.stage} computes in {worker.precision.precision} on {worker.device}")
     worker.meter = options.meter  # the process's meter: compute latencies survive a move to another stage
