@@ -6,6 +6,7 @@ from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import (
     KIND_SCHEMAS,
     KIND_TENSORS,
+    POSTED_KEY,
     Message,
     MessageKind,
     MetaValue,
@@ -21,6 +22,7 @@ __all__ = [
     "DTYPES",
     "KIND_SCHEMAS",
     "KIND_TENSORS",
+    "POSTED_KEY",
     "PROTOCOL_VERSION",
     "Compression",
     "Limits",

@@ -71,6 +71,11 @@ KIND_SCHEMAS: dict[MessageKind, dict[str, Any]] = {
     MessageKind.CHECK_RESULT: {"stage": int},
 }
 
+# A request whose meta holds POSTED_KEY: True is *posted*: its receiver replies only to refuse it
+# (BUSY, ERROR) and says nothing when it takes it, so a pipeline hop costs one frame instead of a
+# request and an ACK (node/p2p/channels.py). A receiver that does not know the key ACKs as before.
+POSTED_KEY = "posted"
+
 # Required tensor names per kind; other names are allowed up to max_tensors (FORWARD may carry an
 # optional "targets" for the last stage).
 KIND_TENSORS: dict[MessageKind, frozenset[str]] = {kind: frozenset() for kind in MessageKind}

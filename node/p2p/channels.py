@@ -8,7 +8,12 @@ a stream that stays open. So services that exchange many small requests with the
 (pipeline hops) keep one stream per peer open and tell replies apart by request id.
 
 Client side (`ChannelPool`): one `Channel` per (peer, service), opened on first use; a reader task
-settles each request's future by its reply's id. A channel idle for `CLIENT_IDLE` seconds is
+settles each request's future by its reply's id. A *posted* request (protocol POSTED_KEY) gets a
+reply only when the server refuses it: the client settles it as taken once `refusal_window` passed
+in silence, and a refusal later than that (a server whose loop lagged) still reaches the sender's
+`on_late_refusal` until the request's timeout. Pipeline hops are posted (node/pipeline/hops.py): the
+ACK was half of a hop's frames, each a wake-up of both event loops, for an answer that is "yes"
+nearly every time (docs/benchmarks.md). A channel idle for `CLIENT_IDLE` seconds is
 closed and a new one opened rather than reused, so the client never writes into a stream the
 server is about to close for idleness (`SERVER_IDLE` is longer). Server side: node/p2p/transport.py
 (`Transport._serve_channel`), where every rule of the per-request path still applies per message.
@@ -21,6 +26,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -29,6 +35,7 @@ from dht.records import short_peer_id
 from node.p2p.peer_conduct import PeerConduct
 from node.runtime.timeouts import within
 from protocol import (
+    POSTED_KEY,
     Limits,
     Message,
     MessageKind,
@@ -49,6 +56,8 @@ SERVER_IDLE = 30.0
 CLIENT_IDLE = 20.0
 # Requests one channel may have in flight at the server; more wait in the stream (backpressure).
 CHANNEL_CONCURRENCY = 16
+# Posted requests whose refusal window passed, remembered for a late refusal: at most this many per channel.
+MAX_LATE_REFUSALS = 4096
 # Larger requests take a stream of their own: one big frame on a shared channel would hold up
 # every small request behind it (head-of-line blocking), and saves nothing per byte.
 CHANNEL_MAX_PAYLOAD = 4 * 1024 * 1024
@@ -74,6 +83,8 @@ class Channel:
     swarm_key: bytes | None
     last_used: float = field(default_factory=time.monotonic)
     pending: dict[int, asyncio.Future] = field(default_factory=dict)
+    # posted requests past their refusal window: id -> (monotonic deadline, on_late_refusal)
+    late_refusals: OrderedDict[int, tuple[float, Callable[[Message], None]]] = field(default_factory=OrderedDict)
     closed: bool = False
     _reader_task: asyncio.Task | None = None
 
@@ -100,15 +111,72 @@ class Channel:
             self.pending.pop(request_id, None)
             self.last_used = time.monotonic()
 
+    async def post(
+        self,
+        request_id: int,
+        payload: bytes,
+        timeout: float,
+        refusal_window: float,
+        on_late_refusal: Callable[[Message], None] | None = None,
+    ) -> asyncio.Future:
+        """Send one sealed posted request (its meta holds POSTED_KEY) within `timeout`, and return at
+        once with a future of its outcome: the server's reply if it sends one (a refusal, or the ACK
+        of a server that answers every request), None once `refusal_window` passed without one (it
+        was taken), or ChannelClosed if the channel ends first. A refusal after the window, up to
+        `timeout` after the send, goes to `on_late_refusal`."""
+        if self.closed:
+            raise ChannelClosed(f"{self.service} channel to {short_peer_id(self.peer_id)} is closed")
+        if request_id in self.pending:
+            raise ChannelClosed(f"request {request_id} is already pending on this channel")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.pending[request_id] = future
+        self.last_used = time.monotonic()
+        try:
+            async with asyncio.timeout(timeout):
+                await write_frame(self.writer, payload, self.limits)
+        except BaseException:
+            self.pending.pop(request_id, None)
+            raise
+        sent_at = time.monotonic()
+
+        def taken() -> None:  # the window passed in silence
+            if future.done():
+                return
+            future.set_result(None)
+            if on_late_refusal is not None:
+                self._remember_late(request_id, sent_at + timeout, on_late_refusal)
+
+        quiet = loop.call_later(refusal_window, taken)
+
+        def settled(_: asyncio.Future) -> None:
+            quiet.cancel()
+            if self.pending.get(request_id) is future:
+                del self.pending[request_id]
+
+        future.add_done_callback(settled)
+        return future
+
+    def _remember_late(self, request_id: int, until: float, on_late_refusal: Callable[[Message], None]) -> None:
+        late = self.late_refusals
+        now = time.monotonic()
+        while late and (len(late) >= MAX_LATE_REFUSALS or next(iter(late.values()))[0] < now):
+            late.popitem(last=False)
+        late[request_id] = (until, on_late_refusal)
+
     async def _read_replies(self) -> None:
         error: BaseException = ChannelClosed(f"{self.service} channel to {short_peer_id(self.peer_id)} closed")
         try:
             while True:
                 reply = await recv_message(self.reader, self.limits, self.swarm_id, self.swarm_key)
                 future = self.pending.get(reply.request_id)
+                late = self.late_refusals.pop(reply.request_id, None) if future is None else None
                 if future is not None:
                     if not future.done():
                         future.set_result(reply)
+                elif late is not None:
+                    if reply.kind != MessageKind.ACK and late[0] >= time.monotonic():
+                        late[1](reply)
                 elif reply.kind == MessageKind.ERROR:  # a refusal of the whole channel (ban, rate, bad frame)
                     error = ChannelClosed(
                         f"{short_peer_id(self.peer_id)} closed the channel: {reply.meta.get('reason')}"
@@ -128,7 +196,7 @@ class Channel:
             return
         self.closed = True
         self.writer.close()
-        for future in self.pending.values():
+        for future in list(self.pending.values()):
             if not future.done():
                 future.set_exception(error or ChannelClosed(f"{self.service} channel closed"))
         if self._reader_task is not None and self._reader_task is not asyncio.current_task():
@@ -232,6 +300,9 @@ class ChannelServer:
             except Exception:
                 logger.exception(f"{service} handler failed on a request from {short_peer_id(sender)}")
                 reply = owner.error("internal error")
+            if reply.kind == MessageKind.ACK and request.meta.get(POSTED_KEY) is True:
+                slots.release()  # a posted request taken: silence is its answer
+                return
             # the client matches replies to requests by id, whatever id the handler put in its reply
             reply = dataclasses.replace(reply, request_id=request.request_id)
             try:

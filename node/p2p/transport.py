@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -24,7 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from hivemind.p2p import P2P, PeerID
 
 from dht.records import short_peer_id
-from node.p2p.channels import CHANNEL_MAX_PAYLOAD, SERVER_IDLE, ChannelPool, ChannelServer
+from node.p2p.channels import CHANNEL_MAX_PAYLOAD, SERVER_IDLE, Channel, ChannelPool, ChannelServer
 from node.p2p.dialer import PeerDialer
 from node.p2p.direct import DirectLinks
 from node.p2p.metered_stream import metered
@@ -34,6 +35,7 @@ from node.runtime.meter import Meter
 from node.runtime.timeouts import within
 from protocol import (
     DEFAULT_LIMITS,
+    POSTED_KEY,
     Limits,
     Message,
     MessageKind,
@@ -279,11 +281,11 @@ class Transport:
         began = time.monotonic()
         try:
             payload = seal_message(message, self.compression, self.limits, self.swarm_key)
-            reply = await self._request_on_channel(peer_id, service, message.request_id, payload, timeout)
-            if reply is None:
-                async with self.session(peer_id, service, timeout) as (reader, writer):
-                    await within(write_frame(writer, payload, self.limits), timeout)
-                    reply = await within(recv_message(reader, self.limits, self.swarm_id, self.swarm_key), timeout)
+            channel = await self._channel_for(peer_id, service, len(payload), timeout)
+            if channel is not None:
+                reply = await channel.call(message.request_id, payload, timeout)
+            else:
+                reply = await self._exchange_on_stream(peer_id, service, payload, timeout)
         except TransportError:
             raise
         except TimeoutError as e:
@@ -295,24 +297,63 @@ class Transport:
         self.meter.hop(service, time.monotonic() - began)  # answered hops only: timeouts are counted apart
         return reply
 
-    async def _request_on_channel(
-        self, peer_id: str, service: str, request_id: int, payload: bytes, timeout: float
-    ) -> Message | None:
-        """The reply over the channel to `peer_id` for `service`; None when this request takes a
-        stream of its own (not multiplexed, too large, or the peer has no channel handler)."""
-        if (
-            service not in self._multiplexed
-            or len(payload) > CHANNEL_MAX_PAYLOAD
-            or (peer_id, service) in self._stream_only
-        ):
+    def seal_posted(self, message: Message) -> bytes:
+        """`message` as the payload of a posted request (protocol POSTED_KEY), for `post`."""
+        posted = dataclasses.replace(message, meta={**message.meta, POSTED_KEY: True})
+        return seal_message(posted, self.compression, self.limits, self.swarm_key)
+
+    async def post(
+        self,
+        peer_id: str,
+        service: str,
+        request_id: int,
+        payload: bytes,
+        timeout: float,
+        refusal_window: float,
+        on_late_refusal: Callable[[Message], None] | None = None,
+    ) -> asyncio.Future:
+        """Send one request `seal_posted` made, which `peer_id` answers only to refuse, on the channel
+        of a `multiplex` service; returns once it is written, with a future of its outcome
+        (node/p2p/channels.py, Channel.post): a BUSY or ERROR reply, None when it was taken in
+        silence, ChannelClosed when the channel ended first; a refusal after `refusal_window` goes to
+        `on_late_refusal`. A request that cannot take a channel takes a stream of its own and its
+        reply, whatever it is, is in the future. Raises TransportError when the send itself fails."""
+        began = time.monotonic()
+        try:
+            channel = await self._channel_for(peer_id, service, len(payload), timeout)
+            if channel is not None:
+                outcome = await channel.post(request_id, payload, timeout, refusal_window, on_late_refusal)
+                self.meter.hop(service, time.monotonic() - began)  # a posted hop's latency: until it is written
+                return outcome
+            reply = await self._exchange_on_stream(peer_id, service, payload, timeout)
+        except TransportError:
+            raise
+        except TimeoutError as e:
+            raise TransportError(f"{service} to {short_peer_id(peer_id)} timed out after {timeout:.1f} s") from e
+        except (ProtocolError, EOFError, ConnectionError, OSError, asyncio.IncompleteReadError) as e:
+            raise TransportError(f"{service} to {short_peer_id(peer_id)} failed: {e!r}") from e
+        self.meter.hop(service, time.monotonic() - began)
+        outcome = asyncio.get_running_loop().create_future()
+        outcome.set_result(reply)
+        return outcome
+
+    async def _exchange_on_stream(self, peer_id: str, service: str, payload: bytes, timeout: float) -> Message:
+        """Send one request on a stream of its own and read its reply."""
+        async with self.session(peer_id, service, timeout) as (reader, writer):
+            await within(write_frame(writer, payload, self.limits), timeout)
+            return await within(recv_message(reader, self.limits, self.swarm_id, self.swarm_key), timeout)
+
+    async def _channel_for(self, peer_id: str, service: str, size: int, timeout: float) -> Channel | None:
+        """The channel to `peer_id` for `service` a request of `size` bytes takes; None when it takes
+        a stream of its own (not multiplexed, too large, or the peer has no channel handler)."""
+        if service not in self._multiplexed or size > CHANNEL_MAX_PAYLOAD or (peer_id, service) in self._stream_only:
             return None
         try:
-            channel = await self._channels.get(peer_id, service, timeout)
+            return await self._channels.get(peer_id, service, timeout)
         except _NoChannelHandler as e:
             logger.info(f"{short_peer_id(peer_id)} has no {service} channel, one stream per request: {e}")
             self._stream_only.add((peer_id, service))
             return None
-        return await channel.call(request_id, payload, timeout)
 
     async def _open_channel_stream(
         self, peer_id: str, service: str, timeout: float

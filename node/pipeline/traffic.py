@@ -13,12 +13,14 @@ see it, so only they can abort the microbatch or hand its results back to the or
 who guesses a microbatch id cannot). A tensor a worker rejects (non-finite, absurd, misshapen) is
 a strike against the peer that sent it (node/p2p/peer_conduct.py); repeated strikes ban it.
 
-Each hop is acknowledged as soon as the receiver has queued the work, so no peer waits for a whole
-round trip. A send that errors bans that peer until its DHT record expires and goes to another peer
-of the stage; a send that times out goes to another peer without a ban, as SWARM does (a slow or
-momentarily overloaded peer is not a faulty one; docs/algorithms.md, "SWARM routing"); both within
-bounded retries. A microbatch lost past an acknowledgement (a peer died holding it) is noticed by
-its origin's deadline and run again from the start.
+Each hop is posted (node/pipeline/hops.py): the receiver queues the work and answers only to refuse
+it, so no peer waits for a round trip and a taken hop costs one frame. A send that errors, or is
+refused with an ERROR, bans that peer until its DHT record expires and goes to another peer of the
+stage; a send that times out or is refused BUSY goes to another peer without a ban, as SWARM does (a
+slow or momentarily overloaded peer is not a faulty one; docs/algorithms.md, "SWARM routing"); all
+within bounded retries. A microbatch lost past its hop's refusal window (a peer died or hung holding
+it) is told to its origin where a peer on the path can, and otherwise noticed by the origin's
+deadline, and run again from the start under a new id.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Protocol
+from functools import partial
+from typing import Protocol
 
 import torch
 
@@ -89,6 +92,10 @@ class InFlight:
         future = asyncio.get_running_loop().create_future()
         return cls(microbatch_id, targets, order, time.monotonic(), future, secrets.token_hex(8), purpose=purpose)
 
+    def on_lost(self, reason: str) -> Callable[[], None]:
+        """What a hop of this attempt does when it is lost (node/pipeline/hops.py): fail the attempt."""
+        return lambda: self.finish(error=TransportError(reason))
+
     def finish(self, loss: float | None = None, error: BaseException | None = None) -> None:
         """Settle the attempt once: an abort can race a backward that just completed."""
         if self.done.done():
@@ -97,6 +104,10 @@ class InFlight:
             self.done.set_exception(error)
         else:
             self.done.set_result(loss)
+
+
+def _no_op() -> None:
+    pass
 
 
 class Pipeline:
@@ -149,9 +160,6 @@ class Pipeline:
         await self.transport.serve_requests(BACKWARD, self.on_backward)
         await self.transport.serve_requests(ABORT, self.on_abort)
 
-    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
-        self._tasks.spawn(coroutine)
-
     def _ack(self, request: Message) -> Message:
         return self.transport.message(MessageKind.ACK, request_id=request.request_id)
 
@@ -170,7 +178,7 @@ class Pipeline:
         if hop == len(order) + 1:
             if msg.meta["origin"] != self.me.peer_id or self._ticket(msg) is None:
                 return self.transport.error("unknown microbatch")
-            self._spawn(self._finish_forward(msg))
+            self._tasks.spawn(self._finish_forward(msg))
             return self._ack(msg)
         if not (self.is_member(sender) and self.is_member(msg.meta["origin"])):
             # a stranger (or a joiner our swarm view has not seen yet): not a strike, and BUSY so an
@@ -183,7 +191,7 @@ class Pipeline:
             self.stats.busy_replies += 1
             return self.transport.message(MessageKind.BUSY, request_id=msg.request_id)
         self._queued += 1
-        self._spawn(self._run_block_forward(msg))
+        self._tasks.spawn(self._run_block_forward(msg))
         return self._ack(msg)
 
     async def on_backward(self, sender: str, msg: Message) -> Message:
@@ -195,7 +203,7 @@ class Pipeline:
             raise ProtocolError("backward arrived from a peer that is not the next hop of its path")
         if hop == 0 and self._ticket(msg) is None:
             return self.transport.error("unknown microbatch")
-        self._spawn(self._run_backward(msg))
+        self._tasks.spawn(self._run_backward(msg))
         return self._ack(msg)
 
     def _ticket(self, msg: Message) -> InFlight | None:
@@ -219,11 +227,12 @@ class Pipeline:
     def _reject(self, sender: str, msg: Message, reason: str) -> None:
         """A tensor from `sender` was unusable: a strike against it, and the origin retries elsewhere."""
         self.transport.conduct.strike(sender, reason)
-        self._abort(msg.meta["path"][0], msg, reason)
+        self._abort(msg.meta["path"][0], msg.meta, reason)
 
-    def _abort(self, origin: str, msg: Message, reason: str) -> None:
-        """Tell a microbatch's origin it is lost here (best effort, in the background)."""
-        self._spawn(self.hops.notify_abort(origin, ABORT, msg.meta["microbatch_id"], msg.meta.get("token", ""), reason))
+    def _abort(self, origin: str, meta: dict, reason: str) -> None:
+        """Tell a microbatch's origin it is lost here (best effort, in the background). Takes the
+        meta, not the message: a lost hop's callback may hold it for a while, and no tensor with it."""
+        self._tasks.spawn(self.hops.notify_abort(origin, ABORT, meta["microbatch_id"], meta.get("token", ""), reason))
 
     def _valid_order(self, order: list[int]) -> bool:
         return sorted(order) == list(range(1, self.num_block_stages + 1))
@@ -241,7 +250,7 @@ class Pipeline:
             return
         except Exception:
             logger.exception(f"forward of microbatch {msg.meta['microbatch_id']} failed")
-            self._abort(msg.meta["origin"], msg, "forward failed")
+            self._abort(msg.meta["origin"], msg.meta, "forward failed")
             return
         finally:
             self._queued -= 1
@@ -249,16 +258,17 @@ class Pipeline:
         next_stage = order[hop] if hop < len(order) else 0
         meta = {**msg.meta, "hop": hop + 1, "path": [*msg.meta["path"], self.me.peer_id]}
         tensors = {"hidden": hidden, **({"targets": msg.tensors["targets"]} if "targets" in msg.tensors else {})}
-        if next_stage == 0:
-            sent = await self.hops.send_to(msg.meta["origin"], FORWARD, MessageKind.FORWARD, meta, tensors)
-        else:
-            sent = await self.hops.send_routed(next_stage, FORWARD, MessageKind.FORWARD, meta, tensors) is not None
-        if sent:
-            self.stats.forwarded += 1
-        else:
+
+        def lost(received: dict = msg.meta) -> None:  # the meta only: `msg` holds the tensors that came in
             self.worker.drop(key)
             if next_stage != 0:
-                self._abort(msg.meta["origin"], msg, f"no peer of stage {next_stage} took it")
+                self._abort(received["origin"], received, f"no peer of stage {next_stage} took it")
+
+        if next_stage == 0:
+            sent = await self.hops.send_to(msg.meta["origin"], FORWARD, MessageKind.FORWARD, meta, tensors, lost)
+        else:
+            sent = await self.hops.send_routed(next_stage, FORWARD, MessageKind.FORWARD, meta, tensors, lost)
+        self.stats.forwarded += sent is not None
 
     async def _run_backward(self, msg: Message) -> None:
         path, hop = msg.meta["path"], msg.meta["hop"]
@@ -287,17 +297,19 @@ class Pipeline:
             return
         except (ValueError, KeyError) as e:  # activations already expired or dropped here
             logger.info(f"backward of microbatch {msg.meta['microbatch_id']} failed here: {e}")
-            self._abort(path[0], msg, f"backward failed at stage {self.me.stage}")
+            self._abort(path[0], msg.meta, f"backward failed at stage {self.me.stage}")
             return
         except Exception:
             logger.exception(f"backward of microbatch {msg.meta['microbatch_id']} failed")
-            self._abort(path[0], msg, f"backward failed at stage {self.me.stage}")
+            self._abort(path[0], msg.meta, f"backward failed at stage {self.me.stage}")
             return
         meta = {**msg.meta, "hop": hop - 1}
-        if await self.hops.send_to(path[hop - 1], BACKWARD, MessageKind.BACKWARD, meta, {"grad": grad}):
-            self.stats.backwarded += 1
-        elif hop - 1 > 0:
-            self._abort(path[0], msg, "backward could not reach the previous hop")
+        # lost before the origin: tell it; lost on the way to the origin: the origin's deadline sees it
+        lost = (
+            partial(self._abort, path[0], msg.meta, "backward could not reach the previous hop") if hop > 1 else _no_op
+        )
+        sent = await self.hops.send_to(path[hop - 1], BACKWARD, MessageKind.BACKWARD, meta, {"grad": grad}, lost)
+        self.stats.backwarded += sent is not None
 
     # ---- stage 0: the microbatch driver ------------------------------------------------------------
 
@@ -341,18 +353,18 @@ class Pipeline:
                     "token": ticket.token,
                     **({} if training else {PURPOSE_KEY: purpose.value}),
                 }
-                if await self.hops.send_routed(
-                    order[0], FORWARD, MessageKind.FORWARD, meta, {"hidden": hidden, "targets": targets}
-                ):
-                    loss = await within(ticket.done, deadline)
-                    if not training:
-                        return loss
-                    now = time.monotonic()
-                    self.stats.losses.append(loss)
-                    self.stats.completed += 1
-                    self.stats.completions.append(now)
-                    self.window.on_completed(now, now - ticket.started)
+                tensors = {"hidden": hidden, "targets": targets}
+                lost = ticket.on_lost(f"no peer of stage {order[0]} took it")
+                await self.hops.send_routed(order[0], FORWARD, MessageKind.FORWARD, meta, tensors, lost)
+                loss = await within(ticket.done, deadline)
+                if not training:
                     return loss
+                now = time.monotonic()
+                self.stats.losses.append(loss)
+                self.stats.completed += 1
+                self.stats.completions.append(now)
+                self.window.on_completed(now, now - ticket.started)
+                return loss
             except (TimeoutError, TransportError) as e:
                 logger.info(f"microbatch {microbatch_id} failed (attempt {attempt + 1}): {e!r}")
             finally:
@@ -394,8 +406,9 @@ class Pipeline:
         ticket.loss = loss
         path = msg.meta["path"]
         meta = {"microbatch_id": ticket.microbatch_id, "path": path, "hop": len(path) - 1, "token": ticket.token}
-        if not await self.hops.send_to(path[-1], BACKWARD, MessageKind.BACKWARD, meta, {"grad": grad}):
-            ticket.finish(error=TransportError("backward to the last stage failed"))
+        lost = ticket.on_lost("backward to the last stage failed")
+        await self.hops.send_to(path[-1], BACKWARD, MessageKind.BACKWARD, meta, {"grad": grad}, lost)
 
     async def close(self) -> None:
         await self._tasks.close()
+        await self.hops.close()

@@ -259,3 +259,59 @@ def test_a_direct_port_that_does_not_answer_falls_back_to_p2pd():
             await server.close()
 
     run(main())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("link", ["p2pd", "direct"])
+def test_a_posted_request_is_answered_only_when_refused(link: str):
+    """Pipeline hops are posted (node/pipeline/hops.py): the server says nothing when it takes one, so
+    the client hears silence, not an ACK; a refusal (BUSY) still comes back, and one later than the
+    refusal window reaches the sender's late-refusal callback."""
+
+    async def main() -> None:
+        async with two_peers(direct_port=0 if link == "direct" else None) as (server_net, client_net):
+            server = transport(server_net, 1)
+            handled: list[int] = []
+
+            async def handler(sender: str, request: Message) -> Message:
+                number = request.meta["number"]
+                handled.append(number)
+                if number == 5:
+                    return server.message(MessageKind.BUSY, request_id=request.request_id)
+                if number == 6:
+                    await asyncio.sleep(0.6)  # past the client's refusal window
+                    return server.message(MessageKind.BUSY, request_id=request.request_id)
+                return server.message(MessageKind.ACK, request_id=request.request_id)
+
+            await server.serve_requests(SERVICE, handler)
+            client = transport(client_net, 0, to=server_net if link == "direct" else None)
+            late: list[tuple[int, MessageKind]] = []
+            outcomes = []
+            for number in range(7):
+                message = ping(client, number)
+                outcomes.append(
+                    await client.post(
+                        server_net.peer_id,
+                        SERVICE,
+                        message.request_id,
+                        client.seal_posted(message),
+                        10.0,
+                        0.2,
+                        lambda reply, number=number: late.append((number, reply.kind)),
+                    )
+                )
+            settled = await asyncio.gather(*outcomes)
+            assert [None if reply is None else reply.kind for reply in settled] == [None] * 5 + [MessageKind.BUSY, None]
+            for _ in range(40):  # the late refusal comes ~0.4 s after request 6's window closed
+                if late:
+                    break
+                await asyncio.sleep(0.05)
+            assert late == [(6, MessageKind.BUSY)]
+            assert sorted(handled) == list(range(7))
+            assert (client_net.direct.opened if client_net.direct else 0) == (1 if link == "direct" else 0)
+            # a plain request on the same channel is still answered
+            assert (await client.request(server_net.peer_id, SERVICE, ping(client, 0), 10.0)).kind == MessageKind.ACK
+            await client.close()
+            await server.close()
+
+    run(main())

@@ -15,6 +15,7 @@ from node.p2p.transport import Transport, TransportError, timed_out
 from node.pipeline.hops import HopSender, PipelineStats
 from node.pipeline.routing import Router
 from protocol import MessageKind
+from tests.helpers.posted import outcome, pending
 
 # valid base58 peer ids (Transport parses them before opening a stream)
 PEER_IDS = ("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", "QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z")
@@ -35,35 +36,49 @@ def refused_error(peer_id: str) -> TransportError:
 
 
 class ScriptedTransport:
-    """Each peer answers with what `failures` says (an exception to raise) or ACKs."""
+    """Each peer's send fails with what `failures` says (an exception to raise), or the hop is taken,
+    or settles later with what the test does to the outcome `later` holds for that peer."""
 
-    def __init__(self, failures: dict[str, TransportError]) -> None:
+    def __init__(self, failures: dict[str, TransportError], later: tuple[str, ...] = ()) -> None:
         self.failures = failures
+        self.later: dict[str, asyncio.Future | None] = dict.fromkeys(later)
         self.sent_to: list[str] = []
+        self.late_refusals: dict = {}  # peer -> the on_late_refusal its last send was given
 
     def message(self, kind, meta, tensors):
-        return SimpleNamespace(kind=kind, meta=meta, tensors=tensors)
+        return SimpleNamespace(kind=kind, meta=meta, tensors=tensors, request_id=1)
 
-    async def request(self, peer_id, service, message, timeout):
+    def seal_posted(self, message):
+        return b"payload"
+
+    async def post(self, peer_id, service, request_id, payload, timeout, refusal_window, on_late_refusal):
         self.sent_to.append(peer_id)
+        self.late_refusals[peer_id] = on_late_refusal
         if peer_id in self.failures:
             raise self.failures[peer_id]
-        return SimpleNamespace(kind=MessageKind.ACK)
+        if peer_id in self.later:
+            self.later[peer_id] = pending()
+            return self.later[peer_id]
+        return outcome()
 
 
-def setup(failures: dict[str, TransportError], peers: tuple[str, ...] = ("a", "b")):
+def setup(failures: dict[str, TransportError], peers: tuple[str, ...] = ("a", "b"), later: tuple[str, ...] = ()):
     # "a" announces 10x the throughput of "b": on an idle stage load-aware routing tries "a" first
     router = Router(random.Random(0), num_stages=2)
     speeds = {"a": 10.0, "b": 1.0, "c": 1.0}
     router.refresh({1: [PeerRecord(p, 1, PeerState.ONLINE, throughput=speeds[p]) for p in peers]})
-    transport = ScriptedTransport(failures)
+    transport = ScriptedTransport(failures, later)
     stats = PipelineStats()
     hops = HopSender(transport, router, stats, 0.1, 3, lambda peer_id: 0.0)
     return router, transport, stats, hops
 
 
 def send(hops: HopSender, microbatch_id: int = 1) -> str | None:
-    return asyncio.run(hops.send_routed(1, "forward", MessageKind.FORWARD, {"microbatch_id": microbatch_id}, {}))
+    lost: list[int] = []
+    meta = {"microbatch_id": microbatch_id}
+    peer_id = asyncio.run(hops.send_routed(1, "forward", MessageKind.FORWARD, meta, {}, lambda: lost.append(1)))
+    assert lost == ([] if peer_id else [1])  # a hop no peer was sent is lost, once
+    return peer_id
 
 
 def test_a_timed_out_peer_is_retried_elsewhere_and_not_banned():
@@ -151,3 +166,91 @@ def test_transport_timeouts_are_told_apart_from_failures():
     assert "cannot open" in str(refused) and not timed_out(refused)  # the stream could not be opened
     assert not timed_out(TransportError("peer refused forward: not this stage"))  # an ERROR reply
     assert timed_out(TimeoutError())
+
+
+# ------------------------------------------------------------------ refusals after the send returned
+
+
+def settle_later(settle, peers=("a", "b")) -> tuple[Router, ScriptedTransport, PipelineStats, list[str], list[int]]:
+    """Send one hop whose first peer ("a") settles after the send returned, the way `settle` does."""
+    router, transport, stats, hops = setup({}, peers=peers, later=("a",))
+    lost: list[int] = []
+
+    async def main() -> list[str]:
+        sent = await hops.send_routed(
+            1, "forward", MessageKind.FORWARD, {"microbatch_id": 7}, {}, lambda: lost.append(1)
+        )
+        assert sent == "a" and transport.sent_to == ["a"]  # the send returned without waiting
+        settle(transport.later["a"])
+        for _ in range(20):  # the reroute runs in the background: let it
+            await asyncio.sleep(0)
+        await hops.close()
+        return transport.sent_to
+
+    return router, transport, stats, asyncio.run(main()), lost
+
+
+def test_a_hop_refused_busy_after_its_send_goes_to_another_peer_without_a_ban():
+    router, _, stats, sent_to, lost = settle_later(lambda o: o.set_result(SimpleNamespace(kind=MessageKind.BUSY)))
+    assert sent_to == ["a", "b"] and lost == []
+    assert stats.busy_replies == 1 and stats.rerouted == 1 and router.bans.active() == {}
+
+
+def test_a_hop_refused_with_an_error_after_its_send_bans_the_peer_and_goes_elsewhere():
+    error = SimpleNamespace(kind=MessageKind.ERROR, meta={"reason": "this peer serves stage 2"})
+    router, _, _, sent_to, lost = settle_later(lambda o: o.set_result(error))
+    assert sent_to == ["a", "b"] and lost == []
+    assert router.bans.is_banned("a") and not router.bans.is_banned("b")
+
+
+def test_a_hop_whose_channel_closes_before_the_window_is_lost_not_sent_twice():
+    # the peer may have taken it before it went away: the origin retries the microbatch under a new
+    # id, instead of this peer running the same microbatch on two paths
+    router, _, _, sent_to, lost = settle_later(lambda o: o.set_exception(ConnectionResetError("closed")))
+    assert sent_to == ["a"] and lost == [1]
+    assert router.bans.active() == {}
+
+
+def test_a_late_refusal_with_no_peer_left_loses_the_hop_once():
+    _, _, stats, sent_to, lost = settle_later(
+        lambda o: o.set_result(SimpleNamespace(kind=MessageKind.BUSY)), peers=("a",)
+    )
+    assert sent_to == ["a"] and lost == [1] and stats.busy_replies == 1
+
+
+def test_silence_is_a_hop_taken():
+    _, _, stats, sent_to, lost = settle_later(lambda o: o.set_result(None))
+    assert sent_to == ["a"] and lost == [] and stats.busy_replies == 0
+
+
+def test_send_to_one_peer_loses_the_hop_on_any_refusal():
+    async def main() -> list[int]:
+        transport = ScriptedTransport({}, later=("origin",))
+        hops = HopSender(transport, Router(random.Random(0), num_stages=2), PipelineStats(), 0.1, 3, lambda p: 0.0)
+        lost: list[int] = []
+        sent = await hops.send_to(
+            "origin", "forward", MessageKind.FORWARD, {"microbatch_id": 3}, {}, lambda: lost.append(1)
+        )
+        assert sent == "origin" and lost == []
+        transport.later["origin"].set_result(SimpleNamespace(kind=MessageKind.BUSY, meta={}))
+        await asyncio.sleep(0)
+        return lost
+
+    assert asyncio.run(main()) == [1]
+
+
+def test_a_refusal_after_the_window_loses_the_hop_once_and_bans_only_on_an_error():
+    for kind, banned in ((MessageKind.BUSY, False), (MessageKind.ERROR, True)):
+        router, transport, _, hops = setup({})
+        lost: list[int] = []
+
+        async def main() -> None:
+            assert await hops.send_routed(
+                1, "forward", MessageKind.FORWARD, {"microbatch_id": 9}, {}, lambda: lost.append(1)
+            )
+            transport.late_refusals["a"](SimpleNamespace(kind=kind, meta={"reason": "late"}))
+
+        asyncio.run(main())
+        assert transport.sent_to == ["a"] and lost == [1]  # no payload is kept that long: no reroute
+        assert router.bans.is_banned("a") is banned
+        assert {p: load for p, load, _ in router.for_stage(1).loads()}["a"] == 0.0  # un-charged either way

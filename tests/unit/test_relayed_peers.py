@@ -7,11 +7,14 @@ import asyncio
 import random
 from types import SimpleNamespace
 
+import pytest
+
 from dht.records import PeerRecord, PeerState, Reachability
 from node.p2p.reachability import carries_training
 from node.pipeline.hops import HopSender, PipelineStats
 from node.pipeline.routing import Router
 from protocol import MessageKind
+from tests.helpers.posted import outcome
 
 
 def test_only_two_relayed_peers_cannot_carry_training():
@@ -26,11 +29,14 @@ class RecordingTransport:
         self.sent_to: list[str] = []
 
     def message(self, kind, meta, tensors):
-        return SimpleNamespace(kind=kind, meta=meta, tensors=tensors)
+        return SimpleNamespace(kind=kind, meta=meta, tensors=tensors, request_id=1)
 
-    async def request(self, peer_id, service, message, timeout):
+    def seal_posted(self, message):
+        return b"payload"
+
+    async def post(self, peer_id, service, request_id, payload, timeout, refusal_window, on_late_refusal):
         self.sent_to.append(peer_id)
-        return SimpleNamespace(kind=MessageKind.ACK)
+        return outcome()
 
 
 def send_many(peers: list[str], unreachable: set[str], count: int) -> list[str]:
@@ -41,7 +47,8 @@ def send_many(peers: list[str], unreachable: set[str], count: int) -> list[str]:
 
     async def main() -> None:
         for microbatch_id in range(count):
-            assert await hops.send_routed(1, "forward", MessageKind.FORWARD, {"microbatch_id": microbatch_id}, {})
+            lost = lambda: pytest.fail("a hop to an idle stage was lost")  # noqa: E731
+            assert await hops.send_routed(1, "forward", MessageKind.FORWARD, {"microbatch_id": microbatch_id}, {}, lost)
 
     asyncio.run(main())
     return transport.sent_to
@@ -63,11 +70,15 @@ def test_a_busy_direct_peer_does_not_send_the_hop_to_a_relayed_one():
     router.refresh({1: [PeerRecord(p, 1, PeerState.ONLINE, throughput=10.0) for p in ("public", "home-b")]})
     transport = RecordingTransport()
 
-    async def busy(peer_id, service, message, timeout):
+    async def busy(peer_id, service, request_id, payload, timeout, refusal_window, on_late_refusal):
         transport.sent_to.append(peer_id)
-        return SimpleNamespace(kind=MessageKind.BUSY)
+        return outcome(MessageKind.BUSY)
 
-    transport.request = busy
+    transport.post = busy
     hops = HopSender(transport, router, PipelineStats(), 5.0, 3, lambda p: 0.0, lambda: {"home-b"})
-    assert not asyncio.run(hops.send_routed(1, "forward", MessageKind.FORWARD, {"microbatch_id": 1}, {}))
+    lost = []
+    sent = asyncio.run(
+        hops.send_routed(1, "forward", MessageKind.FORWARD, {"microbatch_id": 1}, {}, lambda: lost.append(1))
+    )
+    assert sent is None and lost == [1]
     assert transport.sent_to == ["public"]
