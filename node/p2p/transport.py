@@ -20,7 +20,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 
 from hivemind.p2p import P2P, PeerID
 
@@ -88,6 +88,19 @@ def timed_out(error: BaseException) -> bool:
             return True
         cause = cause.__cause__
     return False
+
+
+@contextlib.contextmanager
+def _as_transport_error(service: str, peer_id: str, timeout: float) -> Iterator[None]:
+    """What talking to a peer raises, as a TransportError raised from it (timed_out looks there)."""
+    try:
+        yield
+    except TransportError:
+        raise
+    except TimeoutError as e:
+        raise TransportError(f"{service} to {short_peer_id(peer_id)} timed out after {timeout:.1f} s") from e
+    except (ProtocolError, EOFError, ConnectionError, OSError, asyncio.IncompleteReadError) as e:
+        raise TransportError(f"{service} to {short_peer_id(peer_id)} failed: {e!r}") from e
 
 
 class Transport:
@@ -279,19 +292,13 @@ class Transport:
         """Send one message and wait for the reply. Raises TransportError on any failure, including
         an ERROR reply (BUSY is returned, not raised: the caller decides where to go next)."""
         began = time.monotonic()
-        try:
+        with _as_transport_error(service, peer_id, timeout):
             payload = seal_message(message, self.compression, self.limits, self.swarm_key)
             channel = await self._channel_for(peer_id, service, len(payload), timeout)
             if channel is not None:
                 reply = await channel.call(message.request_id, payload, timeout)
             else:
                 reply = await self._exchange_on_stream(peer_id, service, payload, timeout)
-        except TransportError:
-            raise
-        except TimeoutError as e:
-            raise TransportError(f"{service} to {short_peer_id(peer_id)} timed out after {timeout:.1f} s") from e
-        except (ProtocolError, EOFError, ConnectionError, OSError, asyncio.IncompleteReadError) as e:
-            raise TransportError(f"{service} to {short_peer_id(peer_id)} failed: {e!r}") from e
         if reply.kind == MessageKind.ERROR:
             raise TransportError(f"{short_peer_id(peer_id)} refused {service}: {reply.meta.get('reason')}")
         self.meter.hop(service, time.monotonic() - began)  # answered hops only: timeouts are counted apart
@@ -312,29 +319,19 @@ class Transport:
         refusal_window: float,
         on_late_refusal: Callable[[Message], None] | None = None,
     ) -> asyncio.Future:
-        """Send one request `seal_posted` made, which `peer_id` answers only to refuse, on the channel
-        of a `multiplex` service; returns once it is written, with a future of its outcome
-        (node/p2p/channels.py, Channel.post): a BUSY or ERROR reply, None when it was taken in
-        silence, ChannelClosed when the channel ended first; a refusal after `refusal_window` goes to
-        `on_late_refusal`. A request that cannot take a channel takes a stream of its own and its
-        reply, whatever it is, is in the future. Raises TransportError when the send itself fails."""
+        """Send a request `seal_posted` made, which `peer_id` answers only to refuse, and return once
+        it is written, with a future of its outcome (node/p2p/channels.py, Channel.post). One that
+        cannot take a channel takes a stream of its own, and its reply, whatever it is, settles the
+        outcome. Raises TransportError when the send itself fails."""
         began = time.monotonic()
-        try:
+        with _as_transport_error(service, peer_id, timeout):
             channel = await self._channel_for(peer_id, service, len(payload), timeout)
             if channel is not None:
                 outcome = await channel.post(request_id, payload, timeout, refusal_window, on_late_refusal)
-                self.meter.hop(service, time.monotonic() - began)  # a posted hop's latency: until it is written
-                return outcome
-            reply = await self._exchange_on_stream(peer_id, service, payload, timeout)
-        except TransportError:
-            raise
-        except TimeoutError as e:
-            raise TransportError(f"{service} to {short_peer_id(peer_id)} timed out after {timeout:.1f} s") from e
-        except (ProtocolError, EOFError, ConnectionError, OSError, asyncio.IncompleteReadError) as e:
-            raise TransportError(f"{service} to {short_peer_id(peer_id)} failed: {e!r}") from e
-        self.meter.hop(service, time.monotonic() - began)
-        outcome = asyncio.get_running_loop().create_future()
-        outcome.set_result(reply)
+            else:
+                outcome = asyncio.get_running_loop().create_future()
+                outcome.set_result(await self._exchange_on_stream(peer_id, service, payload, timeout))
+        self.meter.hop(service, time.monotonic() - began)  # a posted hop: until it is written
         return outcome
 
     async def _exchange_on_stream(self, peer_id: str, service: str, payload: bytes, timeout: float) -> Message:

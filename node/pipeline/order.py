@@ -38,3 +38,8 @@ def pipeline_order(num_stages: int, microbatch_index: int, checkfree_plus: bool,
     order[0], order[1] = order[1], order[0]
     order[-2], order[-1] = order[-1], order[-2]
     return order
+
+
+def visits_every_block_stage(order: list[int], num_block_stages: int) -> bool:
+    """Whether `order` (from another peer's message) visits each of the block stages 1..num_block_stages once."""
+    return sorted(order) == list(range(1, num_block_stages + 1))

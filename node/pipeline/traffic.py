@@ -47,7 +47,7 @@ from node.pipeline.admission import RejectedInput
 from node.pipeline.evaluation import PURPOSE_KEY, MicrobatchPurpose, eval_embed, eval_forward, eval_loss, purpose_of
 from node.pipeline.hops import HopSender, PipelineStats
 from node.pipeline.in_flight_window import InFlightWindow, keep_in_flight
-from node.pipeline.order import pipeline_order
+from node.pipeline.order import pipeline_order, visits_every_block_stage
 from node.pipeline.routing import Router
 from node.pipeline.stage_worker import StageWorker
 from node.pipeline.verifier import Verifier
@@ -165,7 +165,7 @@ class Pipeline:
 
     async def on_forward(self, sender: str, msg: Message) -> Message:
         order, path, hop = msg.meta["order"], msg.meta["path"], msg.meta["hop"]
-        if not self._valid_order(order):
+        if not visits_every_block_stage(order, self.num_block_stages):
             raise ProtocolError(f"bad stage order {order}")
         purpose_of(msg.meta)  # an unknown purpose is a ProtocolError here, not a failure later
         if not 1 <= hop <= len(order) + 1 or len(path) != hop or path[-1] != sender:
@@ -230,12 +230,8 @@ class Pipeline:
         self._abort(msg.meta["path"][0], msg.meta, reason)
 
     def _abort(self, origin: str, meta: dict, reason: str) -> None:
-        """Tell a microbatch's origin it is lost here (best effort, in the background). Takes the
-        meta, not the message: a lost hop's callback may hold it for a while, and no tensor with it."""
+        """Tell a microbatch's origin it is lost here (best effort); `meta` has no tensor to keep alive."""
         self._tasks.spawn(self.hops.notify_abort(origin, ABORT, meta["microbatch_id"], meta.get("token", ""), reason))
-
-    def _valid_order(self, order: list[int]) -> bool:
-        return sorted(order) == list(range(1, self.num_block_stages + 1))
 
     async def _run_block_forward(self, msg: Message) -> None:
         key = (msg.meta["origin"], msg.meta["microbatch_id"])
