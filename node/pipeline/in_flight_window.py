@@ -21,9 +21,13 @@ flight can deliver more although the minimum RTT says the pipeline is full: on t
 BBR's ProbeBW, the window probes: after PROBE_QUIET rate spans without a drain or a probe, and
 below the ceiling, it runs at PROBE_GROWTH times its size for one rate span (after one round trip
 to fill), and keeps that size as a learned floor when the probe delivered PROBE_GAIN more than the
-span before it. A probe that gains nothing changes nothing; the learned size never exceeds the
-ceiling, and staleness does not grow with it (a stage's step grows with what it holds,
-node/pipeline/stage_worker.py).
+span before it. A kept probe is followed at once by the next, larger one (no quiet spans between:
+a window that pays keeps climbing, as TCP's slow start does, instead of taking a minute to come back
+after each drain). And a drain is judged as a probe down: when the size BBR's rule gives after it
+is smaller than the one that ran before and delivers PROBE_GAIN less over a rate span, the size
+from before the drain is learned. A probe that gains nothing changes nothing and ends the climb; the learned size
+never exceeds the ceiling, and staleness does not grow with it (a stage's step grows with what it
+holds, node/pipeline/stage_worker.py).
 
 The window has no clock or networking of its own: the caller reports completions with their times.
 """
@@ -57,6 +61,7 @@ class _Probe:
     measure_from: float
     ends: float
     completed: int = 0
+    before_drain: int | None = None  # a check after a drain: the larger size that ran before it
 
 
 class InFlightWindow:
@@ -86,6 +91,8 @@ class InFlightWindow:
         self.learned = floor  # the largest size a probe found to deliver more
         self._probe: _Probe | None = None
         self._quiet_since: float | None = None  # when the last drain or probe ended (or the first completion)
+        self._climbing = False  # the last probe was kept: the next one starts without a quiet wait
+        self._before_drain: tuple[int, float] | None = None  # (size, microbatches/s) when the last drain began
 
     @property
     def draining(self) -> bool:
@@ -105,14 +112,27 @@ class InFlightWindow:
                 self.min_rtt, self._min_rtt_at = min(self._drain_samples), now
                 self._drain_started, self._drain_samples = None, []
                 self._quiet_since = now
+                self._check_after_drain(now, round_trip)
         elif now - self._min_rtt_at > MIN_RTT_HORIZON and self._probe is None:  # a probe finishes first
             self._drain_started = now
+            self._before_drain = (self.size, self.delivery_rate(now))
         if self.draining:
             self.size = 1
         else:
             self.size = self._probed(now, round_trip, max(self._target(now), self.learned))
         self._log_if_changed(now)
         return self.size
+
+    def _check_after_drain(self, now: float, round_trip: float) -> None:
+        """After a drain the new minimum RTT may put BBR's target below the size that ran before it.
+        Where stages share cores that size may have delivered more (the minimum RTT cannot see it):
+        run one rate span at the new size, and keep the old one as learned if it did (a probe down)."""
+        before, self._before_drain = self._before_drain, None
+        size = max(self._target(now), self.learned)
+        if before is None or before[0] <= size:
+            return
+        measure_from = now + round_trip
+        self._probe = _Probe(size, before[1], measure_from, measure_from + self._rate_span(), before_drain=before[0])
 
     def _probed(self, now: float, round_trip: float, size: int) -> int:
         """`size`, or a probe's larger one while a probe runs (starting and judging probes)."""
@@ -123,17 +143,30 @@ class InFlightWindow:
             if now < probe.ends:
                 return probe.size
             delivered = probe.completed / max(probe.ends - probe.measure_from, 1e-9)
-            if delivered >= PROBE_GAIN * probe.baseline:
+            if probe.before_drain is not None:  # the check after a drain: did the larger size deliver more?
+                self._climbing = False
+                if probe.baseline >= PROBE_GAIN * delivered:
+                    self.learned = max(self.learned, probe.before_drain)
+                    logger.info(
+                        f"in-flight window: {probe.before_drain} delivered {probe.baseline:.1f} microbatches/s "
+                        f"before the drain against {delivered:.1f} at {probe.size}: kept"
+                    )
+            else:
+                self._climbing = delivered >= PROBE_GAIN * probe.baseline
+            if self._climbing:
                 self.learned = probe.size
                 logger.info(
                     f"in-flight window: {probe.size} delivered {delivered:.1f} microbatches/s against "
                     f"{probe.baseline:.1f}: kept"
                 )
             self._probe, self._quiet_since = None, now
-            return max(size, self.learned)
+            size = max(size, self.learned)
+            if not self._climbing:
+                return size
         span = self._rate_span()
         quiet = now - (self._quiet_since or now)
-        if size < self.ceiling and self.min_rtt is not None and quiet >= PROBE_QUIET * span:
+        if size < self.ceiling and self.min_rtt is not None and (self._climbing or quiet >= PROBE_QUIET * span):
+            self._climbing = False
             # measure once the larger window has filled the pipeline: one current round trip
             measure_from = now + round_trip
             larger = min(self.ceiling, max(size + 1, math.ceil(size * PROBE_GROWTH)))

@@ -91,6 +91,20 @@ def test_stages_sharing_cores_get_a_window_the_minimum_rtt_cannot_see() -> None:
     assert throughput > 0.9 * rate_at(12) > 1.5 * rate_at(4)
 
 
+def test_a_window_that_delivered_more_before_a_drain_is_not_thrown_away() -> None:
+    # the same shared cores: the start-up ramp reaches 16 (its round trips include the queue), the
+    # first drain's minimum RTT puts BBR's target near 7, and the rate span after it delivers less:
+    # the size from before the drain is learned at once, where probing back up from 7 with
+    # PROBE_QUIET spans between probes would still be at 8-10 here (and kept probes now follow
+    # each other without those spans)
+    def rate_at(in_flight: int) -> float:
+        return 30.0 * min(in_flight, 12) ** 0.5
+
+    window = InFlightWindow(4, 16)
+    simulate_shared_cores(window, rate_at, duration=45)
+    assert window.learned >= 12
+
+
 def test_wide_area_pipeline_grows_until_the_bottleneck_saturates() -> None:
     # 1.2 s round trip (three stages over 100 ms links), the slowest stage does 10 microbatches/s:
     # a fixed window of 4 gets 4 / 1.3 ~ 3 microbatches/s
