@@ -199,7 +199,9 @@ class NodeMetrics(Collector):
             compute.add_metric([kind.value], histogram.cumulative(), histogram.total)
         yield compute
         hops = HistogramMetricFamily(
-            f"{PREFIX}_hop_seconds", "requests to other peers until their reply, by service", labels=["service"]
+            f"{PREFIX}_hop_seconds",
+            "requests to other peers until their reply (posted pipeline hops: until written), by service",
+            labels=["service"],
         )
         for service, histogram in sorted(snap.hops.items()):
             hops.add_metric([service], histogram.cumulative(), histogram.total)

@@ -989,28 +989,29 @@ async def state_bad_request(ctx, res: Result) -> None:
 
 
 async def download_state(ctx, res: Result, ident) -> dict | None:
-    """The target's own stage state through the ordinary state service (what any joiner gets)."""
+    """The target's own stage state through the ordinary state service (what any joiner gets). Only
+    the attack's setup: a busy donor, a refusal or a broken download is tried again (as a joiner
+    tries another donor), up to 10 times, and each failure is noted in the case's report."""
     for _ in range(10):
         wire = await ctx.open("state", ident)
         try:
             await wire.send_message(ctx.message(MessageKind.STATE_REQUEST, {"stage": ctx.stage, "part": "stage"}))
             head = await wire.read_message(ctx.settings.reply_timeout)
-            if head.is_message and head.kind == "busy":
-                await trio.sleep(1.0)
-                continue
             if not (head.is_message and head.kind == "state_header"):
                 res.sent.append(f"setup: state download answered {head.summary()}")
-                return None
+                await trio.sleep(1.0)
+                continue
             meta = wire.last_message.meta
             payload = bytearray()
             while True:
                 reply = await wire.read_message(ctx.settings.reply_timeout)
-                if not reply.is_message:
-                    res.sent.append(f"setup: state download broke: {reply.summary()}")
-                    return None
-                if reply.kind == "state_end":
+                if not reply.is_message or reply.kind == "state_end":
                     break
                 payload += wire.last_message.tensors["chunk"].numpy().tobytes()
+            if not reply.is_message:
+                res.sent.append(f"setup: state download broke: {reply.summary()}")
+                await trio.sleep(1.0)
+                continue
         finally:
             with trio.move_on_after(2.0):
                 await wire.reset()
