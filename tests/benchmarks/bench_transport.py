@@ -117,19 +117,30 @@ def human_bytes(n: float) -> str:
 
 # ---- measurement ---------------------------------------------------------------------------------
 
+MAX_FAILED_SHARE = 0.01  # of a path's calls that may fail before its measurement is abandoned
+
 
 async def measure(
     send: Callable[[], Awaitable[None]], payload_bytes: int, seconds: float, min_reps: int, max_reps: int, warmup: int
 ) -> dict:
     """Run `send` sequentially: `warmup` untimed calls, then at least min_reps and at most max_reps
-    timed calls, stopping once `seconds` have passed (after min_reps)."""
+    timed calls, stopping once `seconds` have passed (after min_reps). A call that fails (a stream
+    the daemons dropped: seen once in ~10^5 on this host) is counted in "failed" and left out of the
+    latencies; more than MAX_FAILED_SHARE of the calls failing ends the run with the last error."""
     for _ in range(warmup):
         await send()
     latencies: list[float] = []
+    failed: list[str] = []
     started = time.perf_counter()
     while len(latencies) < max_reps:
         t0 = time.perf_counter()
-        await send()
+        try:
+            await send()
+        except Exception as e:  # whatever the path under test raises: counted, reported
+            failed.append(repr(e)[:200])
+            if len(failed) > MAX_FAILED_SHARE * max(min_reps, len(latencies)):
+                raise
+            continue
         latencies.append(time.perf_counter() - t0)
         if len(latencies) >= min_reps and time.perf_counter() - started > seconds:
             break
@@ -138,6 +149,8 @@ async def measure(
         "latency_ms": {k: (v * 1e3 if k != "n" else v) for k, v in percentiles(latencies).items()},
         "mb_per_s": percentiles(rates),
         "aggregate_mb_per_s": payload_bytes * len(latencies) / MB / sum(latencies),
+        "failed": len(failed),
+        "failures": failed[:3],
     }
 
 
@@ -345,7 +358,9 @@ async def run_network_benchmarks(shapes: list[tuple[int, ...]], args: argparse.N
                 print(
                     f"  {list(shape)!s:<18} {path:<15} {compression:<5} "
                     f"median {result['mb_per_s']['median']:8.1f} MB/s  "
-                    f"latency p50 {result['latency_ms']['median']:8.2f} ms  (n={result['latency_ms']['n']})",
+                    f"latency p50 {result['latency_ms']['median']:8.2f} ms  (n={result['latency_ms']['n']}"
+                    + (f", {result['failed']} failed: {result['failures'][0]}" if result["failed"] else "")
+                    + ")",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -454,7 +469,9 @@ def format_report(result: dict) -> str:
         lines.append(
             f"| {'x'.join(map(str, r['shape']))} | {human_bytes(r['payload_bytes'])} | {r['path']} | {r['compression']} "
             f"| {human_bytes(r['wire_bytes'])} | {mbs['median']:.1f} | {mbs['p10']:.1f}..{mbs['p90']:.1f} "
-            f"| {lat['median']:.2f} | {lat['p10']:.2f}..{lat['p90']:.2f} | {lat['n']} |"
+            f"| {lat['median']:.2f} | {lat['p10']:.2f}..{lat['p90']:.2f} | {lat['n']}"
+            + (f" ({r['failed']} failed)" if r.get("failed") else "")
+            + " |"
         )
     lines += ["", "Codec alone (encode_message + decode_message of one FORWARD, no network):", ""]
     lines.append(
