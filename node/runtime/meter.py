@@ -138,7 +138,8 @@ class Meter:
         return run
 
     def hop(self, service: str, seconds: float) -> None:
-        """A request to another peer answered after `seconds` (send, then the reply read back)."""
+        """A request to another peer answered after `seconds` (send, then the reply read back), or a
+        posted pipeline hop written after `seconds` (it gets no reply when taken)."""
         with self._lock:
             self._hops.setdefault(service, Histogram()).observe(seconds)
 
