@@ -233,6 +233,8 @@ class HopSender:
             self._ban(stage, peer_id, f"refused: {reply.meta.get('reason')}")
 
     def _settled(self, hop: _RoutedHop, peer_id: str, outcome: asyncio.Future) -> None:
+        if not outcome.cancelled():
+            outcome.exception()  # retrieved even when nothing follows from it (at shutdown)
         if self._closed:
             return
         if self._refused(hop.stage, peer_id, outcome):

@@ -4,6 +4,7 @@ until its record expires; a peer that times out is only skipped, the hop retried
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 from types import SimpleNamespace
 
@@ -254,3 +255,21 @@ def test_a_refusal_after_the_window_loses_the_hop_once_and_bans_only_on_an_error
         assert transport.sent_to == ["a"] and lost == [1]  # no payload is kept that long: no reroute
         assert router.bans.is_banned("a") is banned
         assert {p: load for p, load, _ in router.for_stage(1).loads()}["a"] == 0.0  # un-charged either way
+
+
+def test_a_hop_settling_after_close_leaves_no_unretrieved_error():
+    # at shutdown the channels close after the sender: their errors must still be retrieved, or
+    # asyncio logs "Future exception was never retrieved" for every hop in flight
+    async def main() -> list[dict]:
+        errors: list[dict] = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+        _, transport, _, hops = setup({}, later=("a",))
+        assert await hops.send_routed(1, "forward", MessageKind.FORWARD, {"microbatch_id": 5}, {}, lambda: None)
+        await hops.close()
+        transport.later["a"].set_exception(ConnectionResetError("closed at shutdown"))
+        await asyncio.sleep(0)  # the outcome's callbacks run
+        transport.later["a"] = None
+        gc.collect()
+        return errors
+
+    assert asyncio.run(main()) == []
