@@ -97,8 +97,10 @@ def own_steps(snapshot: dict, peer_id: str) -> int | None:
 
 def start_swarm(swarm: Swarm, workdir: Path) -> dict[int, Target]:
     config = workdir / "swarm.toml"
-    # rounds every 4 inner steps: the targets are soon ready to answer a gossip request
-    config.write_text("[gossip]\ninner_steps = 4\n")
+    # rounds every 4 inner steps: the targets are soon ready to answer a gossip request. The
+    # in-flight window is pinned at 4: an adaptive one grows (more stored activations, legitimately)
+    # while the attack runs, and the RSS check below is there to catch what the attack leaves behind
+    config.write_text("[gossip]\ninner_steps = 4\n\n[training]\nmax_in_flight = 4\n")
     swarm.bootstrap(
         "--config",
         str(config),
