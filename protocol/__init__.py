@@ -13,7 +13,7 @@ from protocol.messages import (
     decode_message,
     encode_message,
 )
-from protocol.tensors import COMPRESSIONS, DTYPES, Compression, decode_tensor, encode_tensor
+from protocol.tensors import COMPRESSIONS, DTYPES, Compression, decode_tensor, encode_tensor, wire_nbytes
 from protocol.version import PROTOCOL_VERSION
 
 __all__ = [
@@ -39,5 +39,6 @@ __all__ = [
     "recv_message",
     "seal_message",
     "send_message",
+    "wire_nbytes",
     "write_frame",
 ]

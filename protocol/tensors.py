@@ -96,6 +96,21 @@ def encode_tensor(t: torch.Tensor, compression: str = "none", block_size: int = 
     return out
 
 
+def wire_nbytes(t: torch.Tensor, compression: str = "none", block_size: int = 256) -> int:
+    """Bytes of "data" (and "scales") `encode_tensor(t, compression, block_size)` writes, without
+    encoding: what a sender weighs before choosing a codec. A float16 tensor whose values exceed
+    fp16's range goes in its own dtype, which this does not look for (it would read every value)."""
+    codec = compression if t.dtype in FLOAT_DTYPES else "none"
+    if (codec == "fp16" and t.dtype == torch.float16) or (codec == "bf16" and t.dtype == torch.bfloat16):
+        codec = "none"
+    numel = t.numel()
+    if codec == "none":
+        return numel * t.dtype.itemsize
+    if codec == "int8":
+        return numel + math.ceil(numel / block_size) * _SCALE_ITEMSIZE
+    return numel * _CODEC_ITEMSIZE[codec]
+
+
 def decode_tensor(obj: Any, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
     """Validate an encoded tensor dict and rebuild the tensor in its original dtype.
 

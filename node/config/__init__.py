@@ -115,6 +115,8 @@ class TrainingConfig:
     """Max global gradient norm of a stage before its optimizer step, > 0; 1.0 like the NoLoCo authors (CheckFree weighs by it)."""
     wire_compression: Compression = Compression.FP16
     """Encoding of activations and gradients between stages (receivers get the original dtype back); fp16 halves fp32 traffic."""
+    slow_link_compression: Compression = Compression.INT8
+    """Encoding of hops while wire_compression would keep this peer's links over half busy, their rates measured by TCP (node/pipeline/link_compression.py); int8 halves fp16, as SWARM compresses for slow networks. Equal to wire_compression: never switch."""
     hop_timeout: float = 20.0
     """Seconds to wait for one stage's reply before retrying another peer, > 0; 20 s tolerates a loaded CPU peer."""
     max_retries: int = 3

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from dht.records import short_peer_id
+from node.p2p.link_capacity import LinkCapacity
 from node.p2p.peer_conduct import PeerConduct
 from node.runtime.timeouts import within
 from protocol import (
@@ -86,6 +87,7 @@ class Channel:
     # posted requests past their refusal window: id -> (monotonic deadline, on_late_refusal)
     late_refusals: OrderedDict[int, tuple[float, Callable[[Message], None]]] = field(default_factory=OrderedDict)
     closed: bool = False
+    capacity: LinkCapacity | None = None  # what the link carries, when it is a TCP connection of its own
     _reader_task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -228,6 +230,7 @@ class ChannelPool:
         try:
             reader, writer = await self._open_stream(peer_id, service, timeout)
             channel = Channel(peer_id, service, reader, writer, self.limits, self.swarm_id, self.swarm_key)
+            channel.capacity = LinkCapacity.of(writer)
             channel.start()
             self._channels[key] = channel
             opening.set_result(channel)
@@ -238,6 +241,14 @@ class ChannelPool:
             raise
         finally:
             del self._opening[key]
+
+    def link_capacity(self, peer_id: str, service: str) -> float | None:
+        """Bytes/s the open channel to `peer_id` for `service` carries, as its TCP connection measures it
+        (node/p2p/link_capacity.py); None without an open channel or when it goes through p2pd."""
+        channel = self._channels.get((peer_id, service))
+        if channel is None or channel.closed or channel.capacity is None:
+            return None
+        return channel.capacity.bytes_per_second()
 
     def drop(self, peer_id: str, service: str) -> None:
         channel = self._channels.pop((peer_id, service), None)

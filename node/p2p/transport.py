@@ -134,7 +134,7 @@ class Transport:
         self._request_ids = itertools.count(1)
         self._handler_names: list[str] = []
         self._multiplexed: set[str] = set()  # services whose requests share a channel per peer
-        self._channels = ChannelPool(self._open_channel_stream, limits, swarm_id, swarm_key)
+        self.channels = ChannelPool(self._open_channel_stream, limits, swarm_id, swarm_key)  # ours to peers
         self._stream_only: set[tuple[str, str]] = set()  # (peer, service) without a channel handler
         self._channel_server = ChannelServer(self)  # the channels peers keep open to us
 
@@ -147,7 +147,7 @@ class Transport:
         """Remove every handler this transport registered. p2pd refuses to register a protocol
         twice, so a peer that serves another stage in the same process (a move) needs them gone;
         at shutdown the daemon may already be gone: failures are logged, not raised."""
-        self._channels.close()
+        self.channels.close()
         self._channel_server.close()
         if self.direct is not None:
             for service in self._multiplexed:
@@ -304,10 +304,10 @@ class Transport:
         self.meter.hop(service, time.monotonic() - began)  # answered hops only: timeouts are counted apart
         return reply
 
-    def seal_posted(self, message: Message) -> bytes:
-        """`message` as the payload of a posted request (protocol POSTED_KEY), for `post`."""
+    def seal_posted(self, message: Message, compression: str | None = None) -> bytes:
+        """`message` as a posted request's payload (protocol POSTED_KEY), tensors in `compression` or ours."""
         posted = dataclasses.replace(message, meta={**message.meta, POSTED_KEY: True})
-        return seal_message(posted, self.compression, self.limits, self.swarm_key)
+        return seal_message(posted, compression or self.compression, self.limits, self.swarm_key)
 
     async def post(
         self,
@@ -346,7 +346,7 @@ class Transport:
         if service not in self._multiplexed or size > CHANNEL_MAX_PAYLOAD or (peer_id, service) in self._stream_only:
             return None
         try:
-            return await self._channels.get(peer_id, service, timeout)
+            return await self.channels.get(peer_id, service, timeout)
         except _NoChannelHandler as e:
             logger.info(f"{short_peer_id(peer_id)} has no {service} channel, one stream per request: {e}")
             self._stream_only.add((peer_id, service))

@@ -29,10 +29,11 @@ from torch import Tensor
 
 from dht.records import short_peer_id
 from node.p2p.transport import Transport, TransportError, timed_out
+from node.pipeline.link_compression import LinkCompression
 from node.pipeline.routing import Router
 from node.pipeline.verifier import Verifier
 from node.runtime.tasks import BackgroundTasks
-from protocol import Message, MessageKind
+from protocol import Message, MessageKind, ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -72,16 +73,18 @@ class PipelineStats:
 
 @dataclass
 class _RoutedHop:
-    """A hop to some peer of `stage`, between its attempts: its sealed payload, not its tensors."""
+    """A hop to some peer of `stage`, between its attempts: its sealed payload, not its tensors (the
+    message is sealed for the link of the first peer chosen, then dropped)."""
 
     stage: int
     service: str
     request_id: int
-    payload: bytes
+    message: Message | None
     microbatch_id: int
     on_lost: OnLost
     hidden: Tensor | None = None  # a forward's activations for the verifier, until the first peer takes it
     tried: set[str] = field(default_factory=set)
+    payload: bytes | None = None
 
 
 class HopSender:
@@ -101,8 +104,10 @@ class HopSender:
         unreachable: Callable[[], set[str]] = set,
         verifier: Verifier | None = None,
         refusal_window: float = REFUSAL_WINDOW,
+        compression: LinkCompression | None = None,
     ):
         self.transport, self.router, self.stats = transport, router, stats
+        self.compression = compression  # each hop's encoding for its link (None: the transport's)
         self.verifier = verifier  # spot-checks some of the forward hops routed here (node/pipeline/verifier.py)
         self.hop_timeout, self.max_retries, self.ban_until = hop_timeout, max_retries, ban_until
         self.refusal_window = min(refusal_window, hop_timeout)
@@ -119,7 +124,7 @@ class HopSender:
         message = self.transport.message(kind, meta, tensors)
         late = self._late(None, peer_id, service, meta["microbatch_id"], on_lost)
         try:
-            payload = self.transport.seal_posted(message)
+            payload = self._seal(message, peer_id, service)
             outcome = await self.transport.post(
                 peer_id, service, message.request_id, payload, self.hop_timeout, self.refusal_window, late
             )
@@ -155,15 +160,7 @@ class HopSender:
         none could be sent it; a later refusal tries the next peer, and `on_lost()` when none is left."""
         message = self.transport.message(kind, meta, tensors)
         hidden = tensors["hidden"] if self.verifier is not None and kind == MessageKind.FORWARD else None
-        hop = _RoutedHop(
-            stage,
-            service,
-            message.request_id,
-            self.transport.seal_posted(message),
-            meta["microbatch_id"],
-            on_lost,
-            hidden,
-        )
+        hop = _RoutedHop(stage, service, message.request_id, message, meta["microbatch_id"], on_lost, hidden)
         peer_id = await self._send_routed(hop)
         if peer_id is None:
             on_lost()
@@ -184,6 +181,12 @@ class HopSender:
                 break
             self.stats.rerouted += bool(hop.tried)  # the second and later peers asked for this hop
             hop.tried.add(peer_id)
+            if hop.message is not None:  # the first peer: seal for its link
+                try:
+                    hop.payload, hop.message = self._seal(hop.message, peer_id, hop.service), None
+                except ProtocolError:  # nothing was sent: un-charge the peer, the caller hears why
+                    stage_router.release(peer_id, 1.0)
+                    raise
             late = self._late(hop.stage, peer_id, hop.service, hop.microbatch_id, hop.on_lost)
             try:
                 outcome = await self.transport.post(
@@ -210,6 +213,10 @@ class HopSender:
             return peer_id
         logger.info(f"no peer of stage {hop.stage} took microbatch {hop.microbatch_id} (tried {len(hop.tried)})")
         return None
+
+    def _seal(self, message: Message, peer_id: str, service: str) -> bytes:
+        compression = self.compression.for_hop(peer_id, service, message.tensors) if self.compression else None
+        return self.transport.seal_posted(message, compression)
 
     def _refused(self, stage: int, peer_id: str, outcome: asyncio.Future) -> bool:
         """Whether a settled outcome is a refusal the hop can go elsewhere after (BUSY; ERROR, which

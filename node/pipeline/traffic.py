@@ -41,12 +41,13 @@ import torch
 
 from dht.announcer import PeerAnnouncer
 from dht.records import PeerState, short_peer_id
-from node.config import SwarmConfig
+from node.config import SwarmConfig, TrainingConfig
 from node.p2p.transport import Transport, TransportError
 from node.pipeline.admission import RejectedInput
 from node.pipeline.evaluation import PURPOSE_KEY, MicrobatchPurpose, eval_embed, eval_forward, eval_loss, purpose_of
 from node.pipeline.hops import HopSender, PipelineStats
 from node.pipeline.in_flight_window import InFlightWindow, keep_in_flight
+from node.pipeline.link_compression import LinkCompression
 from node.pipeline.order import pipeline_order, visits_every_block_stage
 from node.pipeline.routing import Router
 from node.pipeline.stage_worker import StageWorker
@@ -110,6 +111,32 @@ def _no_op() -> None:
     pass
 
 
+def _hop_sender(
+    training: TrainingConfig,
+    transport: Transport,
+    worker: StageWorker,
+    router: Router,
+    stats: PipelineStats,
+    ban_until: Callable[[str], float],
+    unreachable: Callable[[], set[str]],
+    verifier: Verifier | None,
+) -> HopSender:
+    """The pipeline's sender of hops, with the swarm's retries and timeouts, and each hop's encoding
+    chosen from this peer's uplink load (int8 while fp16 would keep its links busy)."""
+    wire = LinkCompression(training.wire_compression, training.slow_link_compression, transport.channels.link_capacity)
+    return HopSender(
+        transport,
+        router,
+        stats,
+        training.hop_timeout,
+        training.max_retries,
+        ban_until,
+        unreachable,
+        verifier,
+        compression=wire,
+    )
+
+
 class Pipeline:
     def __init__(
         self,
@@ -143,9 +170,7 @@ class Pipeline:
         self.num_block_stages = config.num_stages - 1
         self.in_flight: dict[int, InFlight] = {}
         self.stats = PipelineStats()
-        self.hops = HopSender(
-            transport, router, self.stats, self.hop_timeout, training.max_retries, self.ban_until, unreachable, verifier
-        )
+        self.hops = _hop_sender(training, transport, worker, router, self.stats, self.ban_until, unreachable, verifier)
         self._microbatch_ids = itertools.count(self.rng.randrange(1 << 40))
         self._microbatch_index = itertools.count()
         self._queued = 0

@@ -26,6 +26,7 @@ def exact_config(microbatches_per_step: int):
         num_stages=3,
         **{
             "training.wire_compression": "none",
+            "training.slow_link_compression": "none",  # bit-exact on any link
             "training.microbatches_per_step": microbatches_per_step,
             "training.min_in_flight": 1,
             "training.max_in_flight": 1,

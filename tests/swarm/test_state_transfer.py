@@ -48,6 +48,7 @@ def tiny_config():
             "training.sequence_length": 16,
             "training.microbatches_per_step": 1,
             "training.wire_compression": "none",
+            "training.slow_link_compression": "none",  # bit-exact on any link
         },
     )
 

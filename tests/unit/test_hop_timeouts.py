@@ -49,7 +49,7 @@ class ScriptedTransport:
     def message(self, kind, meta, tensors):
         return SimpleNamespace(kind=kind, meta=meta, tensors=tensors, request_id=1)
 
-    def seal_posted(self, message):
+    def seal_posted(self, message, compression=None):
         return b"payload"
 
     async def post(self, peer_id, service, request_id, payload, timeout, refusal_window, on_late_refusal):

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes, arrays
 
-from protocol import COMPRESSIONS, DTYPES, Limits, ProtocolError, decode_tensor, encode_tensor
+from protocol import COMPRESSIONS, DTYPES, Limits, ProtocolError, decode_tensor, encode_tensor, wire_nbytes
 
 FLOATS = {torch.float32, torch.float16, torch.bfloat16}
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -250,3 +250,15 @@ def test_fp16_leaves_values_beyond_its_range_in_their_own_dtype():
     encoded = encode_tensor(in_range, "fp16")
     assert encoded["codec"] == "fp16" and len(encoded["data"]) == 2 * 3
     assert torch.isfinite(decode_tensor(encoded)).all()
+
+
+@given(t=tensors(), compression=st.sampled_from(COMPRESSIONS), block=st.sampled_from((1, 7, 256)))
+@ROUND_TRIP
+def test_wire_nbytes_is_what_the_encoding_writes(t: torch.Tensor, compression: str, block: int) -> None:
+    if compression == "int8" and t.dtype in FLOATS and not bool(torch.isfinite(t).all()):
+        return  # int8 refuses non-finite values: nothing is written
+    encoded = encode_tensor(t, compression, block)
+    written = len(encoded["data"]) + len(encoded.get("scales", b""))
+    if t.dtype == torch.float32 and compression == "fp16" and encoded["codec"] == "none":
+        return  # beyond fp16's range: sent in its own dtype, which wire_nbytes does not look for
+    assert wire_nbytes(t, compression, block) == written
