@@ -96,8 +96,8 @@ class Channel:
     def usable(self, now: float) -> bool:
         return not self.closed and now - self.last_used < CLIENT_IDLE
 
-    async def call(self, request_id: int, payload: bytes, timeout: float) -> Message:
-        """Send one sealed request and wait up to `timeout` for the reply with its id."""
+    def _expect_reply(self, request_id: int) -> asyncio.Future:
+        """A future the reader settles with the reply to `request_id`, registered before the send."""
         if self.closed:
             raise ChannelClosed(f"{self.service} channel to {short_peer_id(self.peer_id)} is closed")
         if request_id in self.pending:  # the same message twice at once: its replies could not be told apart
@@ -105,6 +105,11 @@ class Channel:
         future = asyncio.get_running_loop().create_future()
         self.pending[request_id] = future
         self.last_used = time.monotonic()
+        return future
+
+    async def call(self, request_id: int, payload: bytes, timeout: float) -> Message:
+        """Send one sealed request and wait up to `timeout` for the reply with its id."""
+        future = self._expect_reply(request_id)
         try:
             async with asyncio.timeout(timeout):
                 await write_frame(self.writer, payload, self.limits)
@@ -126,14 +131,7 @@ class Channel:
         of a server that answers every request), None once `refusal_window` passed without one (it
         was taken), or ChannelClosed if the channel ends first. A refusal after the window, up to
         `timeout` after the send, goes to `on_late_refusal`."""
-        if self.closed:
-            raise ChannelClosed(f"{self.service} channel to {short_peer_id(self.peer_id)} is closed")
-        if request_id in self.pending:
-            raise ChannelClosed(f"request {request_id} is already pending on this channel")
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self.pending[request_id] = future
-        self.last_used = time.monotonic()
+        future = self._expect_reply(request_id)
         try:
             async with asyncio.timeout(timeout):
                 await write_frame(self.writer, payload, self.limits)
@@ -149,7 +147,7 @@ class Channel:
             if on_late_refusal is not None:
                 self._remember_late(request_id, sent_at + timeout, on_late_refusal)
 
-        quiet = loop.call_later(refusal_window, taken)
+        quiet = asyncio.get_running_loop().call_later(refusal_window, taken)
 
         def settled(_: asyncio.Future) -> None:
             quiet.cancel()
