@@ -95,8 +95,8 @@ class TrainingConfig:
     """Fewest microbatches whose gradients are accumulated into one optimizer (inner) step, >= 1; 2 averages out some gradient noise. A stage with more microbatches in flight takes larger steps (max_staleness_steps)."""
     min_in_flight: int = 4
     """Microbatches a stage-0 peer keeps in the pipeline at least, >= 1; 4 keeps 3 stages busy on one host, where a round trip is mostly compute."""
-    max_in_flight: int = 16
-    """Most microbatches a stage-0 peer keeps in the pipeline, >= min_in_flight; between the two the window follows delivery rate x minimum RTT (node/pipeline/in_flight_window.py). A bound on memory (stored activations, node/model/memory.py), not on staleness: 16 hides a 100 ms-per-link round trip on the default model."""
+    max_in_flight: int = 32
+    """Most microbatches a stage-0 peer keeps in the pipeline, >= min_in_flight; between the two the window follows delivery rate x minimum RTT (node/pipeline/in_flight_window.py). A bound on memory (stored activations, node/model/memory.py), not on staleness: over 100 ms links a default-model microbatch's round trip took 0.4-0.6 s (six crossings, queues, compute), so 32 keep ~55/s going where 16 kept ~40 (docs/benchmarks.md)."""
     max_staleness_steps: int = 2
     """Optimizer steps a microbatch's gradient may arrive after its forward, >= 1: a stage holding F microbatches between forward and backward steps every max(microbatches_per_step, ceil(F / this)) backwards, so a wide window makes larger steps instead of staler gradients. 2 is what the default model survived; 8 diverged (docs/reliability.md, "Staleness")."""
     stashed_weights: int = 4
@@ -116,7 +116,7 @@ class TrainingConfig:
     wire_compression: Compression = Compression.FP16
     """Encoding of activations and gradients between stages (receivers get the original dtype back); fp16 halves fp32 traffic."""
     slow_link_compression: Compression = Compression.INT8
-    """Encoding of hops while wire_compression would keep this peer's links over half busy, their rates measured by TCP (node/pipeline/link_compression.py); int8 halves fp16, as SWARM compresses for slow networks. Equal to wire_compression: never switch."""
+    """Encoding of hops while wire_compression would keep this peer's uplink over half busy, link rates measured by TCP (node/pipeline/link_compression.py); int8 halves fp16, as SWARM compresses for slow networks. Equal to wire_compression: never switch."""
     hop_timeout: float = 20.0
     """Seconds to wait for one stage's reply before retrying another peer, > 0; 20 s tolerates a loaded CPU peer."""
     max_retries: int = 3

@@ -8,17 +8,24 @@ pipeline behind a home uplink at the link's rate: at 50 Mbit/s, the default mode
 at most 47.7 microbatches/s however fast the stages compute (docs/benchmarks.md, issue 16). So the
 choice is made from measurements, per peer:
 
-    load = sum over the links this peer sent a hop on lately of
-           (payload in the usual encoding) x (hops per second on the link) / (the link's rate)
+    load = (bytes/s the usual encoding sends over the links used in the last RECENT seconds)
+           / (the slowest of those links' measured rates)
 
-is the share of its links' capacity the usual encoding keeps busy at the pace the pipeline runs. A
-peer's links share its uplink (a home connection's upload is the narrowest part of every path out
-of it), so the shares add up. Above ENGAGE the hops go in `slow_link`; they return to `usual` below
-RELEASE. The gap between the two, and a load counted in the usual encoding's bytes whatever is in
-use, keep the choice from swinging: compressing a link-bound pipeline lets it run faster, which only
-raises the load. A link's rate is what its TCP connection measures of the path
-(node/p2p/link_capacity.py); a link without one (through p2pd) or not yet measured adds nothing.
-No networking here: the link rates come in as a callable.
+A peer's links share its uplink, a home connection's narrowest part, so what they carry adds up,
+and the slowest link's reading is the closest to that uplink's sustained rate (a faster reading is
+a burst a token-bucket shaper let through, or a path that bypasses the uplink). Above ENGAGE the
+hops go in `slow_link` once the load has stayed there for SUSTAIN seconds; they return to `usual`
+once it has stayed below RELEASE as long.
+
+While compressed, the links' rates are not read again: small bursts fit in a shaper's bucket and
+cross at line rate, so an int8 hop's reading says little about what fp16 would get (measured on a
+50 Mbit/s namespace link, docs/benchmarks.md). The load is still counted in the usual encoding's
+bytes at the pace the pipeline runs, so compressing a link-bound pipeline, which then runs faster,
+keeps it compressed rather than swinging back. After a hold in `slow_link` (HOLDS) the usual encoding
+is tried again, to find a path that got faster; a still-slow one is found again within the rate
+filter's horizon (node/p2p/link_capacity.py) plus SUSTAIN, and the next hold is twice as long. A link's rate is what its TCP connection measures
+(node/p2p/link_capacity.py); a link without one (through p2pd) or not yet measured adds its bytes
+but no rate. No networking here: the rates come in as a callable.
 """
 
 from __future__ import annotations
@@ -35,12 +42,20 @@ from protocol import Compression, wire_nbytes
 
 logger = logging.getLogger(__name__)
 
-# share of the links' capacity the usual encoding would keep busy above which hops are compressed:
-# past half, a burst waits behind the one before it and the link starts to set the pipeline's pace
+# load (the share of the uplink the usual encoding keeps busy) above which hops are compressed:
+# past half, a burst often waits behind the one before it and the link starts to set the pace
 ENGAGE = 0.5
 RELEASE = 0.3  # ... and below which they go back to the usual encoding
 RECENT = 2.0  # seconds since a link's last hop for it to count toward the load
 INTERVAL_EMA = 0.1  # weight of a new interval between two hops on a link in its running mean
+# seconds the load must stay past ENGAGE (or under RELEASE) before the encoding changes: a start-up
+# burst of hops into links still in slow start, or a receiver too busy to read, looks like a slow
+# link for a moment, and a link that just came back has no pace yet
+SUSTAIN = 5.0
+# seconds compressed before the usual encoding is measured again: the first hold, doubled each time
+# the links prove still slow (compressed again within REPROBE_WINDOW of a probe), up to the last
+HOLDS = (30.0, 60.0, 120.0, 300.0)
+REPROBE_WINDOW = 30.0
 MAX_LINKS = 256  # links remembered (a peer talks to a few stages' peers at a time)
 
 
@@ -51,17 +66,17 @@ class LinkLoad:
     payload: int  # bytes of its last hop
     last: float  # monotonic time of its last hop
     interval: float | None = None  # running mean of the seconds between its hops
-    rate: float | None = None  # bytes/s the link carries, as last measured
+    rate: float | None = None  # bytes/s the link carries, as last measured in the usual encoding
 
 
 def uplink_load(links: Iterable[LinkLoad], now: float) -> float:
-    """The share of their capacity the links that carried a hop within RECENT seconds are kept busy
-    (their payload / interval / rate, summed); links lacking a figure add nothing."""
-    return sum(
-        link.payload / link.interval / link.rate
-        for link in links
-        if now - link.last <= RECENT and link.interval and link.rate
-    )
+    """The share of the uplink kept busy by the links that carried a hop within RECENT seconds: their
+    bytes/s (payload / interval) over the slowest rate among them; 0 while none is measured."""
+    recent = [link for link in links if now - link.last <= RECENT]
+    rates = [link.rate for link in recent if link.rate]
+    if not rates:
+        return 0.0
+    return sum(link.payload / link.interval for link in recent if link.interval) / min(rates)
 
 
 def choose_compression(load: float, current: Compression, usual: Compression, slow_link: Compression) -> Compression:
@@ -85,32 +100,51 @@ class LinkCompression:
         self.current = usual
         self._link_rate = link_rate  # bytes/s of the open link to (peer, service), if measured
         self._clock = clock
+        self._since = clock()  # when `current` was chosen
+        self._differs_since: float | None = None  # since when the load has called for the other encoding
+        self._hold = 0  # index into HOLDS of the current hold
+        self._probed: float | None = None  # when the usual encoding was last tried again after a hold
         self._links: OrderedDict[tuple[str, str], LinkLoad] = OrderedDict()
 
     def for_hop(self, peer_id: str, service: str, tensors: Mapping[str, Tensor]) -> Compression:
         if self.slow_link == self.usual:
             return self.usual
         now = self._clock()
-        payload = sum(wire_nbytes(t, self.usual) for t in tensors.values())
+        if self.current == self.slow_link and now - self._since > HOLDS[self._hold]:
+            self._probed = now
+            self._switch(self.usual, now, f"after {HOLDS[self._hold]:.0f} s, measuring the links again")
+        self._record(peer_id, service, sum(wire_nbytes(t, self.usual) for t in tensors.values()), now)
+        load = uplink_load(self._links.values(), now)
+        chosen = choose_compression(load, self.current, self.usual, self.slow_link)
+        if chosen == self.current:
+            self._differs_since = None
+            return self.current
+        self._differs_since = now if self._differs_since is None else self._differs_since
+        if now - self._differs_since < SUSTAIN:
+            return self.current
+        if chosen == self.slow_link:  # still slow right after a probe: hold longer next time
+            reprobed = self._probed is not None and now - self._probed < REPROBE_WINDOW
+            self._hold = min(self._hold + 1, len(HOLDS) - 1) if reprobed else 0
+        rates = [link.rate for link in self._links.values() if link.rate]
+        slowest = f"the slowest of {len(rates)} at {8 * min(rates) / 1e6:.1f} Mbit/s" if rates else "none measured"
+        self._switch(chosen, now, f"in {self.usual} they would keep this peer's links {load:.0%} busy ({slowest})")
+        return self.current
+
+    def _record(self, peer_id: str, service: str, payload: int, now: float) -> None:
         key = (peer_id, service)
         link = self._links.pop(key, None)
-        if link is None:
+        if link is None or now - link.last > RECENT:  # new, or quiet for long: its old pace is gone
             link = LinkLoad(payload, now)
         else:
             gap = now - link.last
             link.interval = gap if link.interval is None else (1 - INTERVAL_EMA) * link.interval + INTERVAL_EMA * gap
             link.payload, link.last = payload, now
-        link.rate = self._link_rate(peer_id, service)
+        if self.current == self.usual or link.rate is None:  # compressed hops' bursts say little (above)
+            link.rate = self._link_rate(peer_id, service)
         self._links[key] = link  # the most recent last
-        while len(self._links) > MAX_LINKS or (self._links and now - next(iter(self._links.values())).last > RECENT):
+        while len(self._links) > MAX_LINKS or now - next(iter(self._links.values())).last > RECENT:
             self._links.popitem(last=False)
-        load = uplink_load(self._links.values(), now)
-        chosen = choose_compression(load, self.current, self.usual, self.slow_link)
-        if chosen != self.current:
-            rates = [link.rate for link in self._links.values() if link.rate]
-            logger.info(
-                f"pipeline hops in {chosen}: in {self.usual} they would keep this peer's links {load:.0%} busy "
-                f"({len(rates)} measured, the slowest {8 * min(rates, default=0) / 1e6:.1f} Mbit/s)"
-            )
-            self.current = chosen
-        return chosen
+
+    def _switch(self, chosen: Compression, now: float, why: str) -> None:
+        logger.info(f"pipeline hops in {chosen}: {why}")
+        self.current, self._since, self._differs_since = chosen, now, None

@@ -35,12 +35,15 @@ tokens/s    As bench_swarm.py: two `node status --json` snapshots (run inside `b
             microbatches x microbatch_size x sequence_length / time. Ratio = shaped / (mean of the two
             unshaped windows). Beside it: CPU cores used by the swarm's processes (p2pd included), by
             the delay line, and by the whole machine (anyone's processes) during each window.
-Configs     `default`: SwarmConfig(): the window adapts between 4 and max_in_flight 16, and every
+Configs     `default`: SwarmConfig(): hops in fp16, int8 while fp16 would keep a peer's uplink over
+            half busy (node/pipeline/link_compression.py; the report gives each stage's encoding at
+            the end of each window); the window adapts between 4 and max_in_flight 32, and every
             stage takes steps of max(2, ceil(held / 2)) microbatches, so staleness stays within
-            max_staleness_steps = 2 however wide the window grows. `window32`: max_in_flight 32,
-            passed to `node bootstrap --config`. `window32-int8`: the same with int8 activations
-            on the wire, half the bytes of fp16, for a swarm that 50 Mbit/s of fp16 activations
-            would cap. `int8` (only when asked for): the defaults with int8 on the wire.
+            max_staleness_steps = 2 however wide the window grows. `window16`: max_in_flight 16 (the
+            default until this round), passed to `node bootstrap --config`. `fp16`: the defaults
+            with slow_link_compression = fp16, so the hops stay fp16 however busy the links are.
+            Only when asked for: `window32` (32, the default now), `window32-int8` and `int8` (int8
+            on the wire always, with a ceiling of 32 and the default one).
 Window      The window's size is in no record or metric; stage 0 logs "in-flight window A -> B" when
             it doubled or halved since its last such line, so the report gives the last logged size
             per phase (to within a factor of 2) and its min round trip. For a fixed window, the mean
@@ -81,18 +84,23 @@ from tests.benchmarks.bench_transport import machine_info, script_main  # noqa: 
 HOSTS = ("boot", "s0", "s1", "s2")
 CONFIGS: dict[str, dict[str, dict[str, int | str]]] = {
     "default": {},
-    # a ceiling over the default's, for a faster swarm's round trip (steps grow with the window,
-    # so staleness stays within max_staleness_steps)
+    # the default's ceiling until slow_link_compression came (steps grow with the window, so
+    # staleness stays within max_staleness_steps whatever the ceiling)
+    "window16": {"training": {"max_in_flight": 16}},
     "window32": {"training": {"max_in_flight": 32}},
     # each host carries 2 activations in and 2 out per microbatch: 128 KiB each way in fp16, which
     # 50 Mbit/s caps at ~47 microbatches/s (~24k tokens/s); int8 halves the bytes
     "window32-int8": {"training": {"max_in_flight": 32, "wire_compression": "int8"}},
     "int8": {"training": {"wire_compression": "int8"}},
+    # the default, never switching to int8 (what every config did before slow_link_compression)
+    "fp16": {"training": {"slow_link_compression": "fp16"}},
 }
-DEFAULT_CONFIGS = ("default", "window32", "window32-int8")
+DEFAULT_CONFIGS = ("default", "window16", "fp16")
 TARGET_RATIO = 0.8  # issue 16: shaped tokens/s >= 0.8 x unshaped
 STATUS_TIMEOUT = 120.0  # `node status` over shaped links does a few DHT round trips more slowly
 WINDOW_LINE = re.compile(r"in-flight window (\d+) -> (\d+) \(min round trip ([\d.]+) s, ([\d.]+) microbatches/s\)")
+# node/pipeline/link_compression.py logs each change of a peer's encoding of its hops
+ENCODING_LINE = re.compile(r"pipeline hops in (\w+): ")
 
 
 def write_config(path: Path, table: dict[str, dict[str, int | str]]) -> Path:
@@ -111,6 +119,11 @@ def window_lines(text: str) -> list[dict]:
         {"from": int(a), "to": int(b), "min_rtt": float(rtt), "rate": float(rate)}
         for a, b, rtt, rate in WINDOW_LINE.findall(text)
     ]
+
+
+def encodings(peers: list, usual: str) -> list[str]:
+    """The encoding each stage's hops were last logged in (`usual` until a change is logged)."""
+    return [(ENCODING_LINE.findall(peer.log()) or [usual])[-1] for peer in peers]
 
 
 def process_cpu(pid: int | None) -> float | None:
@@ -246,6 +259,7 @@ def config_run(name: str, table: dict, args: argparse.Namespace, workdir: Path) 
                 # the size this phase began with: the last one logged before it, else the floor it starts at
                 result["window_at_start"] = window_log[logged - 1]["to"] if logged else t.min_in_flight
                 result["window_log"], logged = window_log[logged:], len(window_log)
+                result["encodings"] = encodings(peers, str(t.wire_compression))  # per stage, at the end of the window
                 phases[phase] = result
                 log(f"  wide-area {name}: {phase} {result['tokens_per_s']:.0f} tokens/s")
             swarm.refresh_families()
@@ -271,6 +285,7 @@ def config_run(name: str, table: dict, args: argparse.Namespace, workdir: Path) 
         "max_in_flight": t.max_in_flight,
         "microbatches_per_step": t.microbatches_per_step,
         "wire_compression": str(t.wire_compression),
+        "slow_link_compression": str(t.slow_link_compression),
         "staleness_steps": t.max_staleness_steps,
         "tokens_per_microbatch": tokens_per_mb,
         "startup_seconds": startup,
@@ -324,23 +339,24 @@ def format_report(result: dict) -> str:
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "-"
         lines.append(
             f"| {r['config']} (max_in_flight {r['max_in_flight']}, microbatches_per_step {r['microbatches_per_step']}, "
-            f"wire {r.get('wire_compression', 'fp16')}) "
+            f"wire {r.get('wire_compression', 'fp16')}, {r.get('slow_link_compression', 'fp16')} while links are busy) "
             f"| {r['staleness_steps']:g} | {r['unshaped_tokens_per_s']:.0f} "
             f"| {r['phases']['shaped']['tokens_per_s']:.0f} | {ratio} | {verdict} |"
         )
     lines.append("")
     lines.append(
-        "| config | phase | stage-0 tokens/s | in-flight window | round trip (Little's law) | swarm CPU cores "
-        "| delay line CPU cores | machine CPU cores (all processes) | 1-min load |"
+        "| config | phase | stage-0 tokens/s | in-flight window | round trip (Little's law) | hops of stages 0/1/2 in "
+        "| swarm CPU cores | delay line CPU cores | machine CPU cores (all processes) | 1-min load |"
     )
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         for name, phase in r["phases"].items():
             rtt = phase["implied_round_trip_s"]
             line_cpu = phase["delay_line_cpu_cores"]
             lines.append(
                 f"| {r['config']} | {name} | {phase['tokens_per_s']:.0f} in {phase['seconds']:.0f} s "
-                f"| {_window(phase, r)} | {f'{1e3 * rtt:.0f} ms' if rtt else '-'} | {phase['swarm_cpu_cores']:.2f} "
+                f"| {_window(phase, r)} | {f'{1e3 * rtt:.0f} ms' if rtt else '-'} "
+                f"| {' / '.join(phase.get('encodings', ['-']))} | {phase['swarm_cpu_cores']:.2f} "
                 f"| {f'{line_cpu:.2f}' if line_cpu is not None else '-'} | {phase['machine_cpu_cores']:.2f} "
                 f"| {phase['loadavg'][0]} -> {phase['loadavg'][1]} |"
             )

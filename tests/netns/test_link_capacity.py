@@ -62,7 +62,7 @@ def _namespaces_or_skip() -> None:
         pytest.skip(why)
 
 
-def _probe(bed: TestBed, period: float, seconds: float = 3.0) -> dict:
+def _probe(bed: TestBed, period: float, seconds: float = 7.5) -> dict:
     out = bed.run(
         "a",
         [sys.executable, "-c", PROBE, bed.address("b"), "7300", str(period), str(seconds)],
@@ -83,8 +83,8 @@ def test_a_shaped_link_reads_its_rate_and_hops_that_would_fill_it_go_in_int8() -
         for host in ("a", "b"):
             bed.shape(host, delay_ms=10, rate_mbit=50)
         saturated = _probe(bed, period=0.0)
-        # the sender idles between bursts (~60 % of the link): each burst still crosses at link rate
-        most = _probe(bed, period=0.03)
+        # the sender idles between bursts (~70 % of the link): each burst still crosses at link rate
+        most = _probe(bed, period=0.025)
         quiet = _probe(bed, period=0.2)  # ~10 %
     print(f"unshaped {unshaped}, 50 Mbit/s: saturated {saturated}, mostly used {most}, quiet {quiet}")
     assert unshaped["rate_mbit_s"] > 400 and unshaped["chosen"] == "fp16"
@@ -94,4 +94,4 @@ def test_a_shaped_link_reads_its_rate_and_hops_that_would_fill_it_go_in_int8() -
     # idle for 200 ms between bursts, TCP restarts slow start (tcp_slow_start_after_idle): the link
     # reads slower than it is, but carries too little for that to matter
     assert quiet["rate_mbit_s"] < 60 and quiet["chosen"] == "fp16"
-    assert most["sent_mbit_s"] < 40  # it was not saturating the link
+    assert most["sent_mbit_s"] < 45  # it was not saturating the link

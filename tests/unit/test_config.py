@@ -37,7 +37,7 @@ from protocol.version import PROTOCOL_VERSION
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "config.md"
 REGENERATE = ".venv/bin/python -m node.config > docs/config.md"
-DEFAULT_HASH = "c30d53f0b8682d0b"  # protocol 2 + routing, precision, tokenizer_hash, the order-2 markov source, [validation], [verification], max_in_flight 16 with max_staleness_steps 2, stashed_weights 4, slow_link_compression int8: changing it splits old and new peers
+DEFAULT_HASH = "7687e50eafd2d98b"  # protocol 2 + routing, precision, tokenizer_hash, the order-2 markov source, [validation], [verification], max_staleness_steps 2, stashed_weights 4, slow_link_compression int8 with max_in_flight 32: changing it splits old and new peers
 SECTIONS = SECTION_TYPES
 TOP_LEVEL = [f.name for f in dataclasses.fields(SwarmConfig) if f.name not in SECTIONS]
 

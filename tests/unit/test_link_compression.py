@@ -21,8 +21,10 @@ from node.p2p.link_capacity import MIN_ACKED_BYTES, LinkCapacity
 from node.pipeline.hops import HopSender, PipelineStats
 from node.pipeline.link_compression import (
     ENGAGE,
+    HOLDS,
     RECENT,
     RELEASE,
+    SUSTAIN,
     LinkCompression,
     LinkLoad,
     choose_compression,
@@ -45,17 +47,21 @@ class FakeClock:
         return self.now
 
 
-def test_the_load_adds_up_what_each_recent_measured_link_carries():
+def test_the_load_is_what_the_recent_links_carry_over_the_slowest_rate():
     # 64 KiB every 30 ms on a 50 Mbit/s link keeps it ~35 % busy
     busy = LinkLoad(payload=65536, last=10.0, interval=0.03, rate=50 * MBIT)
     assert uplink_load([busy], now=10.0) == pytest.approx(0.35, abs=0.01)
-    # two such links from one peer share its uplink: 70 %
-    assert uplink_load([busy, busy], now=10.0) == pytest.approx(0.70, abs=0.02)
-    # a link idle for longer than RECENT, one not measured (through p2pd), one with a single hop: nothing
-    idle = LinkLoad(65536, last=10.0 - RECENT - 0.1, interval=0.03, rate=50 * MBIT)
+    # two such links from one peer share its uplink: 70 %; a burst read at line rate changes nothing
+    burst_read = LinkLoad(65536, last=10.0, interval=0.03, rate=10_000 * MBIT)
+    assert uplink_load([busy, burst_read], now=10.0) == pytest.approx(0.70, abs=0.02)
+    # a link not measured (through p2pd) still adds its bytes; one idle for longer than RECENT and one
+    # with a single hop so far add nothing
     unmeasured = LinkLoad(65536, last=10.0, interval=0.03, rate=None)
+    idle = LinkLoad(65536, last=10.0 - RECENT - 0.1, interval=0.03, rate=1 * MBIT)
     first_hop = LinkLoad(65536, last=10.0, interval=None, rate=50 * MBIT)
-    assert uplink_load([busy, idle, unmeasured, first_hop], now=10.0) == pytest.approx(0.35, abs=0.01)
+    assert uplink_load([busy, unmeasured, idle, first_hop], now=10.0) == pytest.approx(0.70, abs=0.02)
+    # nothing measured at all: no load
+    assert uplink_load([unmeasured], now=10.0) == 0.0
 
 
 def test_the_choice_engages_and_releases_at_different_loads():
@@ -75,24 +81,45 @@ def hops_every(chooser: LinkCompression, clock: FakeClock, seconds: float, links
     return chosen
 
 
-def test_a_peer_whose_links_fp16_would_fill_compresses_and_returns_when_they_are_fast(caplog):
+def test_a_peer_whose_links_fp16_would_fill_compresses_until_a_probe_finds_them_fast(caplog):
     clock = FakeClock()
     rates = {"s1": 50 * MBIT, "s2": 50 * MBIT}
-    chooser = LinkCompression(FP16, INT8, lambda peer_id, service: rates.get(peer_id), clock)
+    reads: list[str] = []
+
+    def link_rate(peer_id: str, service: str) -> float | None:
+        reads.append(peer_id)
+        return rates.get(peer_id)
+
+    chooser = LinkCompression(FP16, INT8, link_rate, clock)
     links = [("s1", "forward"), ("s2", "backward")]
+
+    def run(seconds: float, interval: float = 0.02) -> list[Compression]:
+        return hops_every(chooser, clock, interval, links, round(seconds / interval))
+
     with caplog.at_level(logging.INFO, logger="node.pipeline.link_compression"):
-        # a microbatch every 30 ms on two 50 Mbit/s links: fp16 would keep them ~70 % busy
-        assert hops_every(chooser, clock, 0.03, links, 20)[-2:] == [INT8, INT8]
-        # compressing lets the pipeline run faster, which keeps it compressing (no swing back)
-        assert set(hops_every(chooser, clock, 0.02, links, 50)) == {INT8}
-        # the paths got fast (a LAN): back to fp16 on the next hop
+        # a microbatch every 30 ms on two 50 Mbit/s links: fp16 would keep them ~70 % busy, and once
+        # that lasted SUSTAIN seconds the hops go in int8
+        chosen = run(2 * SUSTAIN, interval=0.03)
+        assert set(chosen[: 2 * round(0.9 * SUSTAIN / 0.03)]) == {FP16} and chosen[-1] is INT8
+        # compressed, the pipeline runs faster, which keeps it compressed (no swing back); the links'
+        # rates are not read meanwhile: an int8 burst's reading says little about fp16
+        reads.clear()
+        assert set(run(HOLDS[0] - 2 * SUSTAIN)) == {INT8}
+        assert reads == []
+        # still slow when the first hold ends: fp16 is measured for SUSTAIN seconds, then int8 again
+        chosen = run(HOLDS[0])
+        assert FP16 in chosen and chosen[-1] is INT8
+        # the paths got fast (say, a LAN): the next hold is twice as long, then fp16 for good
         rates.update(s1=10_000 * MBIT, s2=10_000 * MBIT)
-        assert hops_every(chooser, clock, 0.02, links, 2)[-1] is FP16
+        assert set(run(HOLDS[1] - HOLDS[0])) == {INT8}
+        assert set(run(HOLDS[0] + 2 * SUSTAIN)[-10:]) == {FP16}
     changes = [r.getMessage() for r in caplog.records]
-    assert len(changes) == 2, changes
+    assert [c.split(":")[0] for c in changes] == ["pipeline hops in " + c for c in ("int8", "fp16", "int8", "fp16")]
     assert changes[0].startswith("pipeline hops in int8: in fp16 they would keep this peer's links 7")
-    assert "2 measured, the slowest 50.0 Mbit/s" in changes[0]
-    assert changes[1].startswith("pipeline hops in fp16:")
+    assert changes[0].endswith("busy (the slowest of 2 at 50.0 Mbit/s)")
+    assert changes[1] == f"pipeline hops in fp16: after {HOLDS[0]:.0f} s, measuring the links again"
+    assert changes[2].startswith("pipeline hops in int8: in fp16 they would keep this peer's links 1")
+    assert changes[3] == f"pipeline hops in fp16: after {HOLDS[1]:.0f} s, measuring the links again"
 
 
 def test_slow_but_quiet_or_unmeasured_links_keep_the_usual_encoding():

@@ -179,10 +179,10 @@ def test_node_bootstrap_refuses_a_bad_preset_in_one_line_with_exit_code_2(monkey
 
 def test_the_memory_estimate_of_tiny_equals_a_hand_computation():
     config = SwarmConfig()  # tiny: V 256, H 64, I 176, 1 layer per block stage, 3 stages
-    tokens_in_flight = 16 * 8 * 64  # max_in_flight x microbatch_size x sequence_length
+    tokens_in_flight = 32 * 8 * 64  # max_in_flight x microbatch_size x sequence_length
     p0 = 2 * 256 * 64 + 64  # embedding, LM head, final norm
     p1 = 4 * 64 * 64 + 3 * 64 * 176 + 2 * 64  # q k v o, gate up down, two norms
-    edge_activations = tokens_in_flight * (4 * 64 + 16) + 16 * (256 * 64 + 64) * 4
+    edge_activations = tokens_in_flight * (4 * 64 + 16) + 32 * (256 * 64 + 64) * 4
     loss_head = 3 * (8 * 64) * 256 * 4  # logits, log-softmax, their gradient
     edge = estimate_stage_memory(config, 0)
     assert edge.to_dict() == {
@@ -201,23 +201,23 @@ def test_the_memory_estimate_of_tiny_equals_a_hand_computation():
         "loss_head": loss_head,
         "total": 56 * p0 + edge_activations + loss_head,
     }
-    # 56 x 32,832 + 8,192 x 272 + 16 x 16,448 x 4 + 3 x 512 x 256 x 4
-    assert (p0, edge.total) == (32_832, 1_838_592 + 2_228_224 + 1_052_672 + 1_572_864)
+    # 56 x 32,832 + 16,384 x 272 + 32 x 16,448 x 4 + 3 x 512 x 256 x 4
+    assert (p0, edge.total) == (32_832, 1_838_592 + 4_456_448 + 2_105_344 + 1_572_864)
     first = estimate_stage_memory(config, 1)
     activations = tokens_in_flight * (2 * 64 + 9 * 64 + 4 * 176) * 4  # input, output, one layer's saved values
     assert (first.parameters, first.activations, first.edge_copies) == (p1, activations, 256 * 64 * 4)
     assert first.stashed_weights == 4 * p1 * 4  # training.stashed_weights fp32 copies
-    # 72 x 50,304 + 65,536 + 8,192 x 1,408 x 4
-    assert first.total == 72 * p1 + 256 * 64 * 4 + activations == 3_621_888 + 65_536 + 46_137_344
+    # 72 x 50,304 + 65,536 + 16,384 x 1,408 x 4
+    assert first.total == 72 * p1 + 256 * 64 * 4 + activations == 3_621_888 + 65_536 + 92_274_688
     last = estimate_stage_memory(config, 2)
     assert last.edge_copies == (256 * 64 + 64) * 4  # the LM head and the final norm
-    assert format_bytes(first.total) == "47.5 MiB"
+    assert format_bytes(first.total) == "91.5 MiB"
 
 
 def test_a_device_too_small_for_the_widest_window_gets_the_widest_that_fits():
-    config = SwarmConfig()  # windows of 4..16
+    config = SwarmConfig()  # windows of 4..32
     widest = estimate_stage_memory(config, 1).total
-    assert fitting_in_flight(config, 1, widest) == (16, estimate_stage_memory(config, 1))
+    assert fitting_in_flight(config, 1, widest) == (32, estimate_stage_memory(config, 1))
     free = estimate_stage_memory(config, 1, 9).total + 1  # 9 fit, 10 do not
     in_flight, estimate = fitting_in_flight(config, 1, free)
     assert in_flight == 9 and estimate.total <= free < estimate_stage_memory(config, 1, 10).total
