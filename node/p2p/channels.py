@@ -227,8 +227,16 @@ class ChannelPool:
         opening = self._opening[key] = asyncio.get_running_loop().create_future()
         try:
             reader, writer = await self._open_stream(peer_id, service, timeout)
-            channel = Channel(peer_id, service, reader, writer, self.limits, self.swarm_id, self.swarm_key)
-            channel.capacity = LinkCapacity.of(writer)
+            channel = Channel(
+                peer_id,
+                service,
+                reader,
+                writer,
+                self.limits,
+                self.swarm_id,
+                self.swarm_key,
+                capacity=LinkCapacity.of(writer),
+            )
             channel.start()
             self._channels[key] = channel
             opening.set_result(channel)

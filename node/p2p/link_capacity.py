@@ -26,8 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 # offsets in Linux's struct tcp_info (include/uapi/linux/tcp.h), stable since they were appended
-_BYTES_ACKED = struct.Struct("=Q"), 120
-_DELIVERY_RATE = struct.Struct("=Q"), 160
+_U64 = struct.Struct("=Q")
+_BYTES_ACKED_AT, _DELIVERY_RATE_AT = 120, 160  # tcpi_bytes_acked, tcpi_delivery_rate
 _TCP_INFO_SIZE = 168  # up to and including tcpi_delivery_rate
 # bytes the peer must have acknowledged before a sample counts: slow start reads low until about
 # then (at 100 ms round trips, ~1 s from a cold start), and a busy link crosses it in a few hops
@@ -61,13 +61,13 @@ class LinkCapacity:
 
     def bytes_per_second(self) -> float | None:
         """The current estimate; None until the connection has carried MIN_ACKED_BYTES."""
+        now = self._clock()
         info = _tcp_info(self._sock)
         if info is not None:
-            acked = _BYTES_ACKED[0].unpack_from(info, _BYTES_ACKED[1])[0]
-            rate = float(_DELIVERY_RATE[0].unpack_from(info, _DELIVERY_RATE[1])[0])
+            acked = _U64.unpack_from(info, _BYTES_ACKED_AT)[0]
+            rate = float(_U64.unpack_from(info, _DELIVERY_RATE_AT)[0])
             if acked >= MIN_ACKED_BYTES and rate > 0:
-                self._add(self._clock(), rate)
-        now = self._clock()
+                self._add(now, rate)
         while self._samples and now - self._samples[0][0] > self._horizon:
             self._samples.popleft()
         return self._samples[0][1] if self._samples else None

@@ -114,7 +114,6 @@ def _no_op() -> None:
 def _hop_sender(
     training: TrainingConfig,
     transport: Transport,
-    worker: StageWorker,
     router: Router,
     stats: PipelineStats,
     ban_until: Callable[[str], float],
@@ -170,7 +169,7 @@ class Pipeline:
         self.num_block_stages = config.num_stages - 1
         self.in_flight: dict[int, InFlight] = {}
         self.stats = PipelineStats()
-        self.hops = _hop_sender(training, transport, worker, router, self.stats, self.ban_until, unreachable, verifier)
+        self.hops = _hop_sender(training, transport, router, self.stats, self.ban_until, unreachable, verifier)
         self._microbatch_ids = itertools.count(self.rng.randrange(1 << 40))
         self._microbatch_index = itertools.count()
         self._queued = 0

@@ -58,6 +58,29 @@ _PRIO_CUT, _PRIO_REAL, _PRIO_DELAY = "50", "100", "200"
 _NETEM: list[bool] = []
 
 
+# a TCP sink for probes run in a host (standard library only, for `python -S -c`): listens on argv[1],
+# counts each connection's bytes until the sender shuts down its side, and answers the count (a
+# sender that closed instead gets nothing, and the sink goes on)
+TCP_SINK = r"""
+import socket, sys
+srv = socket.socket()
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("0.0.0.0", int(sys.argv[1])))
+srv.listen(8)
+print("ready", flush=True)
+while True:
+    conn, _ = srv.accept()
+    got = 0
+    while data := conn.recv(1 << 16):
+        got += len(data)
+    try:
+        conn.sendall(str(got).encode())
+    except OSError:
+        pass
+    conn.close()
+"""
+
+
 def _run(argv: list[str], *, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=30)
     if check and proc.returncode != 0:

@@ -12,23 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.netns import TestBed, namespaces_supported
+from tests.helpers.netns import TCP_SINK, TestBed, namespaces_supported
 
 ROOT = Path(__file__).resolve().parents[2]
-
-SINK = r"""
-import socket, sys
-srv = socket.socket()
-srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-srv.bind(("0.0.0.0", int(sys.argv[1])))
-srv.listen(8)
-print("ready", flush=True)
-while True:
-    conn, _ = srv.accept()
-    while conn.recv(1 << 16):
-        pass
-    conn.close()
-"""
 
 # bursts of 128 KiB (a default microbatch's fp16 traffic out of a block stage) every `period` seconds
 # for `seconds`, each passed through the hop encoder first, then the link's estimate and the encoding
@@ -77,7 +63,7 @@ def test_a_shaped_link_reads_its_rate_and_hops_that_would_fill_it_go_in_int8() -
     with TestBed(seed=7, grace=1.0, offload=True) as bed:
         bed.add_public_host("a")
         bed.add_public_host("b")
-        sink = bed.popen("b", [sys.executable, "-S", "-c", SINK, "7300"], stdout=subprocess.PIPE, text=True)
+        sink = bed.popen("b", [sys.executable, "-S", "-c", TCP_SINK, "7300"], stdout=subprocess.PIPE, text=True)
         assert sink.stdout.readline().strip() == "ready"
         unshaped = _probe(bed, period=0.005)
         for host in ("a", "b"):

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.helpers.netns import TestBed, namespaces_supported, nat_supported, sweep_stale
+from tests.helpers.netns import TCP_SINK, TestBed, namespaces_supported, nat_supported, sweep_stale
 
 # -S: the probes need only the standard library, and start faster without site-packages
 PY = [sys.executable, "-S", "-c"]
@@ -82,22 +82,6 @@ while deadline is None or time.monotonic() < deadline:
         seq = int(sock.recv(64))
         rtts.setdefault(seq, (time.monotonic() - sent[seq]) * 1000)
 print(json.dumps({"sent": count, "rtts_ms": list(rtts.values())}))
-"""
-
-SINK = r"""
-import socket, sys
-srv = socket.socket()
-srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-srv.bind(("0.0.0.0", int(sys.argv[1])))
-srv.listen(8)
-print("ready", flush=True)
-while True:
-    conn, _ = srv.accept()
-    got = 0
-    while data := conn.recv(1 << 16):
-        got += len(data)
-    conn.sendall(str(got).encode())
-    conn.close()
 """
 
 # sends SIZE bytes and times until the sink has counted them all (so bytes still in buffers do not count)
@@ -239,8 +223,8 @@ def test_loss_drops_a_plausible_share(bed: TestBed) -> None:
 
 def test_rate_limits_both_directions(bed: TestBed) -> None:
     a, b = bed.add_public_host("a"), bed.add_public_host("b")
-    serve(bed, "a", SINK, 7100)
-    serve(bed, "b", SINK, 7100)
+    serve(bed, "a", TCP_SINK, 7100)
+    serve(bed, "b", TCP_SINK, 7100)
     bed.shape("a", rate_mbit=10)
     size = 3_000_000
     up = probe(bed, "a", BULK, b, 7100, size)
@@ -255,7 +239,7 @@ def bulk_through_delay_line(bed: TestBed) -> tuple[dict, dict]:
     """20 MB from a to b, both 5 ms one way, through the delay line: (the probe's result, the line's counters)."""
     bed.add_public_host("a")
     b = bed.add_public_host("b")
-    serve(bed, "b", SINK, 7100)
+    serve(bed, "b", TCP_SINK, 7100)
     bed.shape("a", delay_ms=5)
     bed.shape("b", delay_ms=5)
     if not bed.delay_line_stats():
