@@ -43,12 +43,13 @@ def test_three_by_two_swarm_trains_and_survives_a_killed_peer(swarm: Swarm):
     first = wait_for(lambda: (s := swarm.observe()) and mean_loss(s) is not None and s, 60, "no loss reported")
     initial_loss = mean_loss(first)
     ln_vocab = math.log(256)
-    wait_for(
-        lambda: (loss := mean_loss(swarm.observe())) is not None and loss < ln_vocab - 3.0,
+    # the snapshot that showed the loss below the line is the one asserted on: a second observation
+    # may catch the noisy mean a hair above it again (a clean-clone run read 2.547 against 2.545)
+    trained = wait_for(
+        lambda: (s := swarm.observe()) and (loss := mean_loss(s)) is not None and loss < ln_vocab - 3.0 and s,
         150,
         lambda: f"loss did not fall below {ln_vocab - 3.0:.3f} (started at {initial_loss:.3f})",
     )
-    trained = swarm.observe()
     loss_before_kill = mean_loss(trained)
     print(f"stage-0 loss: first report {initial_loss:.3f}, then {loss_before_kill:.3f} (ln V = {ln_vocab:.3f})")
     assert loss_before_kill < ln_vocab - 3.0  # from ~5.5 at init to below 2.55
