@@ -57,6 +57,11 @@ SUSTAIN = 5.0
 HOLDS = (30.0, 60.0, 120.0, 300.0)
 REPROBE_WINDOW = 30.0
 MAX_LINKS = 256  # links remembered (a peer talks to a few stages' peers at a time)
+# seconds between two reads of one link's rate, and between two decisions on the load: a hop costs
+# ~1 ms of event-loop CPU, and reading TCP_INFO, summing the links and choosing on every one of
+# them was ~5 % of a block stage's loop (py-spy, docs/benchmarks.md), for a choice that waits
+# SUSTAIN seconds before it changes anything
+REFRESH = 0.1
 
 
 @dataclass
@@ -67,6 +72,7 @@ class LinkLoad:
     last: float  # monotonic time of its last hop
     interval: float | None = None  # running mean of the seconds between its hops
     rate: float | None = None  # bytes/s the link carries, as last measured in the usual encoding
+    rate_read: float = float("-inf")  # monotonic time `rate` was last read
 
 
 def uplink_load(links: Iterable[LinkLoad], now: float) -> float:
@@ -104,6 +110,7 @@ class LinkCompression:
         self._differs_since: float | None = None  # since when the load has called for the other encoding
         self._hold = 0  # index into HOLDS of the current hold
         self._probed: float | None = None  # when the usual encoding was last tried again after a hold
+        self._decided = float("-inf")  # when the load was last weighed
         self._links: OrderedDict[tuple[str, str], LinkLoad] = OrderedDict()
 
     def for_hop(self, peer_id: str, service: str, tensors: Mapping[str, Tensor]) -> Compression:
@@ -114,6 +121,9 @@ class LinkCompression:
             self._probed = now
             self._switch(self.usual, now, f"after {HOLDS[self._hold]:.0f} s, measuring the links again")
         self._record(peer_id, service, sum(wire_nbytes(t, self.usual) for t in tensors.values()), now)
+        if now - self._decided < REFRESH:
+            return self.current
+        self._decided = now
         load = uplink_load(self._links.values(), now)
         chosen = choose_compression(load, self.current, self.usual, self.slow_link)
         if chosen == self.current:
@@ -139,8 +149,9 @@ class LinkCompression:
             gap = now - link.last
             link.interval = gap if link.interval is None else (1 - INTERVAL_EMA) * link.interval + INTERVAL_EMA * gap
             link.payload, link.last = payload, now
-        if self.current == self.usual or link.rate is None:  # compressed hops' bursts say little (above)
-            link.rate = self._link_rate(peer_id, service)
+        # compressed hops' bursts say little (above)
+        if (self.current == self.usual or link.rate is None) and now - link.rate_read >= REFRESH:
+            link.rate, link.rate_read = self._link_rate(peer_id, service), now
         self._links[key] = link  # the most recent last
         while len(self._links) > MAX_LINKS or now - next(iter(self._links.values())).last > RECENT:
             self._links.popitem(last=False)

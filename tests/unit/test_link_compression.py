@@ -18,11 +18,13 @@ from dht.records import PeerRecord, PeerState
 from dht.signing import Identity
 from node.p2p.direct import DirectLinks
 from node.p2p.link_capacity import MIN_ACKED_BYTES, LinkCapacity
+from node.pipeline import link_compression
 from node.pipeline.hops import HopSender, PipelineStats
 from node.pipeline.link_compression import (
     ENGAGE,
     HOLDS,
     RECENT,
+    REFRESH,
     RELEASE,
     SUSTAIN,
     LinkCompression,
@@ -136,6 +138,27 @@ def test_slow_but_quiet_or_unmeasured_links_keep_the_usual_encoding():
     # equal encodings: nothing to choose
     never = LinkCompression(FP16, FP16, lambda peer_id, service: 1.0, clock)
     assert set(hops_every(never, clock, 0.001, [("s1", "forward")], 5)) == {FP16}
+
+
+def test_links_are_read_and_the_load_weighed_at_most_once_per_refresh(monkeypatch):
+    clock = FakeClock()
+    reads: list[str] = []
+
+    def link_rate(peer_id: str, service: str) -> float | None:
+        reads.append(peer_id)
+        return 50 * MBIT
+
+    chooser = LinkCompression(FP16, INT8, link_rate, clock)
+    weighed = []
+    real_load = link_compression.uplink_load
+    monkeypatch.setattr(
+        link_compression, "uplink_load", lambda links, now: weighed.append(now) or real_load(links, now)
+    )
+    # a hop every millisecond on two links for one second: 2,000 hops, ~10 reads of each link
+    hops_every(chooser, clock, 0.001, [("s1", "forward"), ("s2", "backward")], 1000)
+    assert 2 * (1.0 / REFRESH) <= len(reads) <= 2 * (1.0 / REFRESH + 1)
+    assert reads.count("s1") == reads.count("s2")
+    assert 1.0 / REFRESH <= len(weighed) <= 1.0 / REFRESH + 1
 
 
 class ByPeer:
