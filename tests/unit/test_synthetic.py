@@ -14,7 +14,7 @@ import torch
 from node.config import ConfigError, SwarmConfig, SyntheticSource, load_config, synthetic_source
 from node.model.data import open_source
 from node.model.llama import ReferenceModel, build_stage
-from node.model.synthetic import SyntheticMarkovSource, de_bruijn, markov_source
+from node.model.synthetic import DRAWN_ROWS, SyntheticMarkovSource, de_bruijn, markov_source
 from node.monitor.status import loss_floor
 
 CFG = SwarmConfig()
@@ -111,6 +111,17 @@ def test_chain_is_a_function_of_seed_streams_differ() -> None:
     assert not torch.equal(markov_source(CFG, 5).next_batch(3, 20)[0], batches[0]), "streams differ"
     other_seed = markov_source(CFG.replace(seed=1), 4).next_batch(3, 20)[0]
     assert not torch.equal(other_seed, batches[0])
+
+
+def test_next_batch_hands_out_sequences_drawn_many_at_a_time():
+    source, twin = markov_source(CFG, 4), markov_source(CFG, 4)
+    drawn = torch.from_numpy(twin.sample(DRAWN_ROWS, 21))
+    handed = [source.next_batch(8, 20) for _ in range(DRAWN_ROWS // 8)]
+    assert torch.equal(torch.cat([tokens for tokens, _ in handed]), drawn[:, :-1])
+    assert torch.equal(torch.cat([targets for _, targets in handed]), drawn[:, 1:])
+    # the draw used up, the next one follows it in the stream; another length starts a draw of its own
+    assert torch.equal(source.next_batch(8, 20)[0], torch.from_numpy(twin.sample(DRAWN_ROWS, 21)[:8, :-1]))
+    assert torch.equal(source.next_batch(2, 30)[0], torch.from_numpy(twin.sample(DRAWN_ROWS, 31)[:2, :-1]))
 
 
 def test_deterministic_chain_has_floor_zero() -> None:
