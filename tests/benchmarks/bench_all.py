@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", help="also write the raw results here")
     args = parser.parse_args(argv)
+    bench_transport.end_through_cleanups_on_sigterm()
     if args.quick:
         args.seconds, args.min_reps = 2.0, 10
         args.single_seconds, args.single_threads = 10.0, [1]

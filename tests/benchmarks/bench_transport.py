@@ -47,6 +47,7 @@ import json
 import math
 import os
 import platform
+import signal
 import socket
 import statistics
 import struct
@@ -531,6 +532,13 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+def end_through_cleanups_on_sigterm() -> None:
+    """Make SIGTERM end a benchmark the way Ctrl-C does, through the `finally` blocks that end its
+    swarms and namespaces by pid: Python's default action for SIGTERM skips them, and a benchmark
+    started in the background ignores SIGINT, so a killed run used to leave its peers training."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def script_main(
     doc: str, add_arguments: Callable, run: Callable, format_report: Callable, argv: list[str] | None = None
 ) -> int:
@@ -539,6 +547,7 @@ def script_main(
     add_arguments(parser)
     parser.add_argument("--json", help="also write the raw results here")
     args = parser.parse_args(argv)
+    end_through_cleanups_on_sigterm()
     result = run(args)
     m0, m1 = result["machine_before"], result["machine_after"]
     print(
