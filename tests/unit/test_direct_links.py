@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import struct
 
 import msgpack
@@ -13,6 +14,7 @@ import pytest
 
 from dht.records import PeerRecord, Reachability, RecordError
 from dht.signing import Identity
+from node.p2p import sealed_link
 from node.p2p.direct import (
     MAX_HANDSHAKE_BYTES,
     MAX_PENDING_HANDSHAKES,
@@ -327,5 +329,52 @@ def test_a_record_arriving_in_segments_wakes_its_reader_once():
         with pytest.raises(asyncio.IncompleteReadError) as error:
             await asyncio.wait_for(cut, 5)
         assert error.value.partial == b"x" * 40
+
+    asyncio.run(main())
+
+
+def test_a_record_body_sets_the_sockets_low_water_mark_and_never_above_what_is_missing():
+    """While a record's body is awaited on a real TCP connection the kernel is asked (SO_RCVLOWAT) to
+    wake the loop only once the missing bytes are in, capped at a quarter of the receive buffer, and
+    lowered as pieces arrive: a mark above what is still coming would never fire and the read would
+    hang (a 512 KiB record arriving in four pieces checks that). The mark is 1 again after each read."""
+
+    async def main() -> None:
+        accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def on_connection(reader, writer) -> None:
+            accepted.set_result((reader, writer))
+            await asyncio.sleep(30)
+
+        server = await sealed_link.listen(on_connection, "127.0.0.1", 0)
+        _, client = await sealed_link.connect("127.0.0.1", server.sockets[0].getsockname()[1])
+        reader, _ = await asyncio.wait_for(accepted, 5)
+        sock = reader._transport.get_extra_info("socket")
+
+        def mark() -> int:
+            return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
+
+        for size, pieces in ((64 * 1024, 2), (512 * 1024, 4)):
+            record = os.urandom(size)
+            read = asyncio.create_task(reader.readexactly(size))
+            marks = []
+            for start in range(0, size, size // pieces):
+                client.write(record[start : start + size // pieces])
+                await client.drain()
+                await asyncio.sleep(0.05)
+                marks.append(mark())
+            assert await asyncio.wait_for(read, 5) == record
+            buffer = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+            waiting = marks[:-1]  # before the last piece the read was still waiting
+            assert all(1 < m <= min(size, buffer // 4) for m in waiting), (size, marks, buffer)
+            assert mark() == 1
+        # a short read leaves the mark alone
+        small = asyncio.create_task(reader.readexactly(100))
+        await asyncio.sleep(0.05)
+        assert mark() == 1
+        client.write(b"y" * 100)
+        assert await asyncio.wait_for(small, 5) == b"y" * 100
+        client.close()
+        server.close()
 
     asyncio.run(main())
