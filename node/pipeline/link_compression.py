@@ -22,10 +22,10 @@ cross at line rate, so an int8 hop's reading says little about what fp16 would g
 50 Mbit/s namespace link, docs/benchmarks.md). The load is still counted in the usual encoding's
 bytes at the pace the pipeline runs, so compressing a link-bound pipeline, which then runs faster,
 keeps it compressed rather than swinging back. After a hold in `slow_link` (HOLDS) the usual encoding
-is tried again, to find a path that got faster; a still-slow one is found again within the rate
-filter's horizon (node/p2p/link_capacity.py) plus SUSTAIN, and the next hold is twice as long. A link's rate is what its TCP connection measures
-(node/p2p/link_capacity.py); a link without one (through p2pd) or not yet measured adds its bytes
-but no rate. No networking here: the rates come in as a callable.
+is tried again, to find a path that got faster; a still-slow one goes back to `slow_link` after
+SUSTAIN_AFTER_PROBE instead of SUSTAIN, and the next hold is twice as long. A link's rate is what
+its TCP connection measures (node/p2p/link_capacity.py); a link without one (through p2pd) or not
+yet measured adds its bytes but no rate. No networking here: the rates come in as a callable.
 """
 
 from __future__ import annotations
@@ -52,6 +52,10 @@ INTERVAL_EMA = 0.1  # weight of a new interval between two hops on a link in its
 # burst of hops into links still in slow start, or a receiver too busy to read, looks like a slow
 # link for a moment, and a link that just came back has no pace yet
 SUSTAIN = 5.0
+# ... except back into `slow_link` right after a probe (within REPROBE_WINDOW): the link was slow a
+# hold ago, its connection is warm, and each second of the probe is a second of the usual encoding
+# on a link it fills (in a wide-area run the probes, 5 s each, took a quarter of a 60 s window)
+SUSTAIN_AFTER_PROBE = 1.0
 # seconds compressed before the usual encoding is measured again: the first hold, doubled each time
 # the links prove still slow (compressed again within REPROBE_WINDOW of a probe), up to the last
 HOLDS = (30.0, 60.0, 120.0, 300.0)
@@ -130,10 +134,10 @@ class LinkCompression:
             self._differs_since = None
             return self.current
         self._differs_since = now if self._differs_since is None else self._differs_since
-        if now - self._differs_since < SUSTAIN:
+        reprobed = chosen == self.slow_link and self._probed is not None and now - self._probed < REPROBE_WINDOW
+        if now - self._differs_since < (SUSTAIN_AFTER_PROBE if reprobed else SUSTAIN):
             return self.current
         if chosen == self.slow_link:  # still slow right after a probe: hold longer next time
-            reprobed = self._probed is not None and now - self._probed < REPROBE_WINDOW
             self._hold = min(self._hold + 1, len(HOLDS) - 1) if reprobed else 0
         rates = [link.rate for link in self._links.values() if link.rate]
         slowest = f"the slowest of {len(rates)} at {8 * min(rates) / 1e6:.1f} Mbit/s" if rates else "none measured"

@@ -27,6 +27,7 @@ from node.pipeline.link_compression import (
     REFRESH,
     RELEASE,
     SUSTAIN,
+    SUSTAIN_AFTER_PROBE,
     LinkCompression,
     LinkLoad,
     choose_compression,
@@ -108,9 +109,11 @@ def test_a_peer_whose_links_fp16_would_fill_compresses_until_a_probe_finds_them_
         reads.clear()
         assert set(run(HOLDS[0] - 2 * SUSTAIN)) == {INT8}
         assert reads == []
-        # still slow when the first hold ends: fp16 is measured for SUSTAIN seconds, then int8 again
+        # still slow when the first hold ends: fp16 is measured again, and int8 is back within
+        # SUSTAIN_AFTER_PROBE (the link was slow a hold ago), not SUSTAIN
         chosen = run(HOLDS[0])
         assert FP16 in chosen and chosen[-1] is INT8
+        assert chosen.count(FP16) <= 2 * (SUSTAIN_AFTER_PROBE + 2 * REFRESH) / 0.02
         # the paths got fast (say, a LAN): the next hold is twice as long, then fp16 for good
         rates.update(s1=10_000 * MBIT, s2=10_000 * MBIT)
         assert set(run(HOLDS[1] - HOLDS[0])) == {INT8}
