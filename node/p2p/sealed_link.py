@@ -60,29 +60,30 @@ class _RecordReader(asyncio.StreamReader):
 
     async def readexactly(self, n: int) -> bytes:
         self._wanted = n
-        self._lower_low_water(n - len(self._buffer), raise_it=True)
+        self._track_missing(n - len(self._buffer), may_raise=True)
         try:
             return await super().readexactly(n)
         finally:
             self._wanted = 0
-            self._lower_low_water(0)
+            self._track_missing(0)
 
     def feed_data(self, data: bytes) -> None:
         super().feed_data(data)
         if self._low_water > 1:  # never above what is still missing, or the kernel would never wake us
-            self._lower_low_water(self._wanted - len(self._buffer))
+            self._track_missing(self._wanted - len(self._buffer))
 
     def _wakeup_waiter(self) -> None:
         if self._eof or len(self._buffer) >= self._wanted:
             super()._wakeup_waiter()
 
-    def _lower_low_water(self, missing: int, raise_it: bool = False) -> None:
-        """SO_RCVLOWAT to the bytes `missing` (at most a quarter of the receive buffer), or back to
-        1 when few are; raised only when `raise_it`."""
+    def _track_missing(self, missing: int, may_raise: bool = False) -> None:
+        """Keep SO_RCVLOWAT at the bytes still `missing` (at most a quarter of the receive buffer; 1
+        when fewer than LOW_WATER_FROM are): raised only before a read (`may_raise`), lowered
+        whenever fewer are missing than the mark."""
         if not self._low_water_works or self._transport is None:
             return
         wanted = 1 if missing < LOW_WATER_FROM else missing
-        if wanted == self._low_water or (wanted > self._low_water and not raise_it):
+        if wanted == self._low_water or (wanted > self._low_water and not may_raise):
             return
         try:
             if self._sock is None:
