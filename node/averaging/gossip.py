@@ -102,6 +102,17 @@ class Gossip:
     def exchanging(self) -> bool:
         return self.pairwise.exchanging
 
+    @property
+    def behind(self) -> asyncio.Event:
+        """Set when a round found this replica far behind its stage (RoundContext.reject); the
+        catch-up (node/recovery/catch_up.py) clears it and takes the stage's state again."""
+        return self.rounds.behind
+
+    @property
+    def behind_partner(self) -> str | None:
+        """The partner whose round last showed this replica behind."""
+        return self.rounds.behind_partner
+
     async def refresh_fingerprint(self) -> None:
         """Every heartbeat: the fingerprint to publish, and the divergences the stage published
         (the partner check scales with them)."""

@@ -22,19 +22,25 @@ is rejected (`implausible`) when
 
 The thresholds come from honest swarms measured in docs/gossip.md ("Plausibility"). Nothing
 here keeps torch state or modifies a tensor.
+
+A failed check has two readings. Usually the partner is the odd one out, and it is banned. But
+honest replicas that did not meet for many steps (two that started from the seed together while
+routing sent one of them most of the work) fail the same checks; then `lagging_behind` tells the
+replica that is behind, which takes the stage's state again instead of banning (docs/gossip.md,
+"Catching up").
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["DivergenceMemory", "PartnerMeasures", "PlausibilityBounds", "implausible", "measure"]
+__all__ = ["DivergenceMemory", "PartnerMeasures", "PlausibilityBounds", "implausible", "lagging_behind", "measure"]
 
 _EPS = 1e-12
 
@@ -166,6 +172,22 @@ def implausible(m: PartnerMeasures, bounds: PlausibilityBounds, distance_limit: 
             f"delta: cosine with ours {m.delta_cosine:.3g} < {bounds.min_delta_cosine:g} (points against our progress)"
         )
     return None
+
+
+def lagging_behind(own_step: int, partner: str, stage_steps: Mapping[str, int], lead: int) -> bool:
+    """Is this replica, not `partner`, the odd one out of a round whose plausibility check failed?
+
+    `stage_steps`: the inner step each other online replica of the stage publishes (the partner's
+    included). True when the partner and a strict majority of those replicas are at least `lead`
+    inner steps ahead of `own_step`. A lone stranger that publishes a large step count in a stage
+    of three or more is outvoted; in a stage of two its word is all there is, as it is for a joiner
+    whose only donor it is.
+    """
+    threshold = own_step + lead
+    if stage_steps.get(partner, -1) < threshold:
+        return False
+    ahead = sum(1 for step in stage_steps.values() if step >= threshold)
+    return 2 * ahead > len(stage_steps)
 
 
 class DivergenceMemory:

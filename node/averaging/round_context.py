@@ -8,6 +8,7 @@ sent bad tensors, and a cool-down for partners that stalled (docs/gossip.md, "Ro
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -22,7 +23,7 @@ from dht.swarm_view import SwarmView
 from node.averaging.gossip_wire import STALL_COOLDOWN, GossipWire
 from node.averaging.noloco import OuterState
 from node.averaging.outer_replica import STEPPED, OuterReplica, RoundOutcome, RoundStart, RoundStatus
-from node.averaging.plausibility import DivergenceMemory
+from node.averaging.plausibility import DivergenceMemory, lagging_behind
 from node.config import GossipConfig
 from node.p2p.reachability import carries_training
 from node.p2p.transport import Transport
@@ -30,9 +31,13 @@ from node.pipeline.routing import BanList
 from node.pipeline.stage_worker import StageWorker
 from node.runtime.events import EventPublisher
 
-__all__ = ["RoundContext"]
+__all__ = ["CATCH_UP_LEAD_ROUNDS", "RoundContext"]
 
 logger = logging.getLogger(__name__)
+
+# how far behind (in rounds' worth of inner steps, H each) a replica must be before a failed
+# plausibility check reads as "we are stale" rather than "the partner is hostile"
+CATCH_UP_LEAD_ROUNDS = 2
 
 
 class RoundContext:
@@ -67,6 +72,10 @@ class RoundContext:
         self.divergence: float | None = None
         self.divergences = DivergenceMemory()  # recent honest divergences: the partner check scales with them
         self.stalled: dict[str, float] = {}  # peer -> until when it is neither asked nor answered
+        # set when a partner check found this replica far behind its stage; node/recovery/catch_up.py
+        # waits on it and takes the stage's state again (docs/gossip.md, "Catching up")
+        self.behind = asyncio.Event()
+        self.behind_partner: str | None = None  # the partner whose phi showed it
 
     @property
     def steps_since_round(self) -> int:
@@ -177,8 +186,24 @@ class RoundContext:
             logger.info(f"gossip round {outcome.round} {outcome.status}: {outcome.detail}")
         return outcome
 
-    def reject(self, peer_id: str, reason: str) -> None:
-        """Ban a peer whose tensors failed validation and tell the dashboard."""
+    def lags_behind(self, partner: str) -> bool:
+        """Are we, not `partner`, the stale replica (plausibility.lagging_behind on the published steps)?"""
+        steps = {p.peer_id: p.inner_step for p in self.view.online(self.me.stage, exclude=self.me.peer_id)}
+        lead = CATCH_UP_LEAD_ROUNDS * self.settings.inner_steps
+        return lagging_behind(self.worker.inner_step, partner, steps, lead)
+
+    def reject(self, peer_id: str, reason: str, implausible: bool = False) -> None:
+        """Ban a peer whose tensors failed validation and tell the dashboard; but when they were
+        well-formed (`implausible`: only the plausibility check failed) and this replica is the one
+        far behind the stage, ask for a catch-up instead (`behind`) and ban nobody."""
+        if implausible and self.lags_behind(peer_id):
+            self.behind_partner = peer_id
+            self.behind.set()
+            logger.warning(
+                f"gossip from {short_peer_id(peer_id)} failed the plausibility check ({reason}), but this replica "
+                f"(inner step {self.worker.inner_step}) is far behind it and most of its stage: catching up"
+            )
+            return
         self.bans.ban(peer_id, self.ban_until(peer_id), f"gossip: {reason}")
         logger.warning(f"rejected gossip from {short_peer_id(peer_id)} and banned it: {reason}")
         self.events.publish(

@@ -41,7 +41,12 @@ MAX_PARTNER_TRIES = 3  # BUSY partners asked per attempt before backing off
 
 
 class PartnerRejected(Exception):
-    """The partner's tensors failed validation: ban it and skip the round."""
+    """The partner's tensors failed validation: skip the round and ban it (or, when they were
+    well-formed but `implausible` and we are the stale one, catch up: RoundContext.reject)."""
+
+    def __init__(self, reason: str, implausible: bool = False):
+        super().__init__(reason)
+        self.implausible = implausible
 
 
 class PartnerBusy(Exception):
@@ -111,7 +116,7 @@ class PairwiseRound:
                 except PartnerBusy:
                     continue
                 except PartnerRejected as e:
-                    ctx.reject(peer, str(e))
+                    ctx.reject(peer, str(e), e.implausible)
                     return ctx.record(RoundOutcome(RoundStatus.REJECTED, round_, (peer,), str(e)))
                 except PartnerStalled as e:
                     ctx.stall(peer)
@@ -145,7 +150,7 @@ class PairwiseRound:
                 await session.send(ctx.wire.done(start.state.round, reason))
                 theirs = await GossipWire.recv_within(session, _after_compute(seconds), MessageKind.GOSSIP_DONE)
         if reason is not None:
-            raise PartnerRejected(reason)
+            raise PartnerRejected(reason, implausible=divergence is not None)
         if not theirs.meta.get("accept"):
             raise TransportError(f"{short_peer_id(peer)} declined the round: {theirs.meta.get('reason')}")
         return await self._step_with(start, PartnerUpdate(peer, phi, delta, divergence))
@@ -164,7 +169,7 @@ class PairwiseRound:
         try:
             await within(self._answer(sender, session), ctx.settings.round_timeout)
         except PartnerRejected as e:
-            ctx.reject(sender, str(e))
+            ctx.reject(sender, str(e), e.implausible)
             ctx.record(RoundOutcome(RoundStatus.REJECTED, ctx.replica.state.round, (sender,), str(e)))
         except PartnerStalled as e:
             ctx.stall(sender)
@@ -190,7 +195,7 @@ class PairwiseRound:
             theirs = await GossipWire.recv_within(session, _after_compute(seconds), MessageKind.GOSSIP_DONE)
             await session.send(ctx.wire.done(start.state.round, reason))
         if reason is not None:
-            raise PartnerRejected(reason)
+            raise PartnerRejected(reason, implausible=divergence is not None)
         if not theirs.meta.get("accept"):
             raise TransportError(f"{short_peer_id(sender)} declined the round: {theirs.meta.get('reason')}")
         await self._step_with(start, PartnerUpdate(sender, phi, delta, divergence))

@@ -70,6 +70,7 @@ __all__ = [
     "join_live_stage",
     "serve_state",
     "state_provider",
+    "take_stage_state",
 ]
 
 SERVICE = "state"
@@ -402,17 +403,14 @@ async def join_live_stage(
     it instead); raises TransportError after `rounds` failed rounds. `progress` shows the bytes of
     each download.
     """
-    me, worker = service.me, service.worker
-    shapes = await worker.compute(lambda: {name: tuple(t.shape) for name, t in worker.module.state_dict().items()})
+    me = service.me
     rng = random.Random()
     for round_index in range(1, rounds + 1):
         donors = service.view.online(me.stage, exclude=me.peer_id)
         if not donors:
             return False
         try:
-            state = await download_from_any(
-                service.transport, donors, me.stage, StatePart.STAGE, rng, attempts, expect=shapes, progress=progress
-            )
+            state = await take_stage_state(service, donors, rng, attempts, progress)
         except TransportError as e:
             if round_index == rounds:
                 raise
@@ -420,8 +418,26 @@ async def join_live_stage(
             await asyncio.sleep(retry_every)
             await service.view.refresh()
             continue
-        await adopt_state(worker, state, service.gossip)
-        me.restore_counters(state.inner_step, state.outer_round)
         logger.info(f"joined live stage {me.stage} at inner step {state.inner_step}, outer round {state.outer_round}")
         return True
     return False
+
+
+async def take_stage_state(
+    service: StageParts,
+    donors: Sequence[PeerRecord],
+    rng: random.Random,
+    attempts: int = 3,
+    progress: ByteProgress | None = None,
+) -> StageState:
+    """Download this peer's stage's state from one of `donors` (download_from_any) and continue
+    from it: weights, schedule, outer state (adopt_state) and the record's counters. Raises
+    TransportError when every donor tried failed; the worker is untouched then."""
+    me, worker = service.me, service.worker
+    shapes = await worker.compute(lambda: {name: tuple(t.shape) for name, t in worker.module.state_dict().items()})
+    state = await download_from_any(
+        service.transport, donors, me.stage, StatePart.STAGE, rng, attempts, expect=shapes, progress=progress
+    )
+    await adopt_state(worker, state, service.gossip)
+    me.restore_counters(state.inner_step, state.outer_round)
+    return state

@@ -37,6 +37,7 @@ from node.pipeline.stage_worker import STORED_PER_IN_FLIGHT, StageWorker
 from node.pipeline.traffic import Pipeline
 from node.pipeline.validation import Validator, open_validator
 from node.pipeline.verifier import Verifier
+from node.recovery.catch_up import run_catch_up
 from node.recovery.checkpoints import checkpoint_root, run_checkpoints
 from node.recovery.edge_copies import edge_copies_for, run_edge_copy_refresher
 from node.recovery.lost_stages import LostStageWatch
@@ -286,6 +287,7 @@ async def running_service(
         me.set_state(PeerState.ONLINE)
         tasks.append(asyncio.create_task(publish_progress_loop(service), name="progress"))
         tasks.append(asyncio.create_task(service.gossip.run(), name="gossip"))
+        tasks.append(asyncio.create_task(run_catch_up(service), name="catch-up"))
         tasks.append(asyncio.create_task(service.verifier.run_audits(), name="audits"))
         if edge_copies is not None:
             tasks.append(

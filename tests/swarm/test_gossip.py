@@ -313,6 +313,60 @@ def test_poisoned_phi_is_rejected_and_the_sender_banned(poison, caplog):
         asyncio.run(scenario())
 
 
+@pytest.mark.timeout(120)
+def test_a_replica_far_behind_its_stage_catches_up_instead_of_banning(caplog):
+    """Two honest replicas that did not meet for many steps fail each other's plausibility check;
+    the one behind takes the stage's state again (node/recovery/catch_up.py), the leader bans it."""
+    config = gossip_config()
+
+    async def scenario():
+        async with inprocess_swarm(config, stages=[1, 1]) as peers:
+            ahead, behind = gossips(peers)
+            # the leader's outer weights moved 2x their norm away (relative distance ~2 > the 1.5
+            # ceiling, norm ratio ~2.2: well-formed, implausible) and its weights with them
+            gen = torch.Generator().manual_seed(5)
+            outer = {
+                k: v + 2.0 * v.norm() / v.numel() ** 0.5 * torch.randn(v.shape, generator=gen)
+                if k.startswith("phi.")
+                else torch.zeros_like(v)
+                for k, v in ahead.export_outer().items()
+            }
+            ahead.import_outer(outer, round=7)
+
+            def theta_to_phi() -> None:
+                with torch.no_grad():
+                    for p, phi in zip(ahead.worker.module.parameters(), ahead.outer_state.phi):
+                        p.copy_(phi)
+
+            await on_executor(ahead, theta_to_phi)
+            await train_a_little(ahead, seed=1)
+            await train_a_little(behind, seed=2)
+            ahead.worker.inner_step += 3 * H  # 3 rounds' worth ahead (the catch-up needs 2) ...
+            ahead.rounds.round_start_step = ahead.worker.inner_step - RIPE  # ripe, but its loop not due
+            peers[0].service.publish_progress()
+            await peers[0].me.announce_now()
+            await peers[1].service.view.refresh()
+            ahead_id, behind_id = ahead.me.peer_id, behind.me.peer_id
+
+            outcome = await behind.run_round(partner=ahead_id)
+            assert outcome.status == "rejected", outcome
+            assert "relative distance" in outcome.detail
+            assert not behind.bans.is_banned(ahead_id)
+            # measured against the leader's larger norm the stale phi passes (distance 0.87, norm 0.45x):
+            # the leader accepted, the round was declined, nothing applied on either side
+            assert ahead.outer_state.round == 7 and not ahead.bans.is_banned(behind_id)
+            # the catch-up downloads the leader's state: weights, outer state, counters
+            await wait_until(lambda: behind.worker.inner_step == ahead.worker.inner_step, timeout=30.0)
+            assert behind.outer_state.round == 7
+            assert_same(behind.outer_state.phi, ahead.outer_state.phi)
+            assert_same(await on_executor(behind, weights, behind), await on_executor(ahead, weights, ahead))
+            assert not behind.behind.is_set()
+            assert "caught up with stage 1" in caplog.text
+
+    with caplog.at_level(logging.INFO, logger="node"):
+        asyncio.run(scenario())
+
+
 @pytest.mark.timeout(90)
 def test_diloco_mode_averages_all_replicas():
     config = gossip_config().replace(gossip={"mode": "diloco"})

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from node.averaging.outer_replica import OuterReplica
-from node.averaging.plausibility import DivergenceMemory, PlausibilityBounds, implausible, measure
+from node.averaging.plausibility import DivergenceMemory, PlausibilityBounds, implausible, lagging_behind, measure
 from node.config import GossipConfig
 
 BOUNDS = PlausibilityBounds()
@@ -181,3 +181,19 @@ def test_outer_replica_checks_form_first_then_plausibility():
     # an explicit distance limit is applied
     moved = [p + 0.1 * p.norm() / math.sqrt(p.numel()) for p in phi]
     assert replica.check_partner(start, moved, delta, distance_limit=1e-3)[0].startswith("phi: relative distance")
+
+
+def test_lagging_behind_needs_the_partner_and_a_majority_of_the_stage_ahead():
+    lead = 100
+    # a stage of two: the partner's published step decides
+    assert lagging_behind(300, "a", {"a": 1056}, lead)
+    assert not lagging_behind(300, "a", {"a": 399}, lead)  # ahead, but by less than the lead
+    assert lagging_behind(300, "a", {"a": 400}, lead)
+    assert not lagging_behind(1056, "a", {"a": 300}, lead)  # the leader bans the stale one as before
+    # a stranger publishing a large step count is outvoted by the rest of the stage
+    assert not lagging_behind(300, "evil", {"evil": 10**9, "b": 310, "c": 290}, lead)
+    assert not lagging_behind(300, "evil", {"evil": 10**9, "b": 310}, lead)  # half is no majority
+    assert lagging_behind(300, "a", {"a": 900, "b": 950, "c": 290}, lead)
+    # the partner itself must be ahead, however far the others are
+    assert not lagging_behind(300, "c", {"a": 900, "b": 950, "c": 290}, lead)
+    assert not lagging_behind(300, "gone", {"a": 900}, lead)  # a partner the view does not hold
