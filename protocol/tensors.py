@@ -206,25 +206,27 @@ def _blocks(numel: int, block: int) -> tuple[int, int]:
 
 
 def _quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if not bool(torch.isfinite(x).all()):
-        raise ProtocolError("int8 compression needs finite values; use fp16/bf16/none for this tensor")
     full, tail = _blocks(x.numel(), block)
     absmax = [x[: full * block].view(full, block).abs().amax(dim=1)] if full else []
     if tail:
         absmax.append(x[full * block :].abs().amax().reshape(1))
-    scales = torch.cat(absmax) / 127.0 if absmax else torch.empty(0)
-    # an all-zero block has scale 0: divide by 1 instead so it quantizes to zeros, not NaN
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.empty(x.numel(), dtype=torch.int8)
+    if not absmax:
+        return torch.empty(0, dtype=torch.int8), torch.empty(0)
+    amax = torch.cat(absmax) if len(absmax) > 1 else absmax[0]
+    # amax carries any NaN or inf of its block: checking the per-block maxima checks every value
+    if not bool(torch.isfinite(amax).all()):
+        raise ProtocolError("int8 compression needs finite values; use fp16/bf16/none for this tensor")
+    scales = amax / 127.0
+    # an all-zero block has scale 0: scale by 1 instead so it quantizes to zeros, not NaN
+    inverse = torch.where(scales > 0, scales, 1.0).reciprocal_()
+    scaled = torch.empty_like(x)  # one buffer, rounded and clamped in place: this runs on every int8 hop
     if full:
-        q[: full * block] = _round_clamp(x[: full * block].view(full, block) / safe[:full, None]).reshape(-1)
+        torch.mul(
+            x[: full * block].view(full, block), inverse[:full, None], out=scaled[: full * block].view(full, block)
+        )
     if tail:
-        q[full * block :] = _round_clamp(x[full * block :] / safe[full])
-    return q, scales.to(torch.float32)
-
-
-def _round_clamp(x: torch.Tensor) -> torch.Tensor:
-    return x.round().clamp_(-127, 127).to(torch.int8)
+        torch.mul(x[full * block :], inverse[full], out=scaled[full * block :])
+    return scaled.round_().clamp_(-127, 127).to(torch.int8), scales.to(torch.float32)
 
 
 def _check_int8(block: Any, scales_obj: Any, numel: int) -> memoryview:

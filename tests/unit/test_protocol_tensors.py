@@ -126,6 +126,14 @@ def test_encoder_rejects_what_it_cannot_represent() -> None:
         encode_tensor(torch.zeros(2), "zstd")
     with pytest.raises(ProtocolError, match="finite"):
         encode_tensor(torch.tensor([1.0, float("nan")]), "int8")
+    # the check reads the per-block maxima: a non-finite value anywhere, beside larger ones, in a
+    # full block or the tail, must still show
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for where in (3, 300, 517):
+            x = torch.randn(520) * 100
+            x[where] = bad
+            with pytest.raises(ProtocolError, match="finite"):
+                encode_tensor(x, "int8", block_size=256)
     with pytest.raises(ProtocolError, match="block_size"):
         encode_tensor(torch.zeros(2), "int8", block_size=0)
     with pytest.raises(ProtocolError):
