@@ -63,6 +63,8 @@ async def run_catch_up(service: StageParts, cooldown: float = CATCH_UP_COOLDOWN)
         except TransportError as e:
             logger.warning(f"catching up with stage {me.stage} failed: {e}")
             continue
+        finally:
+            gossip.behind.clear()  # rounds rejected while the state was on its way showed the old gap
         logger.info(
             f"caught up with stage {me.stage}: inner step {own} -> {state.inner_step}, outer round "
             f"{state.outer_round} (from one of {', '.join(short_peer_id(p.peer_id) for p in donors)})"
