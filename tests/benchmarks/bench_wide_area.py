@@ -42,8 +42,9 @@ Configs     `default`: SwarmConfig(): hops in fp16, int8 while fp16 would keep a
             max_staleness_steps = 2 however wide the window grows. `window16`: max_in_flight 16 (the
             default until this round), passed to `node bootstrap --config`. `fp16`: the defaults
             with slow_link_compression = fp16, so the hops stay fp16 however busy the links are.
-            Only when asked for: `window32` (32, the default now), `window32-int8` and `int8` (int8
-            on the wire always, with a ceiling of 32 and the default one).
+            Only when asked for: `window32` (32, the default now), `window64` (a ceiling of 64),
+            `window32-int8` and `int8` (int8 on the wire always, with a ceiling of 32 and the
+            default one).
 Window      The window's size is in no record or metric; stage 0 logs "in-flight window A -> B" when
             it doubled or halved since its last such line, so the report gives the last logged size
             per phase (to within a factor of 2) and its min round trip. For a fixed window, the mean
@@ -88,6 +89,7 @@ CONFIGS: dict[str, dict[str, dict[str, int | str]]] = {
     # staleness stays within max_staleness_steps whatever the ceiling)
     "window16": {"training": {"max_in_flight": 16}},
     "window32": {"training": {"max_in_flight": 32}},
+    "window64": {"training": {"max_in_flight": 64}},
     # each host carries 2 activations in and 2 out per microbatch: 128 KiB each way in fp16, which
     # 50 Mbit/s caps at ~47 microbatches/s (~24k tokens/s); int8 halves the bytes
     "window32-int8": {"training": {"max_in_flight": 32, "wire_compression": "int8"}},
