@@ -9,11 +9,12 @@ them cannot help, and banning each other splits the stage for good. The gossip r
 behind; this task then downloads the stage's state the way a joiner does (state_transfer) and
 continues from it. Nobody is banned for it.
 
-Donors are the stage's online peers ahead of us, the partner that showed the gap last when another
-one is ahead too (it may be the odd one out after all). At most one catch-up per `cooldown`
+Donors are the stage's online peers ahead of us. The partner that showed the gap is one only when
+no other peer is ahead: it may be the odd one out after all. At most one catch-up per `cooldown`
 seconds: the partner's word on its step count is not checked, and in a stage of two a stranger
 could otherwise make us take its state again and again; once per cooldown it gets what it gets
-from any joiner whose donor it is.
+from any joiner whose donor it is. A download that failed does not count: the next round that
+finds us behind tries again.
 """
 
 from __future__ import annotations
@@ -57,7 +58,6 @@ async def run_catch_up(service: StageParts, cooldown: float = CATCH_UP_COOLDOWN)
         donors = others or ahead
         if not donors:
             continue
-        last = now
         try:
             state = await take_stage_state(service, donors, rng)
         except TransportError as e:
@@ -65,6 +65,7 @@ async def run_catch_up(service: StageParts, cooldown: float = CATCH_UP_COOLDOWN)
             continue
         finally:
             gossip.behind.clear()  # rounds rejected while the state was on its way showed the old gap
+        last = now
         logger.info(
             f"caught up with stage {me.stage}: inner step {own} -> {state.inner_step}, outer round "
             f"{state.outer_round} (from one of {', '.join(short_peer_id(p.peer_id) for p in donors)})"
