@@ -106,7 +106,14 @@ def test_concurrent_requests_share_one_channel_and_get_their_own_replies():
 def test_garbage_on_a_channel_is_a_strike_and_ends_it_and_a_ban_refuses_the_next():
     async def main() -> None:
         async with two_peers() as (server_net, client_net):
-            server = await pong_server(server_net, 1, strikes_to_ban=2)
+            server = transport(server_net, 1, strikes_to_ban=2)
+            served: list[str] = []
+
+            async def handler(sender: str, request: Message) -> Message:
+                served.append(sender)
+                return server.message(MessageKind.PONG, request_id=request.request_id)
+
+            await server.serve_requests(SERVICE, handler)
             peer = PeerID.from_base58(server_net.peer_id)
             for _ in range(2):  # a hand-made channel: a frame of msgpack garbage
                 _, reader, writer = await client_net.p2p.call_binary_stream_handler(
@@ -122,8 +129,12 @@ def test_garbage_on_a_channel_is_a_strike_and_ends_it_and_a_ban_refuses_the_next
                 writer.close()
             assert server.conduct.is_banned(client_net.peer_id)
             client = transport(client_net, 0)
-            with pytest.raises(TransportError, match="banned"):
+            # the refusal is one ERROR naming the ban, then the stream closes. Its send is bounded
+            # (1 s: a refused peer gets no time), so on a loaded host the stream may close first
+            # (seen once in a full `make test`): then the channel just ends. Either way, unserved.
+            with pytest.raises(TransportError, match=r"banned|closed"):
                 await client.request(server_net.peer_id, SERVICE, ping(client, 0), 10.0)
+            assert served == []
             await client.close()
             await server.close()
 
