@@ -127,13 +127,22 @@ def test_a_home_peer_behind_nat_serves_and_gossips(tmp_path: Path):
             print(
                 f"home peer: inner steps {first_step} -> {record['inner_step']} in {time.monotonic() - started:.0f} s"
             )
-            record = wait_for(
-                lambda: (r := home_record()) and r["outer_round"] >= 1 and r,
+
+            # wait for a round with the public peer, not for any round: lone rounds also count, and a
+            # first meeting during lr warmup can fail the Delta norm check and ban the partner for a
+            # while (docs/gossip.md, known limit 1; seen in a full `make test`)
+            def averaged_with_public() -> dict | None:
+                r = home_record()
+                seen = f"with {short_peer_id(public_id)}" in swarm.nodes[-1].log()
+                return r if r and r["outer_round"] >= 1 and (r["last_partner"] == public_id or seen) else None
+
+            wait_for(
+                averaged_with_public,
                 240,
-                lambda: f"the home peer never averaged: {home_record()}\n{swarm.nodes[-1].log()[-3000:]}",
+                lambda: (
+                    f"the home peer never averaged with {public_id}: {home_record()}\n{swarm.nodes[-1].log()[-3000:]}"
+                ),
             )
-            partner_seen = f"with {short_peer_id(public_id)}" in swarm.nodes[-1].log()
-            assert record["last_partner"] == public_id or partner_seen, record
             for node in swarm.nodes:
                 assert node.process.poll() is None, f"{node.name} died:\n{node.log()[-2000:]}"
                 assert "Traceback" not in node.log(), f"{node.name}:\n{node.log()[-3000:]}"
