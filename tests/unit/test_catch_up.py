@@ -31,8 +31,6 @@ class FakeService:
     gossip: SimpleNamespace = field(
         default_factory=lambda: SimpleNamespace(behind=asyncio.Event(), behind_partner=None)
     )
-    transport: object = None
-    config: object = None
 
 
 async def signal_and_settle(service: FakeService, partner: str) -> None:
