@@ -72,7 +72,8 @@ class InFlightWindow:
     minimum is older than MIN_RTT_HORIZON the window drops to one microbatch until DRAIN_SAMPLES
     sent after the drain began have come back (BBR's ProbeRTT), and their minimum replaces it: at
     the floor itself a saturated stage would still queue. A drain costs about DRAIN_SAMPLES round
-    trips every MIN_RTT_HORIZON (~5 % at a 1.2 s round trip).
+    trips every MIN_RTT_HORIZON (~5 % at a 1.2 s round trip), so once a probe has learned the
+    ceiling (the size can no longer move: it is never below `learned`) the window stops draining.
     """
 
     def __init__(self, floor: int, ceiling: int, *, gain: float = BBR_WINDOW_GAIN) -> None:
@@ -113,7 +114,9 @@ class InFlightWindow:
                 self._drain_started, self._drain_samples = None, []
                 self._quiet_since = now
                 self._check_after_drain(now, round_trip)
-        elif now - self._min_rtt_at > MIN_RTT_HORIZON and self._probe is None:  # a probe finishes first
+        elif now - self._min_rtt_at > MIN_RTT_HORIZON and self._probe is None and self.learned < self.ceiling:
+            # a probe finishes first; and a window whose probes reached the ceiling stays there
+            # whatever the minimum RTT says, so a drain would only empty the pipeline
             self._drain_started = now
             self._before_drain = (self.size, self.delivery_rate(now))
         if self.draining:

@@ -105,6 +105,29 @@ def test_a_window_that_delivered_more_before_a_drain_is_not_thrown_away() -> Non
     assert window.learned >= 12
 
 
+def test_a_window_that_learned_its_ceiling_stops_draining() -> None:
+    # shared cores that deliver more up to 16 in flight, under a ceiling of 12: the probes climb to
+    # the ceiling, and from then on a drain (the whole pipeline emptied for a round trip every
+    # MIN_RTT_HORIZON) could not change the size, so none happens
+    def rate_at(in_flight: int) -> float:
+        return 30.0 * min(in_flight, 16) ** 0.5
+
+    window = InFlightWindow(4, 12)
+    now, learned_ceiling_at, drained_after = 0.0, None, 0
+    for _ in range(200_000):  # bounded: the simulated clock ends the loop long before this
+        rate = rate_at(window.size)
+        now += 1.0 / rate
+        if now > 300:
+            break
+        window.on_completed(now, window.size / rate)
+        if learned_ceiling_at is None and window.learned == window.ceiling:
+            learned_ceiling_at = now
+        drained_after += learned_ceiling_at is not None and window.draining
+    assert learned_ceiling_at is not None and learned_ceiling_at < 100
+    assert drained_after == 0
+    assert window.size == 12
+
+
 def test_wide_area_pipeline_grows_until_the_bottleneck_saturates() -> None:
     # 1.2 s round trip (three stages over 100 ms links), the slowest stage does 10 microbatches/s:
     # a fixed window of 4 gets 4 / 1.3 ~ 3 microbatches/s
