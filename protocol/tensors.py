@@ -206,27 +206,27 @@ def _blocks(numel: int, block: int) -> tuple[int, int]:
 
 
 def _quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block: scale = absmax / 127, q = round(x / scale). Every int8 hop over a slow link runs
+    this on the event loop, and at a 32k-element activation the cost is mostly torch's per-op
+    overhead, so it takes as few ops as it can."""
     full, tail = _blocks(x.numel(), block)
-    absmax = [x[: full * block].view(full, block).abs().amax(dim=1)] if full else []
-    if tail:
-        absmax.append(x[full * block :].abs().amax().reshape(1))
-    if not absmax:
+    if not full and not tail:
         return torch.empty(0, dtype=torch.int8), torch.empty(0)
-    amax = torch.cat(absmax) if len(absmax) > 1 else absmax[0]
-    # amax carries any NaN or inf of its block: checking the per-block maxima checks every value
-    if not bool(torch.isfinite(amax).all()):
-        raise ProtocolError("int8 compression needs finite values; use fp16/bf16/none for this tensor")
-    scales = amax / 127.0
-    # an all-zero block has scale 0: scale by 1 instead so it quantizes to zeros, not NaN
-    inverse = torch.where(scales > 0, scales, 1.0).reciprocal_()
-    scaled = torch.empty_like(x)  # one buffer, rounded and clamped in place: this runs on every int8 hop
-    if full:
-        torch.mul(
-            x[: full * block].view(full, block), inverse[:full, None], out=scaled[: full * block].view(full, block)
-        )
+    parts = [x[: full * block].view(full, block)] if full else []
     if tail:
-        torch.mul(x[full * block :], inverse[full], out=scaled[full * block :])
-    return scaled.round_().clamp_(-127, 127).to(torch.int8), scales.to(torch.float32)
+        parts.append(x[full * block :].view(1, tail))
+    absmax = [part.abs().amax(dim=1) for part in parts]
+    amax = torch.cat(absmax) if len(absmax) > 1 else absmax[0]
+    # the largest block maximum carries any NaN or inf of the tensor (max propagates NaN)
+    if not math.isfinite(float(amax.max())):
+        raise ProtocolError("int8 compression needs finite values; use fp16/bf16/none for this tensor")
+    scales = amax.div_(127.0)
+    # an all-zero block has scale 0: divide by the smallest subnormal instead, which keeps it zeros.
+    # The clamp is for subnormal scales, whose rounding can put x / scale past 127
+    divisors = scales.clamp_min(2.0**-149)
+    quantized = [part / divisors[i : i + part.shape[0], None] for i, part in zip((0, full), parts)]
+    scaled = torch.cat([q.reshape(-1) for q in quantized]) if len(quantized) > 1 else quantized[0].reshape(-1)
+    return scaled.round_().clamp_(-127, 127).to(torch.int8), scales
 
 
 def _check_int8(block: Any, scales_obj: Any, numel: int) -> memoryview:

@@ -85,6 +85,17 @@ def test_int8_is_smaller_and_bounded_per_block() -> None:
     assert dec[:256].abs().max() > 0
 
 
+def test_int8_blocks_too_small_for_their_scale_decode_to_zeros_not_garbage() -> None:
+    # a block of subnormal values: 127 / absmax overflows fp32, so the block quantizes to zeros
+    # (within its scale of the truth), in a full block and in the tail
+    tiny = torch.full((256,), 1e-40) * torch.randn(256).sign()
+    for x in (torch.cat([tiny, torch.randn(256)]), torch.cat([torch.randn(256), tiny[:37]])):
+        dec = decode_tensor(encode_tensor(x, "int8", block_size=256))
+        assert bool(torch.isfinite(dec).all())
+        assert_codec_bounds(x, dec, "int8")
+        assert dec.abs().max() > 0.1  # the normal block is untouched
+
+
 def test_scalar_empty_noncontiguous_and_grad_tensors() -> None:
     for t in [torch.tensor(2.5), torch.tensor(7), torch.tensor(True), torch.zeros(0), torch.zeros(3, 0, 2)]:
         for compression in COMPRESSIONS:
