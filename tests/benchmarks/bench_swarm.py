@@ -10,10 +10,12 @@ single process  The default config (SwarmConfig()), the same StageWorkers (stage
                 accumulation) chained in one process as tests/swarm/test_pipeline_correctness.py does,
                 one microbatch at a time on the synthetic source. tokens/s = microbatch_size *
                 sequence_length * microbatches completed / wall seconds, after a few warm-up
-                microbatches.
+                microbatches. The 1-thread run is made again after the swarms, and the ratios
+                are against the mean of the two (the swarms run minutes later, on a host whose
+                speed drifts).
 swarm           node/local_swarm.py: a bootstrap process plus 3 stages x P peers (`node join
                 --stage s --threads 1 --quiet`), each a process with its own p2pd, on 127.0.0.1,
-                default config (fp16 wire compression, max_in_flight 4, heartbeat 5 s / TTL 15 s;
+                default config (fp16 wire compression, an in-flight window of 4 to 32, heartbeat 5 s / TTL 15 s;
                 `--heartbeat-period 1 --heartbeat-ttl 5` is what runs before 2026-11-26 16:30 UTC
                 used, whose DHT traffic cost the swarm CPU a peer on the defaults does not spend).
                 After every peer is online and stage 0 reports a loss, `--warmup` seconds pass,
@@ -323,31 +325,48 @@ def format_report(result: dict) -> str:
     lines.append("")
     lines.append(
         "| run | processes | torch threads/process | tokens/s | microbatches/s | vs single process (1 thread) "
-        "| CPU cores used | CPU ms per microbatch |"
+        "| CPU cores used | CPU ms per microbatch | CPU vs single process (1 thread) |"
     )
-    lines.append("|---|---|---|---|---|---|---|---|")
-    base = next((r["tokens_per_s"] for r in result["single"] if r["threads"] == 1), None)
-    for r in result["single"]:
-        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    references = [r for r in result["single"] if r["threads"] == 1] + [r for r in [result.get("single_after")] if r]
+    base = sum(r["tokens_per_s"] for r in references) / len(references) if references else None
+    base_cpu = sum(r["cpu_ms_per_microbatch"] for r in references) / len(references) if references else None
+
+    def versus(value: float, reference: float | None) -> str:
+        return f"{value / reference:.2f}x" if reference else "-"
+
+    singles = [(r, "") for r in result["single"]]
+    if result.get("single_after"):
+        singles.append((result["single_after"], ", again after the swarms"))
+    for r, when in singles:
         lines.append(
-            f"| single process, stages chained ({r['microbatches']} microbatches in {r['seconds']:.0f} s) "
-            f"| 1 | {r['threads']} | {r['tokens_per_s']:.0f} | {r['microbatches_per_s']:.2f} | {ratio} "
-            f"| {r['cpu_cores_used']:.2f} | {r['cpu_ms_per_microbatch']:.1f} |"
+            f"| single process, stages chained{when} ({r['microbatches']} microbatches in {r['seconds']:.0f} s) "
+            f"| 1 | {r['threads']} | {r['tokens_per_s']:.0f} | {r['microbatches_per_s']:.2f} "
+            f"| {versus(r['tokens_per_s'], base)} | {r['cpu_cores_used']:.2f} | {r['cpu_ms_per_microbatch']:.1f} "
+            f"| {versus(r['cpu_ms_per_microbatch'], base_cpu)} |"
         )
     for r in result["swarm"]:
         if r["crashed"]:
             lines.append(
                 f"| swarm {r['layout']}: INVALID, peers exited during the window ({r['crashed']}) "
-                f"| {r['processes']} | 1 | - | - | - | - | - |"
+                f"| {r['processes']} | 1 | - | - | - | - | - | - |"
             )
             continue
-        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        cpu = r["cpu_ms_per_microbatch"]
         lines.append(
             f"| swarm {r['layout']} ({r['window_seconds']:.0f} s window) | {r['processes']} (+{r['processes']} p2pd) "
-            f"| 1 | {r['tokens_per_s']:.0f} | {r['microbatches_per_s']:.2f} | {ratio} "
-            f"| {r['cpu_cores_used']:.2f} | {r['cpu_ms_per_microbatch']:.1f} |"
+            f"| 1 | {r['tokens_per_s']:.0f} | {r['microbatches_per_s']:.2f} | {versus(r['tokens_per_s'], base)} "
+            f"| {r['cpu_cores_used']:.2f} | {f'{cpu:.1f}' if cpu else '-'} | {versus(cpu, base_cpu) if cpu else '-'} |"
         )
     lines.append("")
+    if len(references) > 1:
+        lines.append(
+            "Ratios are against the mean of the 1-thread single process before and after the swarms "
+            f"({references[0]['tokens_per_s']:.0f} and {references[-1]['tokens_per_s']:.0f} tokens/s, "
+            f"{references[0]['cpu_ms_per_microbatch']:.1f} and {references[-1]['cpu_ms_per_microbatch']:.1f} ms per "
+            "microbatch): the host's speed drifts over the minutes between them."
+        )
+        lines.append("")
     for r in result["swarm"]:
         peers = ", ".join(
             f"{p['peer']}: {p['microbatches']:.0f} mb in {p['seconds']:.1f} s" for p in r["per_stage0_peer"]
@@ -423,6 +442,11 @@ def run(args: argparse.Namespace) -> dict:
             run_dir = workdir / f"swarm-3x{peers}-{links}"
             run_dir.mkdir(parents=True, exist_ok=True)
             result["swarm"].append(swarm_run(peers, args.warmup, args.window, run_dir, links, heartbeat))
+    if 1 in args.single_threads and result["swarm"]:
+        # the reference again after the swarms: the ratios take the mean of the two, which cancels a
+        # linear drift of the host's speed (the swarms run minutes after the first reference)
+        log(f"swarm benchmark: single process again, 1 torch thread, {args.single_seconds:.0f} s ...")
+        result["single_after"] = single_process(args.single_seconds, 1)
     result["machine_after"] = machine_info()
     return result
 
