@@ -212,10 +212,10 @@ def _quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Ten
     full, tail = _blocks(x.numel(), block)
     if not full and not tail:
         return torch.empty(0, dtype=torch.int8), torch.empty(0)
-    parts = [x[: full * block].view(full, block)] if full else []
+    blocks, rest = x[: full * block].view(full, block), x[full * block :]
+    absmax = [blocks.abs().amax(dim=1)] if full else []
     if tail:
-        parts.append(x[full * block :].view(1, tail))
-    absmax = [part.abs().amax(dim=1) for part in parts]
+        absmax.append(rest.abs().amax().reshape(1))
     amax = torch.cat(absmax) if len(absmax) > 1 else absmax[0]
     # the largest block maximum carries any NaN or inf of the tensor (max propagates NaN)
     if not math.isfinite(float(amax.max())):
@@ -224,8 +224,11 @@ def _quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Ten
     # an all-zero block has scale 0: divide by the smallest subnormal instead, which keeps it zeros.
     # The clamp is for subnormal scales, whose rounding can put x / scale past 127
     divisors = scales.clamp_min(2.0**-149)
-    quantized = [part / divisors[i : i + part.shape[0], None] for i, part in zip((0, full), parts)]
-    scaled = torch.cat([q.reshape(-1) for q in quantized]) if len(quantized) > 1 else quantized[0].reshape(-1)
+    scaled = torch.empty_like(x)  # one buffer, rounded and clamped in place
+    if full:
+        torch.div(blocks, divisors[:full, None], out=scaled[: full * block].view(full, block))
+    if tail:
+        torch.div(rest, divisors[full], out=scaled[full * block :])
     return scaled.round_().clamp_(-127, 127).to(torch.int8), scales
 
 

@@ -85,9 +85,10 @@ def test_int8_is_smaller_and_bounded_per_block() -> None:
     assert dec[:256].abs().max() > 0
 
 
-def test_int8_blocks_too_small_for_their_scale_decode_to_zeros_not_garbage() -> None:
-    # a block of subnormal values: 127 / absmax overflows fp32, so the block quantizes to zeros
-    # (within its scale of the truth), in a full block and in the tail
+def test_int8_blocks_of_subnormal_values_decode_within_their_scale() -> None:
+    # a block of subnormal values has a subnormal scale (its reciprocal would overflow fp32, and
+    # its rounding can put x / scale past 127): it still decodes finite and within its scale, in a
+    # full block and in the tail
     tiny = torch.full((256,), 1e-40) * torch.randn(256).sign()
     for x in (torch.cat([tiny, torch.randn(256)]), torch.cat([torch.randn(256), tiny[:37]])):
         dec = decode_tensor(encode_tensor(x, "int8", block_size=256))
