@@ -328,16 +328,15 @@ def format_report(result: dict) -> str:
         "| CPU cores used | CPU ms per microbatch | CPU vs single process (1 thread) |"
     )
     lines.append("|---|---|---|---|---|---|---|---|---|")
-    references = [r for r in result["single"] if r["threads"] == 1] + [r for r in [result.get("single_after")] if r]
+    after = result.get("single_after")
+    singles = [(r, "") for r in result["single"]] + ([(after, ", again after the swarms")] if after else [])
+    references = [r for r, _ in singles if r["threads"] == 1]
     base = sum(r["tokens_per_s"] for r in references) / len(references) if references else None
     base_cpu = sum(r["cpu_ms_per_microbatch"] for r in references) / len(references) if references else None
 
-    def versus(value: float, reference: float | None) -> str:
-        return f"{value / reference:.2f}x" if reference else "-"
+    def versus(value: float | None, reference: float | None) -> str:
+        return f"{value / reference:.2f}x" if value and reference else "-"
 
-    singles = [(r, "") for r in result["single"]]
-    if result.get("single_after"):
-        singles.append((result["single_after"], ", again after the swarms"))
     for r, when in singles:
         lines.append(
             f"| single process, stages chained{when} ({r['microbatches']} microbatches in {r['seconds']:.0f} s) "
@@ -356,7 +355,7 @@ def format_report(result: dict) -> str:
         lines.append(
             f"| swarm {r['layout']} ({r['window_seconds']:.0f} s window) | {r['processes']} (+{r['processes']} p2pd) "
             f"| 1 | {r['tokens_per_s']:.0f} | {r['microbatches_per_s']:.2f} | {versus(r['tokens_per_s'], base)} "
-            f"| {r['cpu_cores_used']:.2f} | {f'{cpu:.1f}' if cpu else '-'} | {versus(cpu, base_cpu) if cpu else '-'} |"
+            f"| {r['cpu_cores_used']:.2f} | {f'{cpu:.1f}' if cpu else '-'} | {versus(cpu, base_cpu)} |"
         )
     lines.append("")
     if len(references) > 1:
