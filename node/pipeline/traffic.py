@@ -45,6 +45,7 @@ from node.config import SwarmConfig, TrainingConfig
 from node.p2p.transport import Transport, TransportError
 from node.pipeline.admission import RejectedInput
 from node.pipeline.evaluation import PURPOSE_KEY, MicrobatchPurpose, eval_embed, eval_forward, eval_loss, purpose_of
+from node.pipeline.fair_turns import FairTurns
 from node.pipeline.hops import HopSender, PipelineStats
 from node.pipeline.in_flight_window import InFlightWindow, keep_in_flight
 from node.pipeline.link_compression import LinkCompression
@@ -173,6 +174,8 @@ class Pipeline:
         self._microbatch_ids = itertools.count(self.rng.randrange(1 << 40))
         self._microbatch_index = itertools.count()
         self._queued = 0
+        # a block stage's compute, shared fairly among the origins whose microbatches wait for it
+        self._turns = FairTurns()
         self._tasks = BackgroundTasks()
 
     # ---- serving -------------------------------------------------------------------------------
@@ -260,10 +263,11 @@ class Pipeline:
     async def _run_block_forward(self, msg: Message) -> None:
         key = (msg.meta["origin"], msg.meta["microbatch_id"])
         try:
-            if purpose_of(msg.meta) is MicrobatchPurpose.EVAL:  # forward only: nothing stored, nothing to drop
-                hidden = await self.worker.compute(eval_forward, self.worker, msg.tensors["hidden"])
-            else:
-                hidden = await self.worker.compute(self.worker.forward, key, msg.tensors["hidden"])
+            async with self._turns.turn(key[0]):
+                if purpose_of(msg.meta) is MicrobatchPurpose.EVAL:  # forward only: nothing stored, nothing to drop
+                    hidden = await self.worker.compute(eval_forward, self.worker, msg.tensors["hidden"])
+                else:
+                    hidden = await self.worker.compute(self.worker.forward, key, msg.tensors["hidden"])
         except ValueError as e:  # a malformed tensor from a stranger: its origin will retry elsewhere
             logger.info(f"rejected forward from {short_peer_id(msg.meta['path'][-1])}: {e}")
             self._reject(msg.meta["path"][-1], msg, f"forward rejected: {e}")
@@ -310,7 +314,8 @@ class Pipeline:
             ticket.finish(ticket.loss)  # an abort may have settled it while the backward ran
             return
         try:
-            grad = await self.worker.compute(self.worker.backward, key, msg.tensors["grad"])
+            async with self._turns.turn(key[0]):
+                grad = await self.worker.compute(self.worker.backward, key, msg.tensors["grad"])
         except RejectedInput as e:
             logger.info(f"rejected the gradient of microbatch {msg.meta['microbatch_id']}: {e}")
             self._reject(sender, msg, f"backward rejected at stage {self.me.stage}: {e}")
