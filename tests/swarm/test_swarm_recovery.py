@@ -17,6 +17,7 @@ import random
 import re
 import signal
 import time
+import tomllib
 
 import pytest
 import torch
@@ -393,7 +394,7 @@ def progress_target(loss_at_kill: float) -> float:
     the way down to the synthetic source's loss floor when the swarm had trained that close to it
     before the kill (a fixed drop need not exist there: a kill at 1.117 against a floor of 0.885
     reached 0.967 in 90 s, short of 0.15 by 0.001)."""
-    config = SwarmConfig().replace(training={"sequence_length": 32})  # RECOVERY_TOML's
+    config = SwarmConfig().replace(**tomllib.loads(RECOVERY_TOML.format(num_stages=3, strategy="checkfree")))
     floor = open_source(config, None, stream_id=0).loss_floor
     assert floor is not None
     return loss_at_kill - min(0.15, (loss_at_kill - floor) / 2)
