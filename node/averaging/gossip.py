@@ -127,8 +127,9 @@ class Gossip:
     async def run(self) -> None:
         """Initiate rounds whenever H inner steps passed since the last one (until cancelled).
 
-        A due round whose partners are all busy is retried after a short random pause; one due for
-        longer than round_timeout without a partner is taken alone (n = 1)."""
+        A due round that found no partner (all busy, or the exchange failed) is retried after a
+        short random pause; one due for longer than round_timeout, or for 2H inner steps, takes the
+        lone step (n = 1) when its exchange does not succeed."""
         if self.settings.mode == GossipMode.NONE:
             return
         due_since: float | None = None
@@ -150,7 +151,7 @@ class Gossip:
                 if self.settings.mode == GossipMode.DILOCO:
                     outcome = await self.diloco.start_round(self.outer_state.round)
                 else:
-                    outcome = await self.run_round(alone_if_busy=alone_ok)
+                    outcome = await self.run_round(alone_if_no_partner=alone_ok)
                 if outcome.status in STEPPED:
                     due_since = None
                 else:
@@ -162,10 +163,11 @@ class Gossip:
         await self.diloco.close()
         await self.events.close()
 
-    async def run_round(self, partner: str | None = None, alone_if_busy: bool = False) -> RoundOutcome:
+    async def run_round(self, partner: str | None = None, alone_if_no_partner: bool = False) -> RoundOutcome:
         """One noloco round now: with `partner`, or a uniformly random live, unbanned peer of this
-        stage (another one if it answers BUSY), or alone when the stage has no other live peer."""
-        return await self.pairwise.run(partner, alone_if_busy)
+        stage (another one if it answers BUSY), or alone when the stage has no other live peer
+        (or, with `alone_if_no_partner`, when no exchange succeeded: PairwiseRound.run)."""
+        return await self.pairwise.run(partner, alone_if_no_partner)
 
     async def _on_session(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # noloco: every message of the exchange must move within STALL_TIMEOUT (the round's slot

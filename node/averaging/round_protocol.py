@@ -93,9 +93,15 @@ class PairwiseRound:
 
     # ---- initiator -----------------------------------------------------------------------------
 
-    async def run(self, partner: str | None = None, alone_if_busy: bool = False) -> RoundOutcome:
+    async def run(self, partner: str | None = None, alone_if_no_partner: bool = False) -> RoundOutcome:
         """One round now: with `partner`, or a uniformly random live, unbanned peer of this stage
-        (another one if it answers BUSY), or alone when the stage has no other live peer."""
+        (another one if it answers BUSY), or alone when the stage has no other live peer.
+
+        `alone_if_no_partner`: the round is overdue, take the lone step when no exchange succeeds,
+        however the attempts ended (BUSY, refused, failed, rejected). Retrying instead lets Delta
+        grow with every inner step until honest partners reject it as "far beyond the local norm"
+        and ban us, which makes the next attempts fail too (seen: a replica stuck at one round
+        while it took 279 inner steps)."""
         ctx = self.ctx
         round_ = ctx.replica.state.round
         if self.exchanging:
@@ -110,6 +116,7 @@ class PairwiseRound:
             candidates = [partner] if partner is not None else ctx.candidates()
             if not candidates:
                 return await self._step_with(start, None)
+            failure = None
             for peer in candidates[:MAX_PARTNER_TRIES]:
                 try:
                     return await within(self._initiate(peer, start), ctx.settings.round_timeout)
@@ -117,18 +124,20 @@ class PairwiseRound:
                     continue
                 except PartnerRejected as e:
                     ctx.reject(peer, str(e), e.implausible)
-                    return ctx.record(RoundOutcome(RoundStatus.REJECTED, round_, (peer,), str(e)))
+                    failure = ctx.record(RoundOutcome(RoundStatus.REJECTED, round_, (peer,), str(e)))
                 except PartnerStalled as e:
                     ctx.stall(peer)
                     ctx.report_failure(str(e))
-                    return ctx.record(RoundOutcome(RoundStatus.ABORTED, round_, (peer,), str(e)))
+                    failure = ctx.record(RoundOutcome(RoundStatus.ABORTED, round_, (peer,), str(e)))
                 except PEER_FAILURES as e:
                     detail = f"exchange with {short_peer_id(peer)} failed: {e!r}"[:300]
                     ctx.report_failure(detail)
-                    return ctx.record(RoundOutcome(RoundStatus.ABORTED, round_, (peer,), detail))
-            if alone_if_busy:
+                    failure = ctx.record(RoundOutcome(RoundStatus.ABORTED, round_, (peer,), detail))
+                break  # a partner that failed ends the attempt; only BUSY ones send us to the next
+            # a replica found far behind its stage waits for the catch-up instead (its state is replaced)
+            if alone_if_no_partner and not ctx.behind.is_set():
                 return await self._step_with(start, None)
-            return ctx.record(RoundOutcome(RoundStatus.BUSY, round_, detail="every partner asked was busy"))
+            return failure or ctx.record(RoundOutcome(RoundStatus.BUSY, round_, detail="every partner asked was busy"))
         finally:
             self.exchanging = False
 

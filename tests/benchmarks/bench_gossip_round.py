@@ -115,7 +115,7 @@ async def swarm_round(gossips: list[Gossip], rng: random.Random) -> dict:
                 continue
             everyone_else = all(stepped(j) for j in range(len(gossips)) if j != i)
             began = time.monotonic()
-            outcome = await gossips[i].run_round(alone_if_busy=everyone_else)
+            outcome = await gossips[i].run_round(alone_if_no_partner=everyone_else)
             if outcome.status == RoundStatus.APPLIED:
                 exchanges.append(time.monotonic() - began)
             elif outcome.status == RoundStatus.LONE:

@@ -240,6 +240,29 @@ def test_partner_disconnecting_mid_exchange_leaves_both_untouched():
     asyncio.run(scenario())
 
 
+def test_an_overdue_round_steps_alone_when_its_partner_refuses():
+    """A partner that refuses us (it banned us) ends the attempt; an overdue round takes the lone
+    step then instead of letting Delta grow until every partner rejects it."""
+    config = gossip_config()
+
+    async def scenario():
+        async with inprocess_swarm(config, stages=[1, 1]) as peers:
+            a, b = gossips(peers)
+            await train_a_little(a, seed=1)
+            await train_a_little(b, seed=2)
+            b.bans.ban(a.me.peer_id, 0.0, "test: b refuses a")
+            not_overdue = await a.run_round(partner=b.me.peer_id)
+            assert not_overdue.status == "aborted" and "refused" in not_overdue.detail, not_overdue
+            assert a.outer_state.round == 0
+            overdue = await a.run_round(partner=b.me.peer_id, alone_if_no_partner=True)
+            assert overdue.status == "lone", overdue
+            assert a.outer_state.round == 1 and a.steps_since_round == 0
+            assert b.outer_state.round == 0
+            assert [o.status for o in a.rounds.history][-2:] == ["aborted", "lone"]
+
+    asyncio.run(scenario())
+
+
 def poisoned(poison: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """What a poisoner sends instead of its phi (first half) and Delta (second half)."""
     tensors = list(tensors)
