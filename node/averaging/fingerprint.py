@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["FINGERPRINT_COORDS", "FINGERPRINT_SIZE", "WeightFingerprint"]
+__all__ = ["FINGERPRINT_COORDS", "FINGERPRINT_SIZE", "WeightFingerprint", "fingerprint_distance"]
 
 FINGERPRINT_SIZE = 8
 FINGERPRINT_COORDS = 1 << 14  # coordinates sampled by the fingerprint projection
@@ -41,3 +41,15 @@ class WeightFingerprint:
         with torch.no_grad():
             sample = torch.cat([p.detach().reshape(-1)[idx].to(torch.float32) for p, idx in zip(params, self.local)])
             return [float(v) for v in self.projection @ sample]
+
+
+def fingerprint_distance(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """||a - b|| / ||a||: the relative distance of two replicas' weights their fingerprints
+    estimate (None: not two fingerprints of one size, or `a` is zero)."""
+    if len(a) != len(b) or not a:
+        return None
+    norm = math.sqrt(sum(x * x for x in a))
+    if not math.isfinite(norm) or norm == 0.0:
+        return None
+    distance = math.sqrt(sum((x - y) ** 2 for x, y in zip(a, b))) / norm
+    return distance if math.isfinite(distance) else None

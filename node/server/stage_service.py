@@ -21,6 +21,7 @@ from dht.announcer import PeerAnnouncer, PeerProgress
 from dht.records import PeerState
 from dht.registry import SwarmRegistry, swarm_key_of
 from dht.swarm_view import SwarmView
+from node.averaging.fingerprint import fingerprint_distance
 from node.averaging.gossip import Gossip
 from node.config import SwarmConfig
 from node.model.data import DataError, open_source, stream_id_from_peer
@@ -187,6 +188,14 @@ async def build_service(
         published = [peer.divergence for peer in view.online(stage) if peer.divergence is not None]
         return statistics.median_low(published) if published else None
 
+    def replica_distance(first: str, second: str) -> float | None:
+        """How far apart two replicas' live weights are now, from the fingerprints their records
+        publish every heartbeat (None: either has none yet)."""
+        a, b = view.record_of(first), view.record_of(second)
+        if a is None or b is None or not a.fingerprint or not b.fingerprint:
+            return None
+        return fingerprint_distance(a.fingerprint, b.fingerprint)
+
     def replicas(stage: int) -> list[str]:
         unreachable = unreachable_peers(me, view)
         return [p.peer_id for p in view.online(stage, exclude=me.peer_id) if p.peer_id not in unreachable]
@@ -200,6 +209,7 @@ async def build_service(
         peer_id=me.peer_id,
         replicas=replicas,
         stage_divergence=stage_divergence,
+        replica_distance=replica_distance,
         # the median: one replica that reports few steps cannot keep its stage unsettled (loosely checked)
         stage_steps=lambda stage: int(statistics.median_low([p.inner_step for p in view.online(stage)] or [0])),
         is_member=lambda peer_id: view.record_of(peer_id) is not None,

@@ -257,9 +257,13 @@ class Events:
 
 
 def swarm(
-    stage1: dict[str, FaultKind | None], settings: VerificationConfig = SETTINGS, divergence: float | None = None
+    stage1: dict[str, FaultKind | None],
+    settings: VerificationConfig = SETTINGS,
+    divergence: float | None = None,
+    live_distance: float | None = None,
 ) -> tuple[Wire, Verifier, Events]:
-    """A router (stage 0) and the replicas of stage 1 (some faulty), each with a verifier."""
+    """A router (stage 0) and the replicas of stage 1 (some faulty), each with a verifier;
+    `divergence` is what the stage publishes, `live_distance` what any two replicas' fingerprints say."""
     wire = Wire()
     events = Events()
 
@@ -275,6 +279,7 @@ def swarm(
             peer_id=peer_id,
             replicas=lambda s: sorted(p for p, v in wire.verifiers.items() if v.worker.stage == s and p != peer_id),
             stage_divergence=lambda s: divergence,
+            replica_distance=lambda a, b: live_distance,
             stage_steps=lambda s: settings.settle_steps,  # settled: the fine tolerances apply
             is_member=lambda peer: True,
             hop_timeout=10.0,
@@ -328,6 +333,31 @@ def test_a_stage_with_a_far_replica_is_checked_for_gross_faults_only() -> None:
     _, router, _ = swarm({"a": None, "b": None, "zeros": FaultKind.ZEROS}, divergence=far)
     asyncio.run(check_round_robin(router, ["zeros"], 3))
     assert router.bans.is_banned("zeros")
+
+
+def drift(worker: StageWorker, factor: float) -> None:
+    """A replica whose outputs are `factor` x another's: what honest replicas whose live weights
+    drifted apart within a gossip round look like to a check (|ln norm ratio| ln(factor))."""
+    honest = worker.module.forward
+    worker.module.forward = lambda hidden: honest(hidden) * factor  # type: ignore[method-assign]
+
+
+def test_replicas_drifted_within_a_round_are_judged_by_their_live_distance_up_to_the_ceiling() -> None:
+    """Two replicas that paired at the last round publish a divergence of ~0, while their live
+    weights drift apart until the next: their fingerprints' distance scales the tolerance, up to
+    its ceiling, which a 1.5x scale still exceeds whatever distance the records claim."""
+    verdicts = {}
+    for live in (None, 0.9):
+        wire, router, _ = swarm({"a": None, "b": None}, divergence=1e-8, live_distance=live)
+        drift(wire.verifiers["b"].worker, 1.3)  # ln 1.3 = 0.26: between the floor and the ceiling
+        verdicts[live] = asyncio.run(check_round_robin(router, ["a", "b"], 4))
+        assert not any(router.bans.is_banned(p) for p in ("a", "b"))
+    assert verdicts[None] == [Verdict.UNARBITRATED] * 4  # at the floor, 0.2: the drift is beyond it
+    assert verdicts[0.9] == [Verdict.AGREED] * 4  # at the ceiling, 0.35
+    _, router, _ = swarm({"a": None, "b": None, "scaled": FaultKind.SCALE}, divergence=1e-8, live_distance=5.0)
+    assert router.tolerance.limits(5.0).output_scale == SETTINGS.tolerance_ceiling
+    asyncio.run(check_round_robin(router, ["scaled"], 9))
+    assert router.bans.is_banned("scaled")
 
 
 def test_honest_replicas_agree_and_nobody_is_struck() -> None:
