@@ -126,8 +126,18 @@ async def swarm_round(gossips: list[Gossip], rng: random.Random) -> dict:
                 busy += 1
                 await asyncio.sleep(rng.uniform(0.2, 1.0))  # the round loop's pause after a busy try
 
+    def failures() -> int:
+        return sum(g.rounds.outcomes[RoundStatus.ABORTED] + g.rounds.outcomes[RoundStatus.REJECTED] for g in gossips)
+
+    failed_before = failures()
     began = time.monotonic()
     await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(len(gossips)))), ROUND_DEADLINE)
+    # a last replica's failed exchange ends in its lone step (PairwiseRound.run): still a failure here
+    if (failed := failures() - failed_before) > 0:
+        history = [
+            o for g in gossips for o in g.rounds.history if o.status in (RoundStatus.ABORTED, RoundStatus.REJECTED)
+        ]
+        raise RuntimeError(f"{failed} exchange(s) failed: {history[-1].detail}")
     return {"seconds": time.monotonic() - began, "exchanges": exchanges, "busy_retries": busy, "lone_steps": lone}
 
 
