@@ -57,6 +57,14 @@ async def train_a_little(gossip: Gossip, seed: int, scale: float = 0.01) -> None
     gossip.worker.inner_step += RIPE
 
 
+async def two_trained(peers) -> tuple[Gossip, Gossip]:
+    """The gossips of a two-peer stage, each moved by its own RIPE steps' worth of training."""
+    a, b = gossips(peers)
+    await train_a_little(a, seed=1)
+    await train_a_little(b, seed=2)
+    return a, b
+
+
 async def outer_and_weights(gossip: Gossip) -> tuple[OuterState, list[torch.Tensor]]:
     return gossip.outer_state, await on_executor(gossip, weights, gossip)
 
@@ -185,9 +193,7 @@ def test_mutual_pick_does_not_deadlock():
 
     async def scenario():
         async with inprocess_swarm(config, stages=[1, 1]) as peers:
-            a, b = gossips(peers)
-            await train_a_little(a, seed=1)
-            await train_a_little(b, seed=2)
+            a, b = await two_trained(peers)
             before = [await outer_and_weights(a), await outer_and_weights(b)]
             # both pick each other at the same moment: each is busy with its own round
             outcomes = await asyncio.wait_for(
@@ -212,9 +218,7 @@ def test_partner_disconnecting_mid_exchange_leaves_both_untouched():
 
     async def scenario():
         async with inprocess_swarm(config, stages=[1, 1]) as peers:
-            a, b = gossips(peers)
-            await train_a_little(a, seed=1)
-            await train_a_little(b, seed=2)
+            a, b = await two_trained(peers)
             before = [await outer_and_weights(a), await outer_and_weights(b)]
             original_send = b.wire.send_tensors
 
@@ -247,9 +251,7 @@ def test_an_overdue_round_steps_alone_when_its_partner_refuses():
 
     async def scenario():
         async with inprocess_swarm(config, stages=[1, 1]) as peers:
-            a, b = gossips(peers)
-            await train_a_little(a, seed=1)
-            await train_a_little(b, seed=2)
+            a, b = await two_trained(peers)
             b.bans.ban(a.me.peer_id, 0.0, "test: b refuses a")
             not_overdue = await a.run_round(partner=b.me.peer_id)
             assert not_overdue.status == "aborted" and "refused" in not_overdue.detail, not_overdue

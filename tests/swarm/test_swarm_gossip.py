@@ -15,13 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from node.averaging.fingerprint import fingerprint_distance
 from node.local_swarm import Swarm
 from node.monitor.observer import observe
 from tests.helpers.swarms import make_swarm
@@ -59,15 +59,11 @@ def online(snapshot: dict, stage: int) -> list[dict]:
     return [p for p in snapshot["stages"][stage]["peers"] if p["state"] == "online"]
 
 
-def relative(a: list[float], b: list[float]) -> float:
-    diff = math.sqrt(sum((x - y) ** 2 for x, y in zip(a, b)))
-    return diff / max(math.sqrt(sum(x * x for x in a)), 1e-12)
-
-
 def stage_divergence(snapshot: dict, stage: int) -> float | None:
     """Mean relative fingerprint distance over the pairs of online peers of `stage`."""
     prints = [p["fingerprint"] for p in online(snapshot, stage) if p.get("fingerprint")]
-    distances = [relative(a, b) for a, b in itertools.combinations(prints, 2)]
+    pairs = (fingerprint_distance(a, b) for a, b in itertools.combinations(prints, 2))
+    distances = [d for d in pairs if d is not None]
     return sum(distances) / len(distances) if distances else None
 
 
