@@ -109,6 +109,11 @@ class Message:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     version: int = PROTOCOL_VERSION
 
+    def with_meta(self, meta: dict[str, MetaValue]) -> Message:
+        """This message with another meta, the tensors shared (field by field: dataclasses.replace
+        inspects the class on every call, and a posted pipeline hop makes one)."""
+        return Message(self.kind, self.swarm_id, self.sender_stage, self.request_id, meta, self.tensors, self.version)
+
 
 def encode_message(msg: Message, compression: str = "none", *, limits: Limits = DEFAULT_LIMITS) -> bytes:
     """Validate msg as a receiver with `limits` would, then encode it; raises ProtocolError.
@@ -122,7 +127,7 @@ def encode_message(msg: Message, compression: str = "none", *, limits: Limits = 
         raise ProtocolError(f"version must be an int in [0, {MAX_VERSION}], got {msg.version!r}")
     if compression not in COMPRESSIONS:
         raise ProtocolError(f"unknown compression {compression!r} (expected one of {COMPRESSIONS})")
-    kind = _check_kind(msg.kind.value if isinstance(msg.kind, MessageKind) else msg.kind)
+    kind = msg.kind if type(msg.kind) is MessageKind else _check_kind(msg.kind)
     _check_header(msg.swarm_id, msg.sender_stage, msg.request_id, limits)
     _check_meta(msg.meta, kind, limits)
     _check_tensor_names(msg.tensors, kind, limits)
@@ -134,7 +139,7 @@ def encode_message(msg: Message, compression: str = "none", *, limits: Limits = 
                 f"tensor {name!r} has {t.numel() * t.element_size()} bytes > max_tensor_bytes {limits.max_tensor_bytes}"
             )
     body = {
-        "kind": kind.value,
+        "kind": kind,  # a StrEnum member packs as its value
         "swarm_id": msg.swarm_id,
         "sender_stage": msg.sender_stage,
         "request_id": msg.request_id,
@@ -263,6 +268,15 @@ def _check_string(value: Any, what: str, limits: Limits) -> None:
 
 
 def _check_header(swarm_id: Any, sender_stage: Any, request_id: Any, limits: Limits) -> None:
+    if (  # every message's header: the usual case in one test, anything else through the checks below
+        type(swarm_id) is str
+        and 0 < len(swarm_id) <= limits.max_string_bytes // 4
+        and type(sender_stage) is int
+        and MIN_STAGE <= sender_stage <= MAX_STAGE
+        and type(request_id) is int
+        and 0 <= request_id <= MAX_REQUEST_ID
+    ):
+        return
     _check_string(swarm_id, "swarm_id", limits)
     if not _is_int(sender_stage) or not MIN_STAGE <= sender_stage <= MAX_STAGE:
         raise ProtocolError(f"sender_stage must be an int in [{MIN_STAGE}, {MAX_STAGE}], got {sender_stage!r:.80}")
@@ -270,7 +284,13 @@ def _check_header(swarm_id: Any, sender_stage: Any, request_id: Any, limits: Lim
         raise ProtocolError(f"request_id must be an unsigned 64-bit int, got {request_id!r:.80}")
 
 
+_KIND_OF_VALUE = {kind.value: kind for kind in MessageKind}
+
+
 def _check_kind(value: Any) -> MessageKind:
+    kind = _KIND_OF_VALUE.get(value) if type(value) is str else None
+    if kind is not None:  # a plain string, as decoded: a lookup instead of the enum's constructor
+        return kind
     try:
         return MessageKind(value)
     except (ValueError, TypeError):
@@ -282,13 +302,24 @@ def _check_meta(meta: Any, kind: MessageKind, limits: Limits) -> None:
         raise ProtocolError(f"meta must be a map, got {type(meta).__name__}")
     if len(meta) > limits.max_meta_entries:
         raise ProtocolError(f"meta has {len(meta)} entries > max_meta_entries {limits.max_meta_entries}")
+    # a string of at most this many code points fits in max_string_bytes whatever its UTF-8 length
+    short = limits.max_string_bytes // 4
     for key, value in meta.items():
+        # every hop carries about eight entries, each a short key with an int or a short string:
+        # those pass here without a call each; anything else gets the full checks (and their errors)
+        if type(key) is str and 0 < len(key) <= short:
+            value_type = type(value)
+            if (value_type is int and -(1 << 63) <= value < (1 << 64)) or (value_type is str and len(value) <= short):
+                continue
         _check_string(key, "meta key", limits)
         _check_meta_value(value, key, limits, depth=0)
     for key, spec in KIND_SCHEMAS[kind].items():
         if key not in meta:
             raise ProtocolError(f"{kind.value} message is missing meta key {key!r}")
-        if not _matches(meta[key], spec):
+        value = meta[key]
+        if (spec is int and type(value) is int and value >= 0) or (spec is str and type(value) is str):
+            continue
+        if not _matches(value, spec):
             raise ProtocolError(
                 f"{kind.value} meta {key!r} must be {_spec_name(spec)} (ints >= 0), got {meta[key]!r:.80}"
             )
@@ -346,8 +377,10 @@ def _check_tensor_names(tensors: Any, kind: MessageKind, limits: Limits) -> None
         raise ProtocolError(f"tensors must be a map, got {type(tensors).__name__}")
     if len(tensors) > limits.max_tensors:
         raise ProtocolError(f"message has {len(tensors)} tensors > max_tensors {limits.max_tensors}")
+    short = limits.max_string_bytes // 4
     for name in tensors:
-        _check_string(name, "tensor name", limits)
+        if not (type(name) is str and 0 < len(name) <= short):
+            _check_string(name, "tensor name", limits)
     missing = KIND_TENSORS[kind] - tensors.keys()
     if missing:
         raise ProtocolError(f"{kind.value} message is missing tensor(s) {sorted(missing)}")

@@ -62,9 +62,10 @@ _INT8_KEYS = _NO_SCALES_KEYS | {"block", "scales"}
 def encode_tensor(t: torch.Tensor, compression: str = "none", block_size: int = 256) -> dict:
     """Encode a tensor; compression applies to floating tensors only, others always go as-is.
 
-    "data" is a fresh bytes copy, so the caller may keep mutating the tensor (e.g. an optimizer
-    step) while the encoded dict waits in a send queue. Raises ProtocolError on an unsupported
-    dtype or compression, or non-finite values with int8 (they have no int8 representation).
+    "data" is a fresh bytes copy, or a view of the fp16/bf16 conversion made for it alone, so the
+    caller may keep mutating the tensor (e.g. an optimizer step) while the encoded dict waits in a
+    send queue. Raises ProtocolError on an unsupported dtype or compression, or non-finite values
+    with int8 (they have no int8 representation).
     """
     if not isinstance(t, torch.Tensor):
         raise ProtocolError(f"expected a torch.Tensor, got {type(t).__name__}")
@@ -85,9 +86,9 @@ def encode_tensor(t: torch.Tensor, compression: str = "none", block_size: int = 
     if codec == "none":
         out["data"] = _to_bytes(t)
     elif codec == "fp16":
-        out["data"] = _to_bytes(t.to(torch.float16))
+        out["data"] = _view_of_fresh(t.to(torch.float16))
     elif codec == "bf16":
-        out["data"] = _to_bytes(t.to(torch.bfloat16))
+        out["data"] = _view_of_fresh(t.to(torch.bfloat16))
     else:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= _MAX_BLOCK:
             raise ProtocolError(f"int8 block_size must be an int in [1, {_MAX_BLOCK}], got {block_size!r}")
@@ -178,6 +179,14 @@ def _to_bytes(t: torch.Tensor) -> bytes:
     if t.dtype == torch.bfloat16:  # numpy has no bfloat16: move the same 16 bits as int16
         t = t.view(torch.int16)
     return t.numpy().tobytes()
+
+
+def _view_of_fresh(t: torch.Tensor) -> memoryview | bytes:
+    """The bytes of a tensor made for this encoding alone (a conversion's result), without the copy
+    `_to_bytes` makes: nobody else holds it, so nothing can change it before it is packed."""
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return memoryview(t.numpy()).cast("B") if t.numel() else b""
 
 
 def _check_shape(shape: Any, limits: Limits) -> list[int]:
