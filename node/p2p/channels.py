@@ -339,28 +339,36 @@ class ChannelServer:
             return f"bad request: {error}"
 
         self._writers.add(writer)
+        loop = asyncio.get_running_loop()
         try:
-            while True:
-                await slots.acquire()
-                try:
-                    payload = await within(read_frame(reader, owner.limits), read_timeout)
-                except (EOFError, TimeoutError):  # the client is done, or idle past the deadline
-                    return
-                except (ConnectionError, asyncio.IncompleteReadError) as e:
-                    logger.debug(f"{service} channel from {short_peer_id(sender)} broke: {e!r}")
-                    return
-                refusal = owner.conduct.charge(sender)
-                if refusal is not None:
-                    await refuse(refusal)
-                    return
-                try:
-                    request = open_message(payload, owner.limits, owner.swarm_id, owner.swarm_key)
-                except ProtocolError as e:
-                    await refuse(strike(e))
-                    return
-                task = asyncio.create_task(reply_to(request))
-                answering.add(task)
-                task.add_done_callback(answering.discard)
+            # one deadline for the channel's life, moved for each frame: cheaper than a timeout
+            # context per frame, and it covers the reads alone (it is off between frames)
+            async with asyncio.timeout(None) as frame_deadline:
+                while True:
+                    await slots.acquire()
+                    frame_deadline.reschedule(loop.time() + read_timeout)
+                    try:
+                        payload = await read_frame(reader, owner.limits)
+                    except EOFError:  # the client is done
+                        return
+                    except (ConnectionError, asyncio.IncompleteReadError) as e:
+                        logger.debug(f"{service} channel from {short_peer_id(sender)} broke: {e!r}")
+                        return
+                    frame_deadline.reschedule(None)
+                    refusal = owner.conduct.charge(sender)
+                    if refusal is not None:
+                        await refuse(refusal)
+                        return
+                    try:
+                        request = open_message(payload, owner.limits, owner.swarm_id, owner.swarm_key)
+                    except ProtocolError as e:
+                        await refuse(strike(e))
+                        return
+                    task = asyncio.create_task(reply_to(request))
+                    answering.add(task)
+                    task.add_done_callback(answering.discard)
+        except TimeoutError:  # idle, or a frame slower than read_timeout
+            return
         except ProtocolError as e:  # a frame over the size limit or cut short
             await refuse(strike(e))
         finally:

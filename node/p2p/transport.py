@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from types import TracebackType
 
 from hivemind.p2p import P2P, PeerID
 
@@ -90,17 +90,27 @@ def timed_out(error: BaseException) -> bool:
     return False
 
 
-@contextlib.contextmanager
-def _as_transport_error(service: str, peer_id: str, timeout: float) -> Iterator[None]:
-    """What talking to a peer raises, as a TransportError raised from it (timed_out looks there)."""
-    try:
-        yield
-    except TransportError:
-        raise
-    except TimeoutError as e:
-        raise TransportError(f"{service} to {short_peer_id(peer_id)} timed out after {timeout:.1f} s") from e
-    except (ProtocolError, EOFError, ConnectionError, OSError, asyncio.IncompleteReadError) as e:
-        raise TransportError(f"{service} to {short_peer_id(peer_id)} failed: {e!r}") from e
+class _AsTransportError:
+    """What talking to a peer raises, as a TransportError raised from it (timed_out looks there).
+    A class rather than a @contextmanager generator: it wraps every pipeline hop."""
+
+    __slots__ = ("peer_id", "service", "timeout")
+
+    def __init__(self, service: str, peer_id: str, timeout: float) -> None:
+        self.service, self.peer_id, self.timeout = service, peer_id, timeout
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type | None, error: BaseException | None, traceback: TracebackType | None) -> bool:
+        if error is None or isinstance(error, TransportError):
+            return False
+        where = f"{self.service} to {short_peer_id(self.peer_id)}"
+        if isinstance(error, TimeoutError):
+            raise TransportError(f"{where} timed out after {self.timeout:.1f} s") from error
+        if isinstance(error, (ProtocolError, EOFError, ConnectionError, OSError, asyncio.IncompleteReadError)):
+            raise TransportError(f"{where} failed: {error!r}") from error
+        return False
 
 
 class Transport:
@@ -292,7 +302,7 @@ class Transport:
         """Send one message and wait for the reply. Raises TransportError on any failure, including
         an ERROR reply (BUSY is returned, not raised: the caller decides where to go next)."""
         began = time.monotonic()
-        with _as_transport_error(service, peer_id, timeout):
+        with _AsTransportError(service, peer_id, timeout):
             payload = seal_message(message, self.compression, self.limits, self.swarm_key)
             channel = await self._channel_for(peer_id, service, len(payload), timeout)
             if channel is not None:
@@ -306,7 +316,7 @@ class Transport:
 
     def seal_posted(self, message: Message, compression: str | None = None) -> bytes:
         """`message` as a posted request's payload (protocol POSTED_KEY), tensors in `compression` or ours."""
-        posted = dataclasses.replace(message, meta={**message.meta, POSTED_KEY: True})
+        posted = message.with_meta({**message.meta, POSTED_KEY: True})
         return seal_message(posted, compression or self.compression, self.limits, self.swarm_key)
 
     async def post(
@@ -324,7 +334,7 @@ class Transport:
         cannot take a channel takes a stream of its own, and its reply, whatever it is, settles the
         outcome. Raises TransportError when the send itself fails."""
         began = time.monotonic()
-        with _as_transport_error(service, peer_id, timeout):
+        with _AsTransportError(service, peer_id, timeout):
             channel = await self._channel_for(peer_id, service, len(payload), timeout)
             if channel is not None:
                 outcome = await channel.post(request_id, payload, timeout, refusal_window, on_late_refusal)
