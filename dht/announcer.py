@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from hivemind.utils import get_dht_time
 
-from dht.records import CIRCUIT, MAX_ADDRS, PeerRecord, PeerState, VerificationReport, reachability_of
+from dht.records import CIRCUIT, MAX_ADDRS, PeerRecord, PeerState, Reachability, VerificationReport, reachability_of
 from dht.registry import SwarmRegistry
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,10 @@ class PeerAnnouncer:
     @property
     def outer_round(self) -> int:
         return self._record.outer_round
+
+    @property
+    def reachability(self) -> Reachability:
+        return self._record.reachability
 
     def record(self) -> PeerRecord:
         """A copy of the record as it would be announced now."""

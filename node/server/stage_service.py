@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from dht.announcer import PeerAnnouncer, PeerProgress
-from dht.records import PeerState
+from dht.records import PeerState, Reachability
 from dht.registry import SwarmRegistry, swarm_key_of
 from dht.swarm_view import SwarmView
 from node.averaging.fingerprint import fingerprint_distance
@@ -252,8 +252,11 @@ def neighbours(service: StageService) -> list[str]:
 
 
 def unreachable_peers(me: PeerAnnouncer, view: SwarmView) -> set[str]:
-    """Peers whose connection with this one could not carry training traffic: both behind relays."""
-    mine = me.record().reachability
+    """Peers whose connection with this one could not carry training traffic: both behind relays.
+    Asked on every routed hop: a peer that is not relayed itself answers without reading the view."""
+    mine = me.reachability
+    if mine != Reachability.RELAYED:
+        return set()
     return {
         peer.peer_id
         for peers in view.peers_by_stage.values()
