@@ -16,7 +16,7 @@ from hivemind.p2p import PeerID
 from node.p2p.network import Network, start_network
 from node.p2p.peer_conduct import ConductLimits, PeerConduct
 from node.p2p.transport import Transport, TransportError
-from protocol import Message, MessageKind, recv_message
+from protocol import Message, MessageKind, recv_message, send_message
 
 SERVICE = "forward"
 SWARM = "channels-test"
@@ -58,14 +58,19 @@ def transport(
     return result
 
 
-async def pong_server(network: Network, stage: int, **options) -> Transport:
-    """A transport serving SERVICE with a PONG to every request."""
-    server = transport(network, stage, **options)
+def pong_handler(server: Transport):
+    """A request handler answering every request with a PONG."""
 
     async def handler(sender: str, request: Message) -> Message:
         return server.message(MessageKind.PONG, request_id=request.request_id)
 
-    await server.serve_requests(SERVICE, handler)
+    return handler
+
+
+async def pong_server(network: Network, stage: int, **options) -> Transport:
+    """A transport serving SERVICE with a PONG to every request."""
+    server = transport(network, stage, **options)
+    await server.serve_requests(SERVICE, pong_handler(server))
     return server
 
 
@@ -135,6 +140,39 @@ def test_garbage_on_a_channel_is_a_strike_and_ends_it_and_a_ban_refuses_the_next
             with pytest.raises(TransportError, match=r"banned|closed"):
                 await client.request(server_net.peer_id, SERVICE, ping(client, 0), 10.0)
             assert served == []
+            await client.close()
+            await server.close()
+
+    run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_channel_idle_or_stalled_inside_a_frame_is_closed_after_the_read_timeout():
+    async def main() -> None:
+        async with two_peers() as (server_net, client_net):
+            server = transport(server_net, 1)
+            server.multiplex("idle-test")
+            await server.serve_requests("idle-test", pong_handler(server), read_timeout=1.0)
+            client = transport(client_net, 0)  # makes the hand-made channel's requests
+            peer = PeerID.from_base58(server_net.peer_id)
+            loop = asyncio.get_running_loop()
+            half_a_frame = struct.pack(">Q", 100) + b"x" * 10
+            for stall in (b"", half_a_frame):
+                _, reader, writer = await client_net.p2p.call_binary_stream_handler(
+                    peer, server.channel_protocol_name("idle-test")
+                )
+                request = ping(client, 1)
+                await send_message(writer, request)  # answered: the deadline is per frame, not per channel
+                reply = await asyncio.wait_for(recv_message(reader, expected_swarm=SWARM), 10.0)
+                assert reply.kind == MessageKind.PONG and reply.request_id == request.request_id
+                writer.write(stall)
+                await writer.drain()
+                started = loop.time()
+                with pytest.raises(EOFError):  # the server closes the channel, without a word
+                    await asyncio.wait_for(recv_message(reader, expected_swarm=SWARM), 10.0)
+                assert 0.5 <= loop.time() - started < 5.0
+                writer.close()
+            assert not server.conduct.is_banned(client_net.peer_id)  # slow is not hostile
             await client.close()
             await server.close()
 
