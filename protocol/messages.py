@@ -127,7 +127,7 @@ def encode_message(msg: Message, compression: str = "none", *, limits: Limits = 
         raise ProtocolError(f"version must be an int in [0, {MAX_VERSION}], got {msg.version!r}")
     if compression not in COMPRESSIONS:
         raise ProtocolError(f"unknown compression {compression!r} (expected one of {COMPRESSIONS})")
-    kind = msg.kind if type(msg.kind) is MessageKind else _check_kind(msg.kind)
+    kind = _check_kind(msg.kind)
     _check_header(msg.swarm_id, msg.sender_stage, msg.request_id, limits)
     _check_meta(msg.meta, kind, limits)
     _check_tensor_names(msg.tensors, kind, limits)
@@ -288,6 +288,8 @@ _KIND_OF_VALUE = {kind.value: kind for kind in MessageKind}
 
 
 def _check_kind(value: Any) -> MessageKind:
+    if type(value) is MessageKind:  # what our own messages carry
+        return value
     kind = _KIND_OF_VALUE.get(value) if type(value) is str else None
     if kind is not None:  # a plain string, as decoded: a lookup instead of the enum's constructor
         return kind

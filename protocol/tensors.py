@@ -175,18 +175,20 @@ def _beyond_fp16(t: torch.Tensor) -> bool:
     return high.item() > FP16_MAX or low.item() < -FP16_MAX
 
 
-def _to_bytes(t: torch.Tensor) -> bytes:
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:  # numpy has no bfloat16: move the same 16 bits as int16
         t = t.view(torch.int16)
-    return t.numpy().tobytes()
+    return t.numpy()
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    return _as_numpy(t).tobytes()
 
 
 def _view_of_fresh(t: torch.Tensor) -> memoryview | bytes:
     """The bytes of a tensor made for this encoding alone (a conversion's result), without the copy
     `_to_bytes` makes: nobody else holds it, so nothing can change it before it is packed."""
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    return memoryview(t.numpy()).cast("B") if t.numel() else b""
+    return memoryview(_as_numpy(t)).cast("B") if t.numel() else b""
 
 
 def _check_shape(shape: Any, limits: Limits) -> list[int]:

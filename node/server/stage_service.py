@@ -253,9 +253,10 @@ def neighbours(service: StageService) -> list[str]:
 
 def unreachable_peers(me: PeerAnnouncer, view: SwarmView) -> set[str]:
     """Peers whose connection with this one could not carry training traffic: both behind relays.
-    Asked on every routed hop: a peer that is not relayed itself answers without reading the view."""
+    Asked on every routed hop: a peer whose connection even with a relayed peer carries training
+    (the worst case) answers without reading the view."""
     mine = me.reachability
-    if mine != Reachability.RELAYED:
+    if carries_training(mine, Reachability.RELAYED):
         return set()
     return {
         peer.peer_id
