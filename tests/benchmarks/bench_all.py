@@ -4,7 +4,8 @@
         [flags of bench_transport / bench_swarm / bench_wide_area]
 
 Runs the transport benchmark first (two peers in this process), then the swarm benchmark (single
-process, then the multi-process swarms), then the wide-area one (a 3 x 1 swarm in network
+process, then the multi-process swarms), then the floor of any three-process pipeline here (the same
+workers on raw loopback TCP, bench_floor.py), then the wide-area one (a 3 x 1 swarm in network
 namespaces, unshaped then over 100 ms RTT / 50 Mbit/s links; it needs root and iproute2 and says
 why it skipped without them); nothing runs concurrently with anything else started here.
 --quick shortens every timing (a smoke run: the figures are noisier).
@@ -21,13 +22,14 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests.benchmarks import bench_swarm, bench_transport, bench_wide_area  # noqa: E402
+from tests.benchmarks import bench_floor, bench_swarm, bench_transport, bench_wide_area  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench_transport.add_arguments(parser)
     bench_swarm.add_arguments(parser)
+    bench_floor.add_arguments(parser)
     bench_wide_area.add_arguments(parser)
     parser.add_argument(
         "--quick",
@@ -42,9 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         args.seconds, args.min_reps = 2.0, 10
         args.single_seconds, args.single_threads = 10.0, [1]
         args.layouts, args.warmup, args.window = [1], 10.0, 30.0
+        args.floor_seconds, args.floor_warmup, args.floor_windows, args.floor_single_seconds = 15.0, 5.0, [16], 10.0
 
     transport = bench_transport.run(args)
     swarm = bench_swarm.run(args)
+    floor = bench_floor.run(args)
     wide_area = bench_wide_area.run(args)  # applies its own --quick timings
     m0, m1 = transport["machine_before"], wide_area["machine_after"]
     print("# pipeswarm benchmarks")
@@ -57,12 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(bench_swarm.format_report(swarm))
     print()
+    print(bench_floor.format_report(floor))
+    print()
     print(bench_transport.format_report(transport))
     print()
     print(bench_wide_area.format_report(wide_area))
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"transport": transport, "swarm": swarm, "wide_area": wide_area}, indent=1)
+            json.dumps({"transport": transport, "swarm": swarm, "floor": floor, "wide_area": wide_area}, indent=1)
         )
     return 0
 
