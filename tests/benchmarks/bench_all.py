@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         "--quick",
         action="store_true",
         help="short timings: 2 s per transport case, 10 s single process, 3x1 swarm only, 30 s window; "
-        "wide-area 15 s windows after a 35 s settle",
+        "the floor 15 s per run; wide-area 15 s windows after a 35 s settle",
     )
     parser.add_argument("--json", help="also write the raw results here")
     args = parser.parse_args(argv)

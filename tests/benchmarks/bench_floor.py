@@ -2,7 +2,7 @@
 
 Not a test: a script that prints a report (docs/benchmarks.md holds recorded runs).
 
-    python tests/benchmarks/bench_floor.py [--floor-seconds 30] [--floor-warmup 10] [--floor-windows 4 16] \
+    python tests/benchmarks/bench_floor.py [--floor-seconds 30] [--floor-warmup 10] [--floor-windows 16] \
         [--floor-single-seconds 20] [--json out.json]
 
 The swarm benchmark (bench_swarm.py) compares a 3 x 1 swarm's CPU per microbatch with one process
@@ -363,7 +363,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--floor-seconds", type=float, default=30.0, help="measured window per run")
     parser.add_argument("--floor-warmup", type=float, default=10.0, help="seconds of training before it")
     parser.add_argument(
-        "--floor-windows", type=int, nargs="+", default=[4, 16], help="microbatches in flight, one run each"
+        "--floor-windows", type=int, nargs="+", default=[16], help="microbatches in flight, one run each"
     )
     parser.add_argument("--floor-single-seconds", type=float, default=20.0, help="each single-process measurement")
 
