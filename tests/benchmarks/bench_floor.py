@@ -247,6 +247,8 @@ def pipeline_run(window: int, warmup: float, seconds: float, sealed: bool = Fals
     validated protocol message in fp16, AES-GCM sealed)."""
     import psutil
 
+    from tests.benchmarks.bench_swarm import loop_and_other_threads, thread_split
+
     ports = free_ports(NUM_STAGES)
     command = [sys.executable, __file__, "--role"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -280,10 +282,13 @@ def pipeline_run(window: int, warmup: float, seconds: float, sealed: bool = Fals
         def cpu() -> float:
             return sum(sum(psutil.Process(p.pid).cpu_times()[:2]) for p in processes)
 
+        def threads() -> dict[str, tuple[float, float]]:
+            return {f"stage {stage}": loop_and_other_threads(p.pid) for stage, p in enumerate(processes)}
+
         time.sleep(warmup)
-        cpu0, (done0, t0) = cpu(), count()
+        threads0, cpu0, (done0, t0) = threads(), cpu(), count()
         time.sleep(seconds)
-        cpu1, (done1, t1) = cpu(), count()
+        threads1, cpu1, (done1, t1) = threads(), cpu(), count()
         crashed = [p.pid for p in processes if p.poll() is not None]
         if crashed or done1 <= done0:
             raise RuntimeError(f"the pipeline stalled or a stage exited: {crashed}")
@@ -298,6 +303,7 @@ def pipeline_run(window: int, warmup: float, seconds: float, sealed: bool = Fals
             "tokens_per_s": microbatches * config_tokens / (t1 - t0),
             "cpu_ms_per_microbatch": 1e3 * (cpu1 - cpu0) / microbatches,
             "cpu_cores_used": (cpu1 - cpu0) / (t1 - t0),
+            "threads_ms_per_microbatch": thread_split(threads0, threads1, microbatches),
         }
     finally:
         for p in processes:
@@ -337,6 +343,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def format_report(result: dict) -> str:
+    from tests.benchmarks.bench_swarm import format_thread_split
+
     singles = result["single"]
     cpu = sum(s["cpu_ms_per_microbatch"] for s in singles) / len(singles)
     tokens = sum(s["tokens_per_s"] for s in singles) / len(singles)
@@ -355,6 +363,12 @@ def format_report(result: dict) -> str:
         lines.append(
             f"| {'sealed' if r['sealed'] else 'raw fp32'} | {r['window']} | {r['tokens_per_s']:,.0f} ({r['tokens_per_s'] / tokens:.2f}x) "
             f"| {r['cpu_ms_per_microbatch']:.1f} ({r['cpu_ms_per_microbatch'] / cpu:.2f}x) | {r['cpu_cores_used']:.2f} |"
+        )
+    lines.append("")
+    for r in result["pipeline"]:
+        lines.append(
+            f"- {'sealed' if r['sealed'] else 'raw fp32'}, {r['window']} in flight: CPU ms per microbatch, event loop "
+            f"/ other threads (the compute thread): {format_thread_split(r['threads_ms_per_microbatch'])}"
         )
     return "\n".join(lines)
 

@@ -153,6 +153,44 @@ def swarm_cpu_seconds(swarm) -> dict[int, float]:
     return seconds
 
 
+def loop_and_other_threads(pid: int) -> tuple[float, float]:
+    """CPU seconds so far of a process's main thread (a peer's event loop) and of its other threads
+    (the stage's compute thread, mostly), from /proc; (0, 0) once the process is gone."""
+    tick = os.sysconf("SC_CLK_TCK")
+    loop = other = 0.0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return 0.0, 0.0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+                fields = stat.read().rpartition(")")[2].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        seconds = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        if int(tid) == pid:
+            loop += seconds
+        else:
+            other += seconds
+    return loop, other
+
+
+def thread_split(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]], microbatches: float
+) -> dict:
+    """Per process name: (event loop, other threads) CPU ms per microbatch between two reads."""
+    return {
+        name: tuple(round(1e3 * (after[name][i] - before[name][i]) / microbatches, 2) for i in (0, 1))
+        for name in after
+        if name in before and microbatches
+    }
+
+
+def format_thread_split(split: dict) -> str:
+    return ", ".join(f"{name} {loop:.1f} / {other:.1f}" for name, (loop, other) in split.items())
+
+
 def completed_microbatches(port: int) -> tuple[float, float]:
     """(monotonic time of the read, a stage-0 peer's completed microbatches so far) from its /metrics."""
     import urllib.request
@@ -254,11 +292,13 @@ def swarm_run(
         time.sleep(warmup)
         load_before = os.getloadavg()
         first = snapshot(swarm.initial_peers)
+        threads_before = {node.name: loop_and_other_threads(node.process.pid) for node in nodes}
         cpu_before, cpu_t0 = swarm_cpu_seconds(swarm), time.monotonic()
         counts_before = {name: completed_microbatches(port) for name, port in ports.items()}
         time.sleep(window)
         counts_after = {name: completed_microbatches(port) for name, port in ports.items()}
         cpu_after, cpu_wall = swarm_cpu_seconds(swarm), time.monotonic() - cpu_t0
+        threads_after = {node.name: loop_and_other_threads(node.process.pid) for node in nodes}
         last = snapshot(swarm.initial_peers)
         load_after = os.getloadavg()
         swarm.refresh_families()
@@ -301,6 +341,8 @@ def swarm_run(
             "loss_end": [p["loss"] for p in online(last, 0)],
             "loadavg_window": [round(load_before[0], 2), round(load_after[0], 2)],
             "crashed": crashed,
+            # per peer: event loop / other threads (its compute thread), CPU ms per swarm microbatch
+            "threads_ms_per_microbatch": thread_split(threads_before, threads_after, microbatches_per_s * cpu_wall),
         }
         return result
     finally:
@@ -376,6 +418,11 @@ def format_report(result: dict) -> str:
             f"{r['loadavg_window'][1]}; startup {r['startup_seconds']:.0f} s"
             + (f"; EXITED EARLY: {r['crashed']}" if r["crashed"] else "")
         )
+        if r.get("threads_ms_per_microbatch"):
+            lines.append(
+                "  CPU ms per microbatch, event loop / other threads (the compute thread): "
+                + format_thread_split(r["threads_ms_per_microbatch"])
+            )
     return "\n".join(lines)
 
 
