@@ -40,14 +40,18 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
+from tests.benchmarks.bench_swarm import (  # noqa: E402
+    format_thread_split,
+    log,
+    loop_and_other_threads,
+    single_process,
+    thread_split,
+)
+
 # kind (1 byte), microbatch id (8), payload bytes (4)
 HEADER = struct.Struct("<BQI")
 FORWARD, BACKWARD = 1, 2
 NUM_STAGES = 3
-
-
-def log(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
 
 
 # ---- one stage's process -------------------------------------------------------------------------
@@ -247,8 +251,6 @@ def pipeline_run(window: int, warmup: float, seconds: float, sealed: bool = Fals
     validated protocol message in fp16, AES-GCM sealed)."""
     import psutil
 
-    from tests.benchmarks.bench_swarm import loop_and_other_threads, thread_split
-
     ports = free_ports(NUM_STAGES)
     command = [sys.executable, __file__, "--role"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -325,8 +327,6 @@ def _tokens_per_microbatch() -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from tests.benchmarks.bench_swarm import single_process
-
     log(f"floor: single process, 1 thread, {args.floor_single_seconds:.0f} s")
     before = single_process(args.floor_single_seconds, 1)
     runs = []
@@ -343,8 +343,6 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def format_report(result: dict) -> str:
-    from tests.benchmarks.bench_swarm import format_thread_split
-
     singles = result["single"]
     cpu = sum(s["cpu_ms_per_microbatch"] for s in singles) / len(singles)
     tokens = sum(s["tokens_per_s"] for s in singles) / len(singles)

@@ -155,25 +155,15 @@ def swarm_cpu_seconds(swarm) -> dict[int, float]:
 
 def loop_and_other_threads(pid: int) -> tuple[float, float]:
     """CPU seconds so far of a process's main thread (a peer's event loop) and of its other threads
-    (the stage's compute thread, mostly), from /proc; (0, 0) once the process is gone."""
-    tick = os.sysconf("SC_CLK_TCK")
-    loop = other = 0.0
+    (the stage's compute thread, mostly); (0, 0) once the process is gone."""
+    import psutil
+
     try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:
+        threads = psutil.Process(pid).threads()
+    except psutil.NoSuchProcess:
         return 0.0, 0.0
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
-                fields = stat.read().rpartition(")")[2].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        seconds = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-        if int(tid) == pid:
-            loop += seconds
-        else:
-            other += seconds
-    return loop, other
+    loop = sum(t.user_time + t.system_time for t in threads if t.id == pid)
+    return loop, sum(t.user_time + t.system_time for t in threads) - loop
 
 
 def thread_split(
