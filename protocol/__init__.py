@@ -1,7 +1,19 @@
 """pipeswarm wire protocol: versioned msgpack messages, a tensor codec and length-prefixed frames."""
 
 from protocol.errors import ProtocolError
-from protocol.framing import open_message, read_frame, recv_message, seal_message, send_message, write_frame
+from protocol.framing import (
+    FRAME_HEADER_BYTES,
+    FrameSplitter,
+    frame_header,
+    frame_length,
+    open_message,
+    read_frame,
+    recv_message,
+    seal_message,
+    send_message,
+    write_frame,
+    write_frame_now,
+)
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import (
     KIND_SCHEMAS,
@@ -20,11 +32,13 @@ __all__ = [
     "COMPRESSIONS",
     "DEFAULT_LIMITS",
     "DTYPES",
+    "FRAME_HEADER_BYTES",
     "KIND_SCHEMAS",
     "KIND_TENSORS",
     "POSTED_KEY",
     "PROTOCOL_VERSION",
     "Compression",
+    "FrameSplitter",
     "Limits",
     "Message",
     "MessageKind",
@@ -34,6 +48,8 @@ __all__ = [
     "decode_tensor",
     "encode_message",
     "encode_tensor",
+    "frame_header",
+    "frame_length",
     "open_message",
     "read_frame",
     "recv_message",
@@ -41,4 +57,5 @@ __all__ = [
     "send_message",
     "wire_nbytes",
     "write_frame",
+    "write_frame_now",
 ]

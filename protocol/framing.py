@@ -21,7 +21,7 @@ from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import Message, decode_message, encode_message
 
 _HEADER = struct.Struct(">Q")
-HEADER_BYTES = _HEADER.size
+FRAME_HEADER_BYTES = _HEADER.size
 MAC_BYTES = hashlib.sha256().digest_size
 
 
@@ -33,14 +33,12 @@ async def read_frame(reader: asyncio.StreamReader, limits: Limits = DEFAULT_LIMI
     the length is checked before any payload is read, so an oversized frame costs nothing.
     """
     try:
-        header = await reader.readexactly(HEADER_BYTES)
+        header = await reader.readexactly(FRAME_HEADER_BYTES)
     except asyncio.IncompleteReadError as e:
         if not e.partial:
             raise EOFError("stream closed at a frame boundary") from None
         raise ProtocolError("stream closed mid-frame (inside the length header)") from None
-    (length,) = _HEADER.unpack(header)
-    if length > limits.max_frame_bytes:
-        raise ProtocolError(f"frame declares {length} bytes > max_frame_bytes {limits.max_frame_bytes}")
+    length = frame_length(header, 0, limits)
     try:
         # readexactly grows its buffer only as bytes arrive: a peer that declares a big frame and
         # stalls does not make us allocate the declared size up front
@@ -49,16 +47,100 @@ async def read_frame(reader: asyncio.StreamReader, limits: Limits = DEFAULT_LIMI
         raise ProtocolError(f"stream closed mid-frame ({len(e.partial)} of {length} bytes)") from None
 
 
+def frame_header(payload: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """The length header of a frame carrying `payload`; refuses frames the peer would reject."""
+    size = memoryview(payload).nbytes
+    if size > limits.max_frame_bytes:
+        raise ProtocolError(f"frame of {size} bytes > max_frame_bytes {limits.max_frame_bytes}")
+    return _HEADER.pack(size)
+
+
+def frame_length(header: bytes | bytearray | memoryview, offset: int = 0, limits: Limits = DEFAULT_LIMITS) -> int:
+    """The payload length the frame header at `offset` declares; ProtocolError over the limit (checked
+    before anything of the payload is kept)."""
+    (length,) = _HEADER.unpack_from(header, offset)
+    if length > limits.max_frame_bytes:
+        raise ProtocolError(f"frame declares {length} bytes > max_frame_bytes {limits.max_frame_bytes}")
+    return length
+
+
+class FrameSplitter:
+    """Frames out of byte chunks that cut them anywhere (the plaintext of a direct link's records,
+    node/p2p/sealed_link.py): `load` a chunk once the previous one is used up, then take frames with
+    `next_frame` until it returns None. A frame whole inside a chunk is returned as a view of it
+    (no copy); one spanning chunks is gathered as its bytes arrive (never allocated at its declared
+    size up front), and its declared length is checked against the limit as soon as its header is in."""
+
+    def __init__(self, limits: Limits = DEFAULT_LIMITS):
+        self.limits = limits
+        self._chunk = memoryview(b"")
+        self._at = 0
+        self._partial = bytearray()  # a frame begun in an earlier chunk, header included
+        self._partial_wants = -1  # its size, header included, once the header is in
+
+    def load(self, chunk: bytes) -> None:
+        assert self._at >= len(self._chunk), "load before the previous chunk is used up"
+        self._chunk, self._at = memoryview(chunk), 0
+
+    def used_up(self) -> bool:
+        """Whether every byte of the loaded chunk was taken (the next chunk may be loaded)."""
+        return self._at >= len(self._chunk)
+
+    def has_partial_frame(self) -> bool:
+        """Whether part of a frame waits for the next chunk (an end here would cut it)."""
+        return bool(self._partial)
+
+    def next_frame(self) -> bytes | memoryview | None:
+        """The next whole frame's payload, or None when the loaded chunk is used up."""
+        chunk, end = self._chunk, len(self._chunk)
+        while self._at < end:
+            at = self._at
+            if not self._partial and end - at >= FRAME_HEADER_BYTES:
+                wants = FRAME_HEADER_BYTES + frame_length(chunk, at, self.limits)
+                if at + wants <= end:  # whole in this chunk
+                    self._at = at + wants
+                    return chunk[at + FRAME_HEADER_BYTES : at + wants]
+                self._partial_wants = wants
+            frame = self._gather(chunk, at)
+            if frame is not None:
+                return frame
+        return None
+
+    def _gather(self, chunk: memoryview, at: int) -> bytes | None:
+        partial = self._partial
+        if self._partial_wants < 0:
+            take = min(FRAME_HEADER_BYTES - len(partial), len(chunk) - at)
+            partial += chunk[at : at + take]
+            at += take
+            if len(partial) < FRAME_HEADER_BYTES:
+                self._at = at
+                return None
+            self._partial_wants = FRAME_HEADER_BYTES + frame_length(partial, 0, self.limits)
+        take = min(self._partial_wants - len(partial), len(chunk) - at)
+        partial += chunk[at : at + take]
+        self._at = at + take
+        if len(partial) < self._partial_wants:
+            return None
+        payload = bytes(memoryview(partial)[FRAME_HEADER_BYTES:])
+        self._partial, self._partial_wants = bytearray(), -1
+        return payload
+
+
+def write_frame_now(
+    writer: asyncio.StreamWriter, payload: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
+) -> None:
+    """Write one frame without waiting for the transport to drain."""
+    header = frame_header(payload, limits)
+    # two writes instead of header + payload: no copy of a possibly large payload
+    writer.write(header)
+    writer.write(payload)
+
+
 async def write_frame(
     writer: asyncio.StreamWriter, payload: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
 ) -> None:
     """Write one frame and wait for the transport to drain; refuses frames the peer would reject."""
-    size = memoryview(payload).nbytes
-    if size > limits.max_frame_bytes:
-        raise ProtocolError(f"frame of {size} bytes > max_frame_bytes {limits.max_frame_bytes}")
-    # two writes instead of header + payload: no copy of a possibly large payload
-    writer.write(_HEADER.pack(size))
-    writer.write(payload)
+    write_frame_now(writer, payload, limits)
     await writer.drain()
 
 

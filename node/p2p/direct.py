@@ -41,7 +41,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import struct
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -57,7 +56,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from dht.records import CIRCUIT, PeerRecord, Reachability, short_peer_id
 from dht.signing import Identity, SignatureError, verify_signature
 from node.p2p import sealed_link
-from node.p2p.sealed_link import DirectLinkError, SecureStream
+from node.p2p.sealed_link import DirectLinkError, SealedLink
 
 logger = logging.getLogger(__name__)
 
@@ -74,21 +73,13 @@ HELLO_WINDOW = 120.0  # seconds a hello's clock may differ from ours (hellos see
 FAILED_FOR = 60.0
 FAILED_FOR_MAX = 1800.0
 
-_LENGTH = struct.Struct(">I")  # of a handshake message
-
 
 # -- the handshake -------------------------------------------------------------------------------
 
 
-async def _read_message(reader: asyncio.StreamReader, what: str) -> tuple[bytes, dict[str, Any]]:
+async def _read_message(link: SealedLink, what: str) -> tuple[bytes, dict[str, Any]]:
     """One length-prefixed msgpack map of the handshake (its length checked before it is read)."""
-    try:
-        (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-        if length > MAX_HANDSHAKE_BYTES:
-            raise DirectLinkError(f"{what} of {length} bytes > {MAX_HANDSHAKE_BYTES}")
-        raw = await reader.readexactly(length)
-    except asyncio.IncompleteReadError:
-        raise DirectLinkError(f"the connection closed during the {what}") from None
+    raw = await link.read_handshake(MAX_HANDSHAKE_BYTES, what)
     try:
         message = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=False)
     except Exception as e:  # msgpack raises several unrelated types on junk
@@ -107,9 +98,9 @@ def _field(message: dict[str, Any], name: str, kind: type, what: str, size: int 
     return value
 
 
-def _write_message(writer: asyncio.StreamWriter, message: dict[str, Any]) -> bytes:
+def _write_message(link: SealedLink, message: dict[str, Any]) -> bytes:
     raw = msgpack.packb(message, use_bin_type=True)
-    writer.write(_LENGTH.pack(len(raw)) + raw)
+    link.write_handshake(raw)
     return raw
 
 
@@ -150,20 +141,19 @@ class Hello:
 
 
 async def initiate(
-    reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter,
+    link: SealedLink,
     identity: Identity,
     peer_id: str,
     swarm_id: str,
     service: str,
     swarm_key: bytes | None,
-) -> SecureStream:
-    """The initiator's side: a link to `peer_id` (and only to it) for `service`, or DirectLinkError."""
+) -> SealedLink:
+    """The initiator's side: `link` sealed to `peer_id` (and only to it) for `service`, or DirectLinkError."""
     eph = X25519PrivateKey.generate()
     eph_public, sent_at = _public_bytes(eph), time.time()
     signed = _initiator_signed(swarm_id, service, peer_id, sent_at, eph_public)
     hello = _write_message(
-        writer,
+        link,
         {
             "v": DIRECT_VERSION,
             "swarm": swarm_id,
@@ -175,8 +165,7 @@ async def initiate(
             "sig": identity.sign(signed),
         },
     )
-    await writer.drain()
-    accept, message = await _read_message(reader, "accept")
+    accept, message = await _read_message(link, "accept")
     their_eph = _field(message, "eph", bytes, "accept", 32)
     try:
         signer = verify_signature(
@@ -189,7 +178,8 @@ async def initiate(
     if signer != peer_id:
         raise DirectLinkError(f"the listener is {short_peer_id(signer)}, not {short_peer_id(peer_id)}")
     to_listener, to_initiator = _session_keys(eph, their_eph, hello, accept, swarm_key)
-    return SecureStream(reader, writer, to_listener, to_initiator)
+    link.seal(to_listener, to_initiator)
+    return link
 
 
 class HelloGuard:
@@ -254,7 +244,7 @@ def direct_addresses_of(record: PeerRecord | None) -> list[tuple[str, int]]:
 
 # -- one peer's listener and dialer --------------------------------------------------------------
 
-LinkHandler = Callable[[str, SecureStream], Awaitable[None]]
+LinkHandler = Callable[[str, SealedLink], Awaitable[None]]
 
 
 class DirectLinks:
@@ -270,7 +260,7 @@ class DirectLinks:
         self._handlers: dict[tuple[str, str], LinkHandler] = {}
         self._guard = HelloGuard(identity.peer_id)
         self._handshakes = asyncio.Semaphore(MAX_PENDING_HANDSHAKES)
-        self._links: set[SecureStream] = set()
+        self._links: set[SealedLink] = set()
         self._failed: dict[str, tuple[float, int]] = {}  # peer -> (monotonic time until which p2pd is used, failures)
 
     async def listen(self, host: str, port: int = 0) -> int:
@@ -285,20 +275,20 @@ class DirectLinks:
     def unserve(self, swarm_id: str, service: str) -> None:
         self._handlers.pop((swarm_id, service), None)
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _accept(self, link: SealedLink) -> None:
         if self._handshakes.locked():  # a flood of half-open handshakes: refuse at once
-            writer.close()
+            link.close()
             return
         try:
             async with self._handshakes:
-                link, hello = await asyncio.wait_for(self._listener_handshake(reader, writer), HANDSHAKE_TIMEOUT)
+                hello = await asyncio.wait_for(self._listener_handshake(link), HANDSHAKE_TIMEOUT)
         except (DirectLinkError, TimeoutError, ConnectionError, OSError) as e:
-            logger.debug(f"refused a direct link from {writer.get_extra_info('peername')}: {e}")
-            writer.close()
+            logger.debug(f"refused a direct link from {link.get_extra_info('peername')}: {e}")
+            link.close()
             return
         except Exception:  # a bug of ours: logged, and only this connection ends
-            logger.exception(f"direct link handshake with {writer.get_extra_info('peername')} failed")
-            writer.close()
+            logger.exception(f"direct link handshake with {link.get_extra_info('peername')} failed")
+            link.close()
             return
         handler = self._handlers.get((hello.swarm_id, hello.service))
         if handler is None:  # the service stopped during the handshake (a stage move)
@@ -312,26 +302,24 @@ class DirectLinks:
             self._links.discard(link)
             link.close()
 
-    async def _listener_handshake(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> tuple[SecureStream, Hello]:
-        hello_bytes, message = await _read_message(reader, "hello")
+    async def _listener_handshake(self, link: SealedLink) -> Hello:
+        hello_bytes, message = await _read_message(link, "hello")
         hello = self._guard.check(message, time.time())
         if (hello.swarm_id, hello.service) not in self._handlers:
             raise DirectLinkError(f"no direct {hello.service} service for swarm {hello.swarm_id[:40]!r} here")
         eph = X25519PrivateKey.generate()
         eph_public = _public_bytes(eph)
         accept = _write_message(
-            writer,
+            link,
             {
                 "eph": eph_public,
                 "pk": self.identity.public_key,
                 "sig": self.identity.sign(_listener_signed(hello_bytes, eph_public)),
             },
         )
-        await writer.drain()
         to_listener, to_initiator = _session_keys(eph, message["eph"], hello_bytes, accept, self.swarm_key)
-        return SecureStream(reader, writer, to_initiator, to_listener), hello
+        link.seal(to_initiator, to_listener)
+        return hello
 
     def usable(self, peer_id: str) -> bool:
         """Whether to try a direct link to `peer_id` (not after one failed recently)."""
@@ -340,7 +328,7 @@ class DirectLinks:
 
     async def open(
         self, peer_id: str, addresses: Sequence[tuple[str, int]], swarm_id: str, service: str, timeout: float
-    ) -> SecureStream:
+    ) -> SealedLink:
         """A link to `peer_id` for `service` at the first of `addresses` that answers, within
         `timeout`; DirectLinkError (and p2pd for this peer during FAILED_FOR) if none does."""
         errors = []
@@ -350,17 +338,17 @@ class DirectLinks:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            writer = None
+            link = None
             try:
-                reader, writer = await asyncio.wait_for(sealed_link.connect(host, port), min(left, CONNECT_TIMEOUT))
-                link = await asyncio.wait_for(
-                    initiate(reader, writer, self.identity, peer_id, swarm_id, service, self.swarm_key),
+                link = await asyncio.wait_for(sealed_link.connect(host, port), min(left, CONNECT_TIMEOUT))
+                await asyncio.wait_for(
+                    initiate(link, self.identity, peer_id, swarm_id, service, self.swarm_key),
                     max(deadline - time.monotonic(), 0.01),
                 )
             except (DirectLinkError, TimeoutError, ConnectionError, OSError) as e:
                 errors.append(f"{host}:{port}: {e!r}")
-                if writer is not None:
-                    writer.close()
+                if link is not None:
+                    link.close()
                 continue
             self.opened += 1
             self._failed.pop(peer_id, None)

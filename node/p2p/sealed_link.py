@@ -1,13 +1,29 @@
-"""The record layer of a direct link (node/p2p/direct.py): after the handshake, a TCP connection
-carries records sealed with AES-256-GCM, each a 4-byte length and the sealed bytes, with one counter
-nonce per direction; a `SecureStream` reads and writes them as a stream reader and writer would, so
-the channel protocol (node/p2p/channels.py) runs on it unchanged.
+"""The connection of a direct link (node/p2p/direct.py): two handshake messages in the clear, then
+records sealed with AES-256-GCM, each a 4-byte length and the sealed bytes, with one counter nonce
+per direction. Inside the records run the channel protocol's frames (protocol/framing.py).
+
+`SealedLink` is an `asyncio.Protocol` and a FrameLink (node/p2p/frame_link.py): records are opened
+and frames split from them in `data_received`, and each whole frame is handed to the channel at
+once. A stream reader in between cost a task wake-up per read and two reads per record and per
+frame, on every hop of the pipeline (docs/benchmarks.md, issue 16). A frame's header and payload
+are sealed into one record (frames over MAX_RECORD_BYTES span several).
+
+Across a wide-area link a 64 KiB record arrives as dozens of TCP segments (TCP's window is small
+after an idle moment, and at 50 Mbit/s a segment lands every quarter millisecond). While a record's
+body is incomplete the link sets the socket's SO_RCVLOWAT to the bytes still missing, so the event
+loop is not woken (epoll, a read, data_received) for each batch of them. Measured between two
+namespaces over a 50 Mbit/s, 100 ms RTT link (docs/benchmarks.md, issue 16): 9.3 reads and
+0.41-0.47 ms of the receiver's CPU per 64 KiB record without it, 1.1 and 0.26-0.33 ms with it, at
+the same 77-78 records/s; on loopback a record arrives in one read either way. The mark is capped at
+a quarter of the socket's receive buffer: Linux clamps the receive window to a mark that needs a
+bigger buffer, and a 64 KiB window over 100 ms carried 7.6 records/s. It never exceeds what is still
+missing, or the kernel would never wake the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import socket
 import struct
 from collections.abc import Awaitable, Callable
@@ -16,8 +32,19 @@ from typing import Any
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from node.p2p.frame_link import OnClosed, OnFrame
+from node.runtime.meter import Direction, Meter
+from protocol import FRAME_HEADER_BYTES, FrameSplitter, Limits, ProtocolError, frame_header
+
+logger = logging.getLogger(__name__)
+
 MAX_RECORD_BYTES = 1 << 20  # plaintext per sealed record: a frame spans as many records as it needs
 MAX_RECORDS = 1 << 40  # per direction and connection: far below where a GCM counter nonce could repeat
+# a record body missing at least this many bytes asks the kernel to wake the loop only once they are in
+LOW_WATER_FROM = 8 * 1024
+# bytes received and not yet handed on past which the socket is not read (the handshake's, or a
+# paused link's): about what one read of the event loop takes in, over one record
+BUFFER_HIGH_WATER = 2 * (MAX_RECORD_BYTES + 64 * 1024)
 
 _TAG_BYTES = 16
 _LENGTH = struct.Struct(">I")
@@ -28,66 +55,262 @@ class DirectLinkError(ConnectionError):
     nobody is struck: a network in between could be the cause)."""
 
 
-# -- the connection -------------------------------------------------------------------------------
+def _nonce(counter: int) -> bytes:
+    return counter.to_bytes(12, "big")
 
 
-# a read missing at least this many bytes asks the kernel to wake the loop only once they are in
-LOW_WATER_FROM = 8 * 1024
+class SealedLink(asyncio.Protocol):
+    """One direct link's TCP connection: the handshake's messages (`write_handshake`,
+    `read_handshake`), then, once `seal`ed and `start`ed, frames in sealed records both ways."""
 
+    def __init__(self) -> None:
+        self._transport: asyncio.Transport | None = None
+        self._sock: socket.socket | None = None
+        self._received_bytes = bytearray()
+        self._lost = False
+        self._ended: BaseException | None = None  # why the link ended, once it did
+        self._arrived: asyncio.Future | None = None  # the handshake's wait for bytes
+        # the sealed record layer
+        self._seal: AESGCM | None = None
+        self._open: AESGCM | None = None
+        self._sent = self._received = 0
+        self._frames: FrameSplitter | None = None  # the frames of the records opened, once started
+        self._on_frame: OnFrame | None = None
+        self._on_closed: OnClosed | None = None
+        self._limits: Limits | None = None
+        self._meter: tuple[Meter, str] | None = None
+        self._paused = False  # by the consumer
+        self._socket_paused = False
+        self._write_paused = False
+        self._drain_waiters: list[asyncio.Future] = []
+        self._low_water = 1
+        self._low_water_works = True
 
-class _RecordReader(asyncio.StreamReader):
-    """A StreamReader that wakes for a record only once the record is in, or nearly.
+    # -- asyncio.Protocol --------------------------------------------------------------------------
 
-    Across a wide-area link a 64 KiB record arrives as dozens of TCP segments (TCP's window is
-    small after an idle moment, and at 50 Mbit/s a segment lands every quarter millisecond). The
-    stock reader resumes the waiting task for each batch of them (a task step of Python), only for
-    it to wait again: this one resumes it once every byte awaited is in. And before waiting for a
-    record body it sets the socket's SO_RCVLOWAT to the bytes still missing, so the event loop is
-    not woken (epoll, a read, feed_data) for each batch either. Measured between two namespaces over
-    a 50 Mbit/s, 100 ms RTT link (docs/benchmarks.md, issue 16): 9.3 reads and 0.41-0.47 ms of the
-    receiver's CPU per 64 KiB record without it, 1.1 and 0.26-0.33 ms with it, at the same 77-78
-    records/s; on loopback a record arrives in one read either way.
-    The mark is capped at a quarter of the socket's receive buffer: Linux clamps the receive
-    window to a mark that needs a bigger buffer, and a 64 KiB window over 100 ms carried 7.6
-    records/s. Relies on StreamReader's `_wakeup_waiter`, `_buffer`, `_eof` and `_transport`
-    (CPython 3.8-3.13).
-    """
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        self._sock = transport.get_extra_info("socket")
 
-    _wanted = 0
-    _low_water = 1  # the socket's SO_RCVLOWAT as this reader last set it
-    _sock: socket.socket | None = None
-    _low_water_works = True
+    def data_received(self, data: bytes) -> None:
+        self._received_bytes += data
+        if self._on_frame is not None:
+            self._process()
+        else:
+            if self._arrived is not None and not self._arrived.done():
+                self._arrived.set_result(None)
+            self._pause_socket_if_full()
 
-    async def readexactly(self, n: int) -> bytes:
-        self._wanted = n
-        self._track_missing(n - len(self._buffer), may_raise=True)
-        try:
-            return await super().readexactly(n)
-        finally:
-            self._wanted = 0
-            self._track_missing(0)
+    def eof_received(self) -> bool:
+        return False  # close: a link is done both ways when either side is
 
-    def feed_data(self, data: bytes) -> None:
-        super().feed_data(data)
-        if self._low_water > 1:  # never above what is still missing, or the kernel would never wake us
-            self._track_missing(self._wanted - len(self._buffer))
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        if self._ended is None:
+            if self._received_bytes:
+                self._ended = ConnectionResetError("direct link closed inside a record")
+            elif self._frames is not None and self._frames.has_partial_frame():
+                self._ended = ProtocolError("stream closed mid-frame")
+            else:
+                self._ended = exc  # None: a clean end between two frames
+        if self._arrived is not None and not self._arrived.done():
+            self._arrived.set_result(None)
+        for waiter in self._drain_waiters:
+            if not waiter.done():
+                waiter.set_exception(ConnectionResetError("direct link closed"))
+        self._drain_waiters.clear()
+        if self._on_closed is not None:
+            on_closed, self._on_closed = self._on_closed, None
+            on_closed(self._ended)
 
-    def _wakeup_waiter(self) -> None:
-        if self._eof or len(self._buffer) >= self._wanted:
-            super()._wakeup_waiter()
+    def pause_writing(self) -> None:
+        self._write_paused = True
 
-    def _track_missing(self, missing: int, may_raise: bool = False) -> None:
-        """Keep SO_RCVLOWAT at the bytes still `missing` (at most a quarter of the receive buffer; 1
-        when fewer than LOW_WATER_FROM are): raised only before a read (`may_raise`), lowered
-        whenever fewer are missing than the mark."""
-        if not self._low_water_works or self._transport is None:
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        for waiter in self._drain_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._drain_waiters.clear()
+
+    # -- the handshake -----------------------------------------------------------------------------
+
+    def write_handshake(self, raw: bytes) -> None:
+        """One handshake message: a 4-byte length, then `raw`."""
+        if self._transport is None or self._transport.is_closing():
+            raise DirectLinkError("the connection closed during the handshake")
+        self._transport.write(_LENGTH.pack(len(raw)) + raw)
+
+    async def read_handshake(self, max_bytes: int, what: str) -> bytes:
+        """The next handshake message (its declared length checked against `max_bytes` first)."""
+        buffer = self._received_bytes
+        while True:
+            if len(buffer) >= _LENGTH.size:
+                (length,) = _LENGTH.unpack_from(buffer)
+                if length > max_bytes:
+                    raise DirectLinkError(f"{what} of {length} bytes > {max_bytes}")
+                if len(buffer) >= _LENGTH.size + length:
+                    raw = bytes(buffer[_LENGTH.size : _LENGTH.size + length])
+                    del buffer[: _LENGTH.size + length]
+                    self._resume_socket()
+                    return raw
+            if self._lost:
+                raise DirectLinkError(f"the connection closed during the {what}")
+            self._arrived = asyncio.get_running_loop().create_future()
+            await self._arrived
+
+    def seal(self, send_key: bytes, receive_key: bytes) -> None:
+        """Everything from here on travels in records sealed under these keys."""
+        self._seal, self._open = AESGCM(send_key), AESGCM(receive_key)
+
+    def count_into(self, meter: Meter, service: str) -> None:
+        """Tally every frame's bytes (header and payload, as a stream would) into `meter` under `service`."""
+        self._meter = (meter, service)
+
+    # -- FrameLink ---------------------------------------------------------------------------------
+
+    def start(self, on_frame: OnFrame, on_closed: OnClosed, limits: Limits) -> None:
+        assert self._open is not None, "start before seal"
+        self._on_frame, self._on_closed, self._limits = on_frame, on_closed, limits
+        self._frames = FrameSplitter(limits)
+        if self._lost:
+            self._on_closed = None
+            on_closed(self._ended)
             return
-        wanted = 1 if missing < LOW_WATER_FROM else missing
-        if wanted == self._low_water or (wanted > self._low_water and not may_raise):
+        self._process()
+
+    def send_frame(self, payload: bytes | bytearray | memoryview) -> None:
+        assert self._seal is not None and self._limits is not None, "send_frame before start"
+        header = frame_header(payload, self._limits)
+        if self._transport is None or self._transport.is_closing():
+            raise ConnectionResetError("direct link closed")
+        # one record for the header and the payload: one seal, one send
+        data = b"".join((header, payload))
+        if len(data) <= MAX_RECORD_BYTES:
+            self._write_record(data)
+        else:
+            view = memoryview(data)
+            for start in range(0, len(view), MAX_RECORD_BYTES):
+                self._write_record(view[start : start + MAX_RECORD_BYTES])
+        if self._meter is not None:
+            self._meter[0].traffic(Direction.SENT, self._meter[1], len(data))
+
+    def _write_record(self, plain: bytes | memoryview) -> None:
+        if self._sent >= MAX_RECORDS:
+            raise DirectLinkError("direct link used up its nonces: open a new one")
+        sealed = self._seal.encrypt(_nonce(self._sent), plain, None)  # type: ignore[union-attr]
+        self._sent += 1
+        self._transport.writelines((_LENGTH.pack(len(sealed)), sealed))  # type: ignore[union-attr]
+
+    async def drain(self) -> None:
+        if self._lost:
+            raise ConnectionResetError("direct link closed")
+        if self._write_paused:
+            waiter = asyncio.get_running_loop().create_future()
+            self._drain_waiters.append(waiter)
+            await waiter
+
+    def write_backlog(self) -> int:
+        return self._transport.get_write_buffer_size() if self._transport is not None else 0
+
+    def pause_reading(self) -> None:
+        self._paused = True
+
+    def resume_reading(self) -> None:
+        if self._paused:
+            self._paused = False
+            asyncio.get_running_loop().call_soon(self._process)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._lost or self._transport is None or self._transport.is_closing()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default) if self._transport is not None else default
+
+    # -- records and frames ------------------------------------------------------------------------
+
+    def _fail(self, error: BaseException) -> None:
+        """End the link for `error`: the consumer hears it first, while it can still send a last
+        frame (a channel server's refusal), then the connection closes."""
+        if self._ended is None:
+            self._ended = error
+        if self._on_closed is not None:
+            on_closed, self._on_closed = self._on_closed, None
+            on_closed(error)
+        self.close()
+
+    def _process(self) -> None:
+        """Hand on every whole frame received, opening records as they are needed."""
+        try:
+            frames, on_frame, transport = self._frames, self._on_frame, self._transport
+            while not self._paused and self._ended is None and not transport.is_closing():  # type: ignore[union-attr]
+                frame = frames.next_frame()  # type: ignore[union-attr]
+                if frame is not None:
+                    if self._meter is not None:
+                        self._meter[0].traffic(Direction.RECEIVED, self._meter[1], FRAME_HEADER_BYTES + len(frame))
+                    on_frame(frame)  # type: ignore[misc]
+                elif not self._open_record():
+                    break
+        except (DirectLinkError, ProtocolError) as e:
+            self._fail(e)
+        except Exception as e:  # a bug of the consumer's: only this link ends
+            logger.exception("a direct link's frame consumer failed")
+            self._fail(e)
+        if self._paused:
+            self._pause_socket_if_full()
+        else:
+            self._resume_socket()
+
+    def _open_record(self) -> bool:
+        """Open the next whole record for the frame splitter; False (and the low-water mark set) if it is not in."""
+        buffer = self._received_bytes
+        missing = _LENGTH.size - len(buffer)
+        if missing <= 0:
+            (length,) = _LENGTH.unpack_from(buffer)
+            if not _TAG_BYTES < length <= MAX_RECORD_BYTES + _TAG_BYTES:
+                raise DirectLinkError(f"direct link record of {length} bytes")
+            missing = _LENGTH.size + length - len(buffer)
+            if missing <= 0:
+                if self._received >= MAX_RECORDS:
+                    raise DirectLinkError("direct link used up its nonces")
+                with memoryview(buffer) as view:
+                    try:
+                        plain = self._open.decrypt(
+                            _nonce(self._received), view[_LENGTH.size : _LENGTH.size + length], None
+                        )  # type: ignore[union-attr]
+                    except InvalidTag:
+                        raise DirectLinkError("a record on the direct link does not authenticate") from None
+                del buffer[: _LENGTH.size + length]
+                self._received += 1
+                self._frames.load(plain)  # type: ignore[union-attr]
+                self._set_low_water(1)
+                return True
+            self._set_low_water(missing if missing >= LOW_WATER_FROM else 1)
+            return False
+        self._set_low_water(1)
+        return False
+
+    # -- the socket --------------------------------------------------------------------------------
+
+    def _pause_socket_if_full(self) -> None:
+        if not self._socket_paused and len(self._received_bytes) > BUFFER_HIGH_WATER and self._transport is not None:
+            self._socket_paused = True
+            self._transport.pause_reading()
+
+    def _resume_socket(self) -> None:
+        if self._socket_paused and self._transport is not None and not self._transport.is_closing():
+            self._socket_paused = False
+            self._transport.resume_reading()
+
+    def _set_low_water(self, wanted: int) -> None:
+        """Keep SO_RCVLOWAT at `wanted` (at most a quarter of the receive buffer)."""
+        if wanted == self._low_water or not self._low_water_works or self._sock is None:
             return
         try:
-            if self._sock is None:
-                self._sock = self._transport.get_extra_info("socket")
             if wanted > 1:
                 wanted = min(wanted, self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 4)
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, wanted)
@@ -97,130 +320,23 @@ class _RecordReader(asyncio.StreamReader):
         self._low_water = wanted
 
 
-def _record_protocol(
-    loop: asyncio.AbstractEventLoop, on_connection: Callable[..., Awaitable[None]] | None = None
-) -> tuple[_RecordReader, asyncio.StreamReaderProtocol]:
-    # limit: the reader pauses the socket past twice this, well above one record (<= MAX_RECORD_BYTES + tag)
-    reader = _RecordReader(limit=MAX_RECORD_BYTES, loop=loop)
-    return reader, asyncio.StreamReaderProtocol(reader, on_connection, loop=loop)
-
-
-async def connect(host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """asyncio.open_connection, with a record reader."""
+async def connect(host: str, port: int) -> SealedLink:
+    """A TCP connection to `host`:`port`, as a link ready for its handshake."""
     loop = asyncio.get_running_loop()
-    reader, protocol = _record_protocol(loop)
-    transport, _ = await loop.create_connection(lambda: protocol, host, port)
-    return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
+    _, link = await loop.create_connection(SealedLink, host, port)
+    return link
 
 
-async def listen(
-    on_connection: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]], host: str, port: int
-) -> asyncio.Server:
-    """asyncio.start_server, with record readers."""
+async def listen(on_connection: Callable[[SealedLink], Awaitable[None]], host: str, port: int) -> asyncio.Server:
+    """Accept TCP connections on `host`:`port`, each a link handed to `on_connection` in a task of its own."""
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: _record_protocol(loop, on_connection)[1], host, port)
+    tasks: set[asyncio.Task] = set()
 
+    class _Accepted(SealedLink):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)
+            task = loop.create_task(on_connection(self))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
 
-# -- the sealed record layer ---------------------------------------------------------------------
-
-
-def _nonce(counter: int) -> bytes:
-    return counter.to_bytes(12, "big")
-
-
-class SecureStream:
-    """Both ends of one direct link, as a stream reader and writer: plaintext written between two
-    `drain()`s is sealed into records (each <= MAX_RECORD_BYTES) at the `drain()`, so a frame's
-    header and payload travel as one record; `readexactly` opens records as it needs them."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, send_key: bytes, receive_key: bytes):
-        self._reader, self._writer = reader, writer
-        self._seal, self._open = AESGCM(send_key), AESGCM(receive_key)
-        self._sent = self._received = 0
-        self._pending: list[Any] = []
-        self._plain, self._at = b"", 0  # the record being read, and how much of it was read
-
-    # writer side
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        self._pending.append(data)
-
-    async def drain(self) -> None:
-        self._flush()
-        await self._writer.drain()
-
-    def _flush(self) -> None:
-        if not self._pending:
-            return
-        data = self._pending[0] if len(self._pending) == 1 else b"".join(self._pending)
-        self._pending.clear()
-        view = memoryview(data).cast("B")
-        for start in range(0, len(view), MAX_RECORD_BYTES):
-            if self._sent >= MAX_RECORDS:
-                raise DirectLinkError("direct link used up its nonces: open a new one")
-            sealed = self._seal.encrypt(_nonce(self._sent), view[start : start + MAX_RECORD_BYTES], None)
-            self._sent += 1
-            self._writer.writelines((_LENGTH.pack(len(sealed)), sealed))  # one send, no copy
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):  # what was written and not drained still goes out
-            self._flush()
-        self._writer.close()
-
-    def is_closing(self) -> bool:
-        return self._writer.is_closing()
-
-    async def wait_closed(self) -> None:
-        await self._writer.wait_closed()
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return self._writer.get_extra_info(name, default)
-
-    # reader side
-    async def readexactly(self, n: int) -> bytes:
-        # the record being read is kept whole with a read position: a frame's header and payload
-        # usually share one record, so the payload costs one slice (a copy) and nothing else
-        start = self._at
-        if len(self._plain) - start >= n:
-            self._at = start + n
-            return self._plain if start == 0 and n == len(self._plain) else self._plain[start : start + n]
-        parts = [memoryview(self._plain)[start:]]
-        got = len(parts[0])
-        while True:
-            try:
-                plain = await self._next_record()
-            except asyncio.IncompleteReadError:
-                raise asyncio.IncompleteReadError(b"".join(parts), n) from None
-            need = n - got
-            if len(plain) >= need:
-                parts.append(memoryview(plain)[:need])
-                self._plain, self._at = plain, need
-                return b"".join(parts)
-            parts.append(plain)
-            got += len(plain)
-
-    async def _next_record(self) -> bytes:
-        """The next record's plaintext; IncompleteReadError at a clean end between records."""
-        try:
-            header = await self._reader.readexactly(_LENGTH.size)
-        except asyncio.IncompleteReadError as e:
-            if e.partial:  # the connection broke inside a record header
-                raise ConnectionResetError("direct link closed inside a record") from None
-            raise
-        (length,) = _LENGTH.unpack(header)
-        if not _TAG_BYTES < length <= MAX_RECORD_BYTES + _TAG_BYTES:
-            raise DirectLinkError(f"direct link record of {length} bytes")
-        try:
-            sealed = await self._reader.readexactly(length)
-        except asyncio.IncompleteReadError:
-            raise ConnectionResetError("direct link closed inside a record") from None
-        if self._received >= MAX_RECORDS:
-            raise DirectLinkError("direct link used up its nonces")
-        try:
-            plain = self._open.decrypt(_nonce(self._received), sealed, None)
-        except InvalidTag:
-            raise DirectLinkError("a record on the direct link does not authenticate") from None
-        self._received += 1
-        return plain
-
-    def at_eof(self) -> bool:
-        return self._at == len(self._plain) and self._reader.at_eof()
+    return await loop.create_server(_Accepted, host, port)

@@ -28,9 +28,10 @@ from dht.records import short_peer_id
 from node.p2p.channels import CHANNEL_MAX_PAYLOAD, SERVER_IDLE, Channel, ChannelPool, ChannelServer
 from node.p2p.dialer import PeerDialer
 from node.p2p.direct import DirectLinks
+from node.p2p.frame_link import FrameLink, StreamFrameLink
 from node.p2p.metered_stream import metered
 from node.p2p.peer_conduct import PeerConduct
-from node.p2p.sealed_link import DirectLinkError
+from node.p2p.sealed_link import DirectLinkError, SealedLink
 from node.runtime.meter import Meter
 from node.runtime.timeouts import within
 from protocol import (
@@ -48,7 +49,9 @@ from protocol import (
 
 logger = logging.getLogger(__name__)
 
-RequestHandler = Callable[[str, Message], Awaitable[Message]]
+# a request's handler answers at once (a Message) or later (an awaitable of one): a pipeline hop's
+# handler only checks and queues, and answering it at once spares a task per hop (node/p2p/channels.py)
+RequestHandler = Callable[[str, Message], Message | Awaitable[Message]]
 SessionHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 # what p2pd reports when the remote peer has no handler for a protocol (e.g. a peer running a
@@ -113,6 +116,34 @@ class _AsTransportError:
         return False
 
 
+def answer_request(
+    transport: Transport, sender: str, service: str, handler: RequestHandler, request: Message
+) -> Message | Awaitable[Message]:
+    """`handler`'s reply to a decoded request, now or as an awaitable; a ProtocolError it raises is
+    a strike against the sender and an ERROR reply."""
+    try:
+        reply = handler(sender, request)
+    except ProtocolError as e:
+        return _struck(transport, sender, service, request, e)
+    if isinstance(reply, Message):
+        return reply
+    return _answer_later(transport, sender, service, request, reply)
+
+
+async def _answer_later(
+    transport: Transport, sender: str, service: str, request: Message, reply: Awaitable[Message]
+) -> Message:
+    try:
+        return await reply
+    except ProtocolError as e:
+        return _struck(transport, sender, service, request, e)
+
+
+def _struck(transport: Transport, sender: str, service: str, request: Message, error: ProtocolError) -> Message:
+    transport.conduct.strike(sender, f"{service}: {error}")
+    return transport.error(str(error), request.request_id)
+
+
 class Transport:
     """Sends and serves messages for one swarm. `stage` is this peer's current stage (it moves)."""
 
@@ -144,7 +175,7 @@ class Transport:
         self._request_ids = itertools.count(1)
         self._handler_names: list[str] = []
         self._multiplexed: set[str] = set()  # services whose requests share a channel per peer
-        self.channels = ChannelPool(self._open_channel_stream, limits, swarm_id, swarm_key)  # ours to peers
+        self.channels = ChannelPool(self._open_channel_link, limits, swarm_id, swarm_key)  # ours to peers
         self._stream_only: set[tuple[str, str]] = set()  # (peer, service) without a channel handler
         self._channel_server = ChannelServer(self)  # the channels peers keep open to us
 
@@ -230,14 +261,6 @@ class Transport:
             self.conduct.release(sender)
             writer.close()
 
-    async def _answer(self, sender: str, service: str, handler: RequestHandler, request: Message) -> Message:
-        """`handler`'s reply to a decoded request; a ProtocolError it raises is a strike and an ERROR."""
-        try:
-            return await handler(sender, request)
-        except ProtocolError as e:
-            self.conduct.strike(sender, f"{service}: {e}")
-            return self.error(str(e), request.request_id)
-
     async def serve_requests(self, service: str, handler: RequestHandler, read_timeout: float = 30.0) -> None:
         """One request, one reply per stream (and many on a channel for `multiplex` services). A
         request must arrive within `read_timeout` (a slow sender cannot hold the stream longer);
@@ -246,7 +269,9 @@ class Transport:
         async def one_request(sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
                 request = await within(recv_message(reader, self.limits, self.swarm_id, self.swarm_key), read_timeout)
-                reply = await self._answer(sender, service, handler, request)
+                reply = answer_request(self, sender, service, handler, request)
+                if not isinstance(reply, Message):
+                    reply = await reply
                 await send_message(writer, reply, self.compression, self.limits, self.swarm_key)
             except (TimeoutError, ProtocolError, EOFError) as e:
                 logger.info(f"bad {service} request from {short_peer_id(sender)}: {e!r}")
@@ -265,20 +290,22 @@ class Transport:
 
         await self._add_handler(service, self._admitted(service, one_request))
         if service in self._multiplexed:
+            channel_timeout = min(read_timeout, SERVER_IDLE)
 
-            async def channel(sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-                async def answer(request: Message) -> Message:
-                    return await self._answer(sender, service, handler, request)
+            def answering(sender: str) -> Callable[[Message], Message | Awaitable[Message]]:
+                return lambda request: answer_request(self, sender, service, handler, request)
 
-                await self._channel_server.serve(
-                    sender, service, answer, reader, writer, min(read_timeout, SERVER_IDLE)
-                )
+            async def channel(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                sender = info.peer_id.to_base58()
+                link = StreamFrameLink(*metered(reader, writer, self.meter, service))
+                await self._channel_server.serve(sender, service, answering(sender), link, channel_timeout)
 
-            await self._add_handler(service, self._admitted(service, channel), self.channel_protocol_name(service))
+            await self._add_handler(service, channel, self.channel_protocol_name(service))
             if self.direct is not None:  # the same channel, on a direct link (node/p2p/direct.py)
 
-                async def direct_channel(sender: str, link) -> None:
-                    await self._admit_and_run(sender, service, link, link, channel)
+                async def direct_channel(sender: str, link: SealedLink) -> None:
+                    link.count_into(self.meter, service)
+                    await self._channel_server.serve(sender, service, answering(sender), link, channel_timeout)
 
                 self.direct.serve(self.swarm_id, service, direct_channel)
 
@@ -362,19 +389,20 @@ class Transport:
             self._stream_only.add((peer_id, service))
             return None
 
-    async def _open_channel_stream(
-        self, peer_id: str, service: str, timeout: float
-    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _open_channel_link(self, peer_id: str, service: str, timeout: float) -> FrameLink:
         if self.direct is not None and self.direct.usable(peer_id):
             addresses = self.direct_addresses(peer_id)
             if addresses:
                 try:
                     link = await self.direct.open(peer_id, addresses, self.swarm_id, service, timeout)
-                    return metered(link, link, self.meter, service)  # type: ignore[arg-type]
+                    link.count_into(self.meter, service)
+                    return link
                 except DirectLinkError as e:  # through p2pd then, which may know a way (a relay)
                     logger.info(f"{service} to {short_peer_id(peer_id)} goes through p2pd: {e}")
         try:
-            return await self._open_stream(peer_id, service, self.channel_protocol_name(service), timeout)
+            return StreamFrameLink(
+                *await self._open_stream(peer_id, service, self.channel_protocol_name(service), timeout)
+            )
         except TransportError as e:
             if _UNSUPPORTED_PROTOCOL in str(e):
                 raise _NoChannelHandler(str(e)) from e

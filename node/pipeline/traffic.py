@@ -190,7 +190,7 @@ class Pipeline:
     def _ack(self, request: Message) -> Message:
         return self.transport.message(MessageKind.ACK, request_id=request.request_id)
 
-    async def on_forward(self, sender: str, msg: Message) -> Message:
+    def on_forward(self, sender: str, msg: Message) -> Message:
         order, path, hop = msg.meta["order"], msg.meta["path"], msg.meta["hop"]
         if not visits_every_block_stage(order, self.num_block_stages):
             raise ProtocolError(f"bad stage order {order}")
@@ -221,7 +221,7 @@ class Pipeline:
         self._tasks.spawn(self._run_block_forward(msg))
         return self._ack(msg)
 
-    async def on_backward(self, sender: str, msg: Message) -> Message:
+    def on_backward(self, sender: str, msg: Message) -> Message:
         path, hop = msg.meta["path"], msg.meta["hop"]
         if not 0 <= hop < len(path) or path[hop] != self.me.peer_id:
             raise ProtocolError(f"backward hop {hop} does not match its path")
@@ -243,7 +243,7 @@ class Pipeline:
             return None
         return ticket
 
-    async def on_abort(self, sender: str, msg: Message) -> Message:
+    def on_abort(self, sender: str, msg: Message) -> Message:
         """A peer on a microbatch's path gave up on it: retry now instead of at the deadline."""
         ticket = self._ticket(msg)
         if ticket is None:  # finished already, or a stranger without the token: nothing to do

@@ -11,6 +11,7 @@ import struct
 
 import msgpack
 import pytest
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from dht.records import PeerRecord, Reachability, RecordError
 from dht.signing import Identity
@@ -22,8 +23,8 @@ from node.p2p.direct import (
     direct_addresses,
     direct_addresses_of,
 )
-from node.p2p.sealed_link import MAX_RECORD_BYTES, DirectLinkError, _RecordReader
-from protocol import read_frame, write_frame
+from node.p2p.sealed_link import MAX_RECORD_BYTES, DirectLinkError, SealedLink
+from protocol import DEFAULT_LIMITS
 
 SWARM = "test-swarm"
 SERVICE = "forward"
@@ -34,22 +35,41 @@ def identities() -> list[Identity]:
     return [Identity.generate() for _ in range(3)]
 
 
+class Frames:
+    """A started link's frames, one at a time: what a channel does with them, in test form."""
+
+    def __init__(self, link: SealedLink):
+        self.link = link
+        self.queue: asyncio.Queue = asyncio.Queue()
+        link.start(self.queue.put_nowait, lambda error: self.queue.put_nowait(error or EOFError()), DEFAULT_LIMITS)
+
+    def send(self, payload: bytes) -> None:
+        self.link.send_frame(payload)
+
+    async def next(self) -> bytes:
+        item = await asyncio.wait_for(self.queue.get(), 10.0)
+        if isinstance(item, BaseException):  # how the link ended
+            raise item
+        return bytes(item)
+
+
 async def echo_listener(identity: Identity, swarm_key: bytes | None = None):
     """A listener whose handler echoes every frame back and records who it served."""
     links = DirectLinks(identity, swarm_key)
     served: list[str] = []
     failures: list[BaseException] = []
 
-    async def echo(sender: str, link) -> None:
+    async def echo(sender: str, link: SealedLink) -> None:
         served.append(sender)
-        try:
-            while True:
-                payload = await read_frame(link)
-                await write_frame(link, payload)
-        except EOFError:
-            return
-        except Exception as e:  # what a bad record does to the listener's side of the link
-            failures.append(e)
+        ended = asyncio.get_running_loop().create_future()
+
+        def closed(error: BaseException | None) -> None:
+            if error is not None:  # what a bad record does to the listener's side of the link
+                failures.append(error)
+            ended.set_result(None)
+
+        link.start(lambda payload: link.send_frame(bytes(payload)), closed, DEFAULT_LIMITS)
+        await ended
 
     links.serve(SWARM, SERVICE, echo)
     port = await links.listen("127.0.0.1", 0)
@@ -66,12 +86,18 @@ def test_a_link_carries_frames_both_ways_and_names_the_initiator(identities):
     async def scenario():
         server, port, served, _ = await echo_listener(server_id)
         client = DirectLinks(client_id)
-        link = await client.open(server_id.peer_id, [("127.0.0.1", port)], SWARM, SERVICE, 5.0)
-        # small, exactly one record, and one spanning several records
-        for payload in (b"x", os.urandom(64 * 1024), os.urandom(3 * MAX_RECORD_BYTES + 17), b""):
-            await write_frame(link, payload)
-            assert await read_frame(link) == payload
-        link.close()
+        link = Frames(await client.open(server_id.peer_id, [("127.0.0.1", port)], SWARM, SERVICE, 5.0))
+        # small, about one record, spanning several records, empty; and many at once, which arrive
+        # several to a read of the socket
+        sizes = (1, 64 * 1024, MAX_RECORD_BYTES - 8, MAX_RECORD_BYTES, 3 * MAX_RECORD_BYTES + 17, 0)
+        for payload in [os.urandom(size) for size in sizes]:
+            link.send(payload)
+            assert await link.next() == payload
+        burst = [os.urandom(n * 997) for n in range(40)]
+        for payload in burst:
+            link.send(payload)
+        assert [await link.next() for _ in burst] == burst
+        link.link.close()
         await server.close()
         return served, client.opened, server.accepted
 
@@ -156,7 +182,7 @@ async def link_through_proxy(server_id: Identity, client_id: Identity, port: int
     proxy = TamperingProxy(port, flip_at=None)
     proxy_port = await proxy.start()
     link = await DirectLinks(client_id).open(server_id.peer_id, [("127.0.0.1", proxy_port)], SWARM, SERVICE, 5.0)
-    return proxy, link
+    return proxy, Frames(link)
 
 
 def test_a_tampered_record_ends_the_link_and_the_listener_goes_on(identities):
@@ -165,18 +191,20 @@ def test_a_tampered_record_ends_the_link_and_the_listener_goes_on(identities):
     async def scenario():
         server, port, _served, failures = await echo_listener(server_id)
         proxy, link = await link_through_proxy(server_id, client_id, port)
-        await write_frame(link, b"first")
-        assert await read_frame(link) == b"first"
+        link.send(b"first")
+        assert await link.next() == b"first"
         proxy.flip_at = proxy.forwarded + 40  # inside the next record's ciphertext
-        await write_frame(link, os.urandom(1000))
-        with pytest.raises((EOFError, ConnectionError, asyncio.IncompleteReadError)):
-            await read_frame(link)  # the listener dropped the link instead of echoing altered bytes
+        link.send(os.urandom(1000))
+        with pytest.raises((EOFError, ConnectionError)):
+            await link.next()  # the listener dropped the link instead of echoing altered bytes
         # the listener still serves an honest link
-        honest = await DirectLinks(client_id).open(server_id.peer_id, [("127.0.0.1", port)], SWARM, SERVICE, 5.0)
-        await write_frame(honest, b"still here")
-        echoed = await read_frame(honest)
-        honest.close()
-        link.close()
+        honest = Frames(
+            await DirectLinks(client_id).open(server_id.peer_id, [("127.0.0.1", port)], SWARM, SERVICE, 5.0)
+        )
+        honest.send(b"still here")
+        echoed = await honest.next()
+        honest.link.close()
+        link.link.close()
         proxy.close()
         await server.close()
         return failures, echoed
@@ -194,6 +222,8 @@ def test_a_replayed_hello_gets_no_answer(identities, caplog):
     async def scenario():
         server, port, served, _ = await echo_listener(server_id)
         proxy, link = await link_through_proxy(server_id, client_id, port)
+        link.send(b"served")
+        assert await link.next() == b"served"
         (length,) = struct.unpack(">I", proxy.hello[:4])
         hello = proxy.hello[: 4 + length]
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -201,7 +231,7 @@ def test_a_replayed_hello_gets_no_answer(identities, caplog):
         await writer.drain()
         answer = await asyncio.wait_for(reader.read(100), 10.0)
         writer.close()
-        link.close()
+        link.link.close()
         proxy.close()
         await server.close()
         return answer, served
@@ -218,11 +248,11 @@ def test_another_private_swarm_key_opens_no_record(identities):
     async def scenario():
         server, port, _served, failures = await echo_listener(server_id, swarm_key=b"k" * 32)
         client = DirectLinks(client_id, swarm_key=b"x" * 32)
-        link = await client.open(server_id.peer_id, [("127.0.0.1", port)], SWARM, SERVICE, 5.0)
-        await write_frame(link, b"hello members")
-        with pytest.raises((EOFError, ConnectionError, asyncio.IncompleteReadError)):
-            await read_frame(link)
-        link.close()
+        link = Frames(await client.open(server_id.peer_id, [("127.0.0.1", port)], SWARM, SERVICE, 5.0))
+        link.send(b"hello members")
+        with pytest.raises((EOFError, ConnectionError)):
+            await link.next()
+        link.link.close()
         await server.close()
         return failures
 
@@ -261,10 +291,10 @@ def test_oversized_or_junk_hellos_are_refused_and_a_flood_is_cut_short(identitie
             writer.close()
         extra_writer.close()
         await asyncio.sleep(0.2)
-        link = await DirectLinks(client_id).open(server_id.peer_id, [("127.0.0.1", port)], SWARM, SERVICE, 5.0)
-        await write_frame(link, b"ok")
-        echoed = await read_frame(link)
-        link.close()
+        link = Frames(await DirectLinks(client_id).open(server_id.peer_id, [("127.0.0.1", port)], SWARM, SERVICE, 5.0))
+        link.send(b"ok")
+        echoed = await link.next()
+        link.link.close()
         await server.close()
         return answers, flood_answer, echoed
 
@@ -303,78 +333,110 @@ def test_a_records_direct_port_is_checked():
             PeerRecord.from_wire({**wire, "direct_port": bad})
 
 
-def test_a_record_arriving_in_segments_wakes_its_reader_once():
-    """A record fed in TCP-segment-sized pieces resumes the task waiting for it only when the last piece
-    is in (the stock StreamReader resumes it for every piece), with the bytes intact; the end of the
-    connection inside a record still ends the read with what arrived."""
+def sealed_record(key: bytes, counter: int, plain: bytes) -> bytes:
+    """A record as the link's peer seals it: a 4-byte length, then AES-256-GCM under a counter nonce."""
+    sealed = AESGCM(key).encrypt(counter.to_bytes(12, "big"), plain, None)
+    return struct.pack(">I", len(sealed)) + sealed
 
-    async def main() -> None:
-        record = os.urandom(64 * 1024)
-        reader = _RecordReader(limit=MAX_RECORD_BYTES)
-        waits = []  # each time the reading task (re)starts waiting: once per wakeup
-        wait_for_data = reader._wait_for_data
-        reader._wait_for_data = lambda name: (waits.append(name), wait_for_data(name))[1]
-        read = asyncio.create_task(reader.readexactly(len(record)))
-        await asyncio.sleep(0)
-        for start in range(0, len(record), 1448):
-            reader.feed_data(record[start : start + 1448])
-            await asyncio.sleep(0)
-        assert await asyncio.wait_for(read, 5) == record
-        assert len(waits) == 1, f"the reader waited {len(waits)} times for one record"
 
-        cut = asyncio.create_task(reader.readexactly(100))
-        await asyncio.sleep(0)
-        reader.feed_data(b"x" * 40)
-        reader.feed_eof()
-        with pytest.raises(asyncio.IncompleteReadError) as error:
-            await asyncio.wait_for(cut, 5)
-        assert error.value.partial == b"x" * 40
+class _NoSocket(asyncio.Transport):
+    """A transport with nothing under it: the bytes come from the test, through data_received."""
 
-    asyncio.run(main())
+    def get_extra_info(self, name, default=None):
+        return default
+
+    closing = False
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+
+def test_a_record_arriving_in_segments_is_handed_on_once_whole():
+    """A frame fed in TCP-segment-sized pieces of its record reaches the consumer once, intact, when the
+    last piece is in; the end of the connection inside a record ends the link with a reset, and
+    inside a frame spanning records with a ProtocolError (the channel server's strike)."""
+    key = os.urandom(32)
+    payload = os.urandom(64 * 1024)
+    record = sealed_record(key, 0, struct.pack(">Q", len(payload)) + payload)
+
+    def started() -> tuple[SealedLink, list, list]:
+        link, frames, ends = SealedLink(), [], []
+        link.connection_made(_NoSocket())
+        link.seal(os.urandom(32), key)
+        link.start(lambda frame: frames.append(bytes(frame)), ends.append, DEFAULT_LIMITS)
+        return link, frames, ends
+
+    link, frames, ends = started()
+    for start in range(0, len(record), 1448):
+        assert frames == []
+        link.data_received(record[start : start + 1448])
+    assert frames == [payload]
+    link.data_received(record[:100])  # the same record again: its nonce is spent, but it never completes
+    link.connection_lost(None)
+    assert isinstance(ends[0], ConnectionResetError) and frames == [payload]
+
+    link, frames, ends = started()  # a frame whose header declares more than its record holds
+    link.data_received(sealed_record(key, 0, struct.pack(">Q", 1000) + b"x" * 10))
+    link.connection_lost(None)
+    assert frames == [] and "mid-frame" in str(ends[0])
+
+    link, frames, ends = started()  # over the size limit: refused before any of it is kept
+    link.data_received(sealed_record(key, 0, struct.pack(">Q", DEFAULT_LIMITS.max_frame_bytes + 1)))
+    assert frames == [] and "max_frame_bytes" in str(ends[0])
 
 
 def test_a_record_body_sets_the_sockets_low_water_mark_and_never_above_what_is_missing():
     """While a record's body is awaited on a real TCP connection the kernel is asked (SO_RCVLOWAT) to
     wake the loop only once the missing bytes are in, capped at a quarter of the receive buffer, and
     lowered as pieces arrive: a mark above what is still coming would never fire and the read would
-    hang (a 512 KiB record arriving in four pieces checks that). The mark is 1 again after each read."""
+    hang (a 512 KiB record arriving in four pieces checks that). The mark is 1 again after each record."""
 
     async def main() -> None:
+        key = os.urandom(32)
         accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+        frames: asyncio.Queue = asyncio.Queue()
 
-        async def on_connection(reader, writer) -> None:
-            accepted.set_result((reader, writer))
-            await asyncio.sleep(30)
+        async def on_connection(link: SealedLink) -> None:
+            link.seal(os.urandom(32), key)
+            link.start(lambda frame: frames.put_nowait(bytes(frame)), lambda error: None, DEFAULT_LIMITS)
+            accepted.set_result(link)
 
         server = await sealed_link.listen(on_connection, "127.0.0.1", 0)
-        _, client = await sealed_link.connect("127.0.0.1", server.sockets[0].getsockname()[1])
-        reader, _ = await asyncio.wait_for(accepted, 5)
-        sock = reader._transport.get_extra_info("socket")
+        _, client = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        link = await asyncio.wait_for(accepted, 5)
+        sock = link.get_extra_info("socket")
 
         def mark() -> int:
             return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
 
-        for size, pieces in ((64 * 1024, 2), (512 * 1024, 4)):
-            record = os.urandom(size)
-            read = asyncio.create_task(reader.readexactly(size))
+        for counter, (size, pieces) in enumerate(((64 * 1024, 2), (512 * 1024, 4))):
+            payload = os.urandom(size)
+            record = sealed_record(key, counter, struct.pack(">Q", size) + payload)
             marks = []
-            for start in range(0, size, size // pieces):
-                client.write(record[start : start + size // pieces])
+            step = -(-len(record) // pieces)
+            for start in range(0, len(record), step):
+                client.write(record[start : start + step])
                 await client.drain()
                 await asyncio.sleep(0.05)
                 marks.append(mark())
-            assert await asyncio.wait_for(read, 5) == record
+            assert await asyncio.wait_for(frames.get(), 5) == payload
             buffer = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
-            waiting = marks[:-1]  # before the last piece the read was still waiting
-            assert all(1 < m <= min(size, buffer // 4) for m in waiting), (size, marks, buffer)
+            waiting = marks[:-1]  # before the last piece the record was still incomplete
+            assert all(1 < m <= min(len(record), buffer // 4) for m in waiting), (size, marks, buffer)
             assert mark() == 1
-        # a short read leaves the mark alone
-        small = asyncio.create_task(reader.readexactly(100))
+        # a short record leaves the mark alone
+        record = sealed_record(key, 2, struct.pack(">Q", 100) + b"y" * 100)
+        client.write(record[:50])
+        await client.drain()
         await asyncio.sleep(0.05)
         assert mark() == 1
-        client.write(b"y" * 100)
-        assert await asyncio.wait_for(small, 5) == b"y" * 100
+        client.write(record[50:])
+        assert await asyncio.wait_for(frames.get(), 5) == b"y" * 100
         client.close()
+        link.close()
         server.close()
 
     asyncio.run(main())

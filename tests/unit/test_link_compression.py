@@ -34,7 +34,7 @@ from node.pipeline.link_compression import (
     uplink_load,
 )
 from node.pipeline.routing import Router
-from protocol import Compression, MessageKind, read_frame, write_frame
+from protocol import DEFAULT_LIMITS, Compression, MessageKind
 from tests.helpers.posted import outcome
 
 FP16, INT8 = Compression.FP16, Compression.INT8
@@ -250,11 +250,9 @@ def test_a_direct_link_measures_its_rate_and_a_unix_stream_has_none():
         server = DirectLinks(identity_server)
 
         async def sink(sender: str, link) -> None:
-            try:
-                while True:
-                    await read_frame(link)
-            except EOFError:
-                return
+            ended = asyncio.get_running_loop().create_future()
+            link.start(lambda frame: None, lambda error: ended.set_result(error), DEFAULT_LIMITS)
+            await ended
 
         server.serve("swarm", "forward", sink)
         port = await server.listen("127.0.0.1", 0)
@@ -263,8 +261,9 @@ def test_a_direct_link_measures_its_rate_and_a_unix_stream_has_none():
         capacity = LinkCapacity.of(link)
         assert capacity is not None and capacity.bytes_per_second() is None  # nothing acknowledged yet
         payload = os.urandom(256 * 1024)
+        link.start(lambda frame: None, lambda error: None, DEFAULT_LIMITS)
         for _ in range(16):  # 4 MiB
-            await write_frame(link, payload)
+            link.send_frame(payload)
             await link.drain()
         rate = None
         for _ in range(50):  # the last ACKs may trail the writes by a moment

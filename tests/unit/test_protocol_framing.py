@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import struct
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from protocol import (
     COMPRESSIONS,
+    FrameSplitter,
     Limits,
     Message,
     MessageKind,
@@ -174,3 +176,40 @@ def test_write_frame_refuses_oversize() -> None:
 
     with pytest.raises(ProtocolError, match="max_frame_bytes"):
         run(write_frame(NullWriter(), b"x" * 11, Limits(max_frame_bytes=10)))  # type: ignore[arg-type]
+
+
+def test_the_splitter_returns_every_frame_whatever_the_chunks_cut():
+    """Frames of many sizes, cut into chunks at random places (inside headers, across several
+    chunks, several frames to a chunk), come out whole and in order; a frame whole inside one chunk
+    is a view of it, not a copy."""
+    rng = random.Random(7)
+    payloads = [bytes(rng.getrandbits(8) for _ in range(n)) for n in (0, 1, 7, 8, 9, 300, 5000, 0, 70000, 3)]
+    stream = b"".join(struct.pack(">Q", len(p)) + p for p in payloads)
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(stream)), 12))
+        chunks = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
+        splitter, out = FrameSplitter(), []
+        for chunk in chunks:
+            splitter.load(chunk)
+            while (frame := splitter.next_frame()) is not None:
+                out.append(bytes(frame))
+            assert splitter.used_up()
+        assert out == payloads and not splitter.has_partial_frame()
+    whole = FrameSplitter()
+    whole.load(stream)
+    assert isinstance(whole.next_frame(), memoryview)
+
+
+def test_the_splitter_refuses_an_oversized_frame_once_its_header_is_in():
+    limits = Limits(max_frame_bytes=1000)
+    header = struct.pack(">Q", 1001)
+    splitter = FrameSplitter(limits)
+    splitter.load(header[:3])  # a header cut in two: nothing to judge yet
+    assert splitter.next_frame() is None and splitter.has_partial_frame()
+    splitter.load(header[3:] + b"x" * 10)
+    with pytest.raises(ProtocolError, match="max_frame_bytes"):
+        splitter.next_frame()
+    at_once = FrameSplitter(limits)
+    at_once.load(header)
+    with pytest.raises(ProtocolError, match="max_frame_bytes"):
+        at_once.next_frame()
