@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import pytest
 from hivemind.p2p import PeerID
 
+from node.p2p.channels import CHANNEL_CONCURRENCY
 from node.p2p.network import Network, start_network
 from node.p2p.peer_conduct import ConductLimits, PeerConduct
 from node.p2p.transport import Transport, TransportError
@@ -360,6 +361,57 @@ def test_a_posted_request_is_answered_only_when_refused(link: str):
             assert (client_net.direct.opened if client_net.direct else 0) == (1 if link == "direct" else 0)
             # a plain request on the same channel is still answered
             assert (await client.request(server_net.peer_id, SERVICE, ping(client, 0), 10.0)).kind == MessageKind.ACK
+            await client.close()
+            await server.close()
+
+    run(main())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("link", ["p2pd", "direct"])
+def test_a_channel_answers_at_once_or_later_and_stops_reading_past_its_concurrency(link: str):
+    """A handler may answer at once (a Message: sent from the frame's arrival) or later (an awaitable).
+    Past CHANNEL_CONCURRENCY answers awaited at once the server reads no more requests of that
+    channel (backpressure), and reads on as answers go out; every request gets its own reply."""
+
+    async def main() -> None:
+        async with two_peers(direct_port=0 if link == "direct" else None) as (server_net, client_net):
+            server = transport(server_net, 1)
+            release = asyncio.Event()
+            started: list[int] = []
+
+            async def answer_later(request: Message) -> Message:
+                await release.wait()
+                return server.message(MessageKind.PONG, {"number": request.meta["number"]})
+
+            def handler(sender: str, request: Message) -> Message | Awaitable[Message]:
+                number = request.meta["number"]
+                started.append(number)
+                if number % 2:  # odd: answered at once
+                    return server.message(MessageKind.PONG, {"number": number})
+                return answer_later(request)
+
+            await server.serve_requests(SERVICE, handler)
+            client = transport(client_net, 0, to=server_net if link == "direct" else None)
+            total = 2 * CHANNEL_CONCURRENCY + 8  # the even ones fill the channel's concurrency
+            requests = [
+                asyncio.create_task(client.request(server_net.peer_id, SERVICE, ping(client, n), 20.0))
+                for n in range(total)
+            ]
+            for _ in range(100):  # until the server stops reading: the 16th awaited answer
+                if len([n for n in started if n % 2 == 0]) >= CHANNEL_CONCURRENCY:
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)
+            evens_started = len([n for n in started if n % 2 == 0])
+            assert evens_started == CHANNEL_CONCURRENCY, started  # no more read while they are awaited
+            # those answered at once are answered while the others wait
+            assert {n for n, task in enumerate(requests) if task.done()} == {n for n in started if n % 2}
+            release.set()
+            replies = await asyncio.gather(*requests)
+            assert [reply.meta["number"] for reply in replies] == list(range(total))
+            assert sorted(started) == list(range(total))
+            assert (client_net.direct.opened if client_net.direct else 0) == (1 if link == "direct" else 0)
             await client.close()
             await server.close()
 
