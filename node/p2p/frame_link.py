@@ -10,13 +10,13 @@ So the channel client and server have one code path, whichever link a peer is re
 
 `on_closed(error)`: None when the peer ended the link cleanly between frames; a ProtocolError when it
 sent something a well-behaved peer never sends (a frame over the size limit, one cut short: the
-channel server strikes it); any other exception when the connection broke.
+channel server strikes it); any other exception when the connection broke. The consumer hears it
+before the link closes, so it can still send a last frame (a channel server's refusal).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -48,8 +48,6 @@ class FrameLink(Protocol):
 
     def close(self) -> None: ...
 
-    def is_closing(self) -> bool: ...
-
     def get_extra_info(self, name: str, default: Any = None) -> Any: ...
 
 
@@ -79,8 +77,8 @@ class StreamFrameLink:
         except (ProtocolError, ConnectionError, OSError, asyncio.IncompleteReadError) as e:
             error = e
         finally:
-            self._writer.close()
             on_closed(error)
+            self._writer.close()
 
     def send_frame(self, payload: bytes | bytearray | memoryview) -> None:
         assert self._limits is not None, "send_frame before start"
@@ -104,10 +102,5 @@ class StreamFrameLink:
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()
 
-    def is_closing(self) -> bool:
-        return self._writer.is_closing()
-
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        with contextlib.suppress(Exception):
-            return self._writer.get_extra_info(name, default)
-        return default
+        return self._writer.get_extra_info(name, default)

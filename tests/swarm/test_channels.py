@@ -416,3 +416,27 @@ def test_a_channel_answers_at_once_or_later_and_stops_reading_past_its_concurren
             await server.close()
 
     run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_frame_over_the_size_limit_on_a_channel_is_refused_with_a_word_and_a_strike():
+    """The link ends at the header (nothing of the declared size is read); the server still sends its
+    one ERROR before the channel closes, as the per-request path does."""
+
+    async def main() -> None:
+        async with two_peers() as (server_net, client_net):
+            server = await pong_server(server_net, 1)
+            _, reader, writer = await client_net.p2p.call_binary_stream_handler(
+                PeerID.from_base58(server_net.peer_id), server.channel_protocol_name(SERVICE)
+            )
+            writer.write(struct.pack(">Q", server.limits.max_frame_bytes + 1))
+            await writer.drain()
+            refusal = await asyncio.wait_for(recv_message(reader, expected_swarm=SWARM), 10.0)
+            assert refusal.kind == MessageKind.ERROR and "max_frame_bytes" in refusal.meta["reason"]
+            with pytest.raises(EOFError):
+                await asyncio.wait_for(recv_message(reader), 10.0)
+            assert server.conduct._strikes[client_net.peer_id]
+            writer.close()
+            await server.close()
+
+    run(main())
