@@ -79,7 +79,7 @@ class FrameSplitter:
         self._partial_wants = -1  # its size, header included, once the header is in
 
     def load(self, chunk: bytes) -> None:
-        assert self._at >= len(self._chunk), "load before the previous chunk is used up"
+        assert self.used_up(), "load before the previous chunk is used up"
         self._chunk, self._at = memoryview(chunk), 0
 
     def used_up(self) -> bool:

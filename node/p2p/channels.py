@@ -305,10 +305,8 @@ class ChannelServer:
 
     def refuse(self, link: FrameLink, reason: str) -> None:
         """Answer a refused channel with one short ERROR, then close it."""
-        owner = self.owner
-        link.start(_ignore_frame, _ignore_end, owner.limits)
-        with contextlib.suppress(Exception):
-            link.send_frame(seal_message(owner.error(reason), "none", owner.limits, owner.swarm_key))
+        link.start(_ignore_frame, _ignore_end, self.owner.limits)
+        _send_refusal(self.owner, link, reason)
         link.close()  # what was written still goes out first
 
     async def serve(
@@ -339,6 +337,12 @@ class ChannelServer:
             self._links.discard(link)
             self.owner.conduct.release(sender)
             link.close()
+
+
+def _send_refusal(owner: ChannelOwner, link: FrameLink, reason: str) -> None:
+    """One short ERROR on `link`, best effort (a refused peer gets nothing more)."""
+    with contextlib.suppress(Exception):
+        link.send_frame(seal_message(owner.error(reason), "none", owner.limits, owner.swarm_key))
 
 
 def _ignore_frame(payload: bytes | memoryview) -> None:
@@ -376,9 +380,8 @@ class _ServedChannel:
         self.watching = self.loop.call_later(self.read_timeout / 4, self.watch)
         try:
             await self.ended
-        finally:
+        finally:  # the link is closed by ChannelServer.serve
             self.watching.cancel()
-            self.link.close()
             for task in self.answering:
                 task.cancel()
 
@@ -461,9 +464,7 @@ class _ServedChannel:
 
     def refuse(self, reason: str) -> None:
         """One short ERROR (best effort), then the channel ends."""
-        owner = self.owner
-        with contextlib.suppress(Exception):
-            self.link.send_frame(seal_message(owner.error(reason), "none", owner.limits, owner.swarm_key))
+        _send_refusal(self.owner, self.link, reason)
         self.end()
 
     def strike(self, error: ProtocolError) -> str:

@@ -63,7 +63,8 @@ class SealedLink(asyncio.Protocol):
     """One direct link's TCP connection: the handshake's messages (`write_handshake`,
     `read_handshake`), then, once `seal`ed and `start`ed, frames in sealed records both ways."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_connected: Callable[[SealedLink], None] | None = None) -> None:
+        self._on_connected = on_connected  # a listener's: each accepted link starts its handshake
         self._transport: asyncio.Transport | None = None
         self._sock: socket.socket | None = None
         self._received_bytes = bytearray()
@@ -91,6 +92,8 @@ class SealedLink(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         self._sock = transport.get_extra_info("socket")
+        if self._on_connected is not None:
+            self._on_connected(self)
 
     def data_received(self, data: bytes) -> None:
         self._received_bytes += data
@@ -184,14 +187,10 @@ class SealedLink(asyncio.Protocol):
         header = frame_header(payload, self._limits)
         if self._transport is None or self._transport.is_closing():
             raise ConnectionResetError("direct link closed")
-        # one record for the header and the payload: one seal, one send
-        data = b"".join((header, payload))
-        if len(data) <= MAX_RECORD_BYTES:
-            self._write_record(data)
-        else:
-            view = memoryview(data)
-            for start in range(0, len(view), MAX_RECORD_BYTES):
-                self._write_record(view[start : start + MAX_RECORD_BYTES])
+        # the header and the payload in one record (a frame over MAX_RECORD_BYTES takes several)
+        data = memoryview(b"".join((header, payload)))
+        for start in range(0, len(data), MAX_RECORD_BYTES):
+            self._write_record(data[start : start + MAX_RECORD_BYTES])
         if self._meter is not None:
             self._meter[0].traffic(Direction.SENT, self._meter[1], len(data))
 
@@ -224,9 +223,6 @@ class SealedLink(asyncio.Protocol):
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
-
-    def is_closing(self) -> bool:
-        return self._lost or self._transport is None or self._transport.is_closing()
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return self._transport.get_extra_info(name, default) if self._transport is not None else default
@@ -268,31 +264,29 @@ class SealedLink(asyncio.Protocol):
     def _open_record(self) -> bool:
         """Open the next whole record for the frame splitter; False (and the low-water mark set) if it is not in."""
         buffer = self._received_bytes
-        missing = _LENGTH.size - len(buffer)
-        if missing <= 0:
-            (length,) = _LENGTH.unpack_from(buffer)
-            if not _TAG_BYTES < length <= MAX_RECORD_BYTES + _TAG_BYTES:
-                raise DirectLinkError(f"direct link record of {length} bytes")
-            missing = _LENGTH.size + length - len(buffer)
-            if missing <= 0:
-                if self._received >= MAX_RECORDS:
-                    raise DirectLinkError("direct link used up its nonces")
-                with memoryview(buffer) as view:
-                    try:
-                        plain = self._open.decrypt(
-                            _nonce(self._received), view[_LENGTH.size : _LENGTH.size + length], None
-                        )  # type: ignore[union-attr]
-                    except InvalidTag:
-                        raise DirectLinkError("a record on the direct link does not authenticate") from None
-                del buffer[: _LENGTH.size + length]
-                self._received += 1
-                self._frames.load(plain)  # type: ignore[union-attr]
-                self._set_low_water(1)
-                return True
+        if len(buffer) < _LENGTH.size:
+            self._set_low_water(1)
+            return False
+        (length,) = _LENGTH.unpack_from(buffer)
+        if not _TAG_BYTES < length <= MAX_RECORD_BYTES + _TAG_BYTES:
+            raise DirectLinkError(f"direct link record of {length} bytes")
+        end = _LENGTH.size + length
+        if len(buffer) < end:
+            missing = end - len(buffer)
             self._set_low_water(missing if missing >= LOW_WATER_FROM else 1)
             return False
+        if self._received >= MAX_RECORDS:
+            raise DirectLinkError("direct link used up its nonces")
+        with memoryview(buffer) as view:
+            try:
+                plain = self._open.decrypt(_nonce(self._received), view[_LENGTH.size : end], None)  # type: ignore[union-attr]
+            except InvalidTag:
+                raise DirectLinkError("a record on the direct link does not authenticate") from None
+        del buffer[:end]
+        self._received += 1
+        self._frames.load(plain)  # type: ignore[union-attr]
         self._set_low_water(1)
-        return False
+        return True
 
     # -- the socket --------------------------------------------------------------------------------
 
@@ -330,13 +324,11 @@ async def connect(host: str, port: int) -> SealedLink:
 async def listen(on_connection: Callable[[SealedLink], Awaitable[None]], host: str, port: int) -> asyncio.Server:
     """Accept TCP connections on `host`:`port`, each a link handed to `on_connection` in a task of its own."""
     loop = asyncio.get_running_loop()
-    tasks: set[asyncio.Task] = set()
+    tasks: set[asyncio.Task] = set()  # held until done: the loop keeps only weak references
 
-    class _Accepted(SealedLink):
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            super().connection_made(transport)
-            task = loop.create_task(on_connection(self))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+    def connected(link: SealedLink) -> None:
+        task = loop.create_task(on_connection(link))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
-    return await loop.create_server(_Accepted, host, port)
+    return await loop.create_server(lambda: SealedLink(connected), host, port)
