@@ -20,6 +20,12 @@ back to stage 0 (head and loss), then the gradient goes 0 -> 2 -> 1 -> 0 (embedd
 keeps `--floor-windows` microbatches in flight (each value is one run). CPU is the user+system time of the
 three processes over the window, per completed microbatch, beside the single process measured
 before and after.
+
+A microbatch a worker's checks reject (node/pipeline/admission.py: a gradient gate, say, seeing a
+norm spike the training itself made) is dropped, as the product's origin drops and retries one:
+the rejecting stage tells stage 0 with an ABORT frame, and stage 0 starts another. The report
+counts them. A stage that fails otherwise stops its run, which the report marks FAILED with the
+reason; the other runs go on.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from tests.benchmarks.bench_swarm import (  # noqa: E402
 
 # kind (1 byte), microbatch id (8), payload bytes (4)
 HEADER = struct.Struct("<BQI")
-FORWARD, BACKWARD = 1, 2
+FORWARD, BACKWARD, ABORT = 1, 2, 3  # ABORT: a stage rejected the microbatch (no payload)
 NUM_STAGES = 3
 
 
@@ -128,6 +134,7 @@ class _Sealer:
 async def run_stage(stage: int, ports: list[int], window: int, sealed: bool) -> None:
     from node.config import SwarmConfig
     from node.model.data import open_source
+    from node.pipeline.admission import RejectedInput
     from node.pipeline.stage_worker import StageWorker
 
     torch.set_num_threads(1)
@@ -136,7 +143,7 @@ async def run_stage(stage: int, ports: list[int], window: int, sealed: bool) -> 
     shape = (t.microbatch_size, t.sequence_length, hidden_size)
     worker = StageWorker(config, stage)
     loop = asyncio.get_running_loop()
-    completed = 0
+    completed = rejected = 0
     stop = asyncio.Event()
     targets: dict[int, torch.Tensor] = {}
     source = open_source(config, None, stream_id=1) if stage == 0 else None
@@ -152,26 +159,44 @@ async def run_stage(stage: int, ports: list[int], window: int, sealed: bool) -> 
             data = memoryview(tensor.detach().contiguous().numpy()).cast("B")
         links[peer].writelines((HEADER.pack(kind, microbatch, data.nbytes), data))
 
-    def when_done(future, then) -> None:
+    def when_done(future, microbatch: int, then) -> None:
         """Run `then(result)` on the loop once the compute thread finished `future`."""
 
         def settled(done) -> None:
             if done.cancelled() or stop.is_set() or loop.is_closed():  # shutting down
                 return
-            if done.exception() is not None:  # a floor that fails must say so, not stall quietly
-                log(f"stage {stage}: {done.exception()!r}")
+            error = done.exception()
+            if isinstance(error, RejectedInput):
+                loop.call_soon_threadsafe(reject, microbatch, error)
+            elif error is not None:  # a floor that fails must say so, not stall quietly
+                log(f"stage {stage}: {error!r}")
                 loop.call_soon_threadsafe(stop.set)
-                return
-            loop.call_soon_threadsafe(then, done.result())
+            else:
+                loop.call_soon_threadsafe(then, done.result())
 
         future.add_done_callback(settled)
+
+    def reject(microbatch: int, error: RejectedInput | None) -> None:
+        """Drop a microbatch a stage's checks refused; stage 0 starts another in its place."""
+        if error is not None:
+            log(f"stage {stage}: microbatch {microbatch} rejected: {error}")
+        worker.drop(("floor", microbatch))
+        if stage != 0:
+            links[0].write(HEADER.pack(ABORT, microbatch, 0))
+            return
+        nonlocal rejected
+        rejected += 1
+        targets.pop(microbatch, None)
+        start_microbatch()
 
     def start_microbatch() -> None:
         tokens, target = source.next_batch(t.microbatch_size, t.sequence_length)
         microbatch = next(next_id)
         targets[microbatch] = target
         key = ("floor", microbatch)
-        when_done(worker.executor.submit(worker.embed, key, tokens), lambda h: send(1, FORWARD, microbatch, h))
+        when_done(
+            worker.executor.submit(worker.embed, key, tokens), microbatch, lambda h: send(1, FORWARD, microbatch, h)
+        )
 
     def finished(_: None) -> None:
         if stop.is_set():
@@ -183,6 +208,9 @@ async def run_stage(stage: int, ports: list[int], window: int, sealed: bool) -> 
     def on_frame(kind: int, microbatch: int, payload: bytearray) -> None:
         if stop.is_set():
             return
+        if kind == ABORT:  # only stage 0 is sent these
+            reject(microbatch, None)
+            return
         if sealer is not None:  # forwards come from the stage before, gradients from the one after
             tensor = sealer.open((stage - 1) % NUM_STAGES if kind == FORWARD else (stage + 1) % NUM_STAGES, payload)
         else:
@@ -190,15 +218,15 @@ async def run_stage(stage: int, ports: list[int], window: int, sealed: bool) -> 
         key = ("floor", microbatch)
         if stage == 0 and kind == FORWARD:  # the head: loss, then the gradient back to the last stage
             future = worker.executor.submit(worker.head_loss_backward, key, tensor, targets.pop(microbatch))
-            when_done(future, lambda result: send(backward_to, BACKWARD, microbatch, result[1]))
+            when_done(future, microbatch, lambda result: send(backward_to, BACKWARD, microbatch, result[1]))
         elif stage == 0:
-            when_done(worker.executor.submit(worker.embed_backward, key, tensor), finished)
+            when_done(worker.executor.submit(worker.embed_backward, key, tensor), microbatch, finished)
         elif kind == FORWARD:
             future = worker.executor.submit(worker.forward, key, tensor)
-            when_done(future, lambda h: send(forward_to, FORWARD, microbatch, h))
+            when_done(future, microbatch, lambda h: send(forward_to, FORWARD, microbatch, h))
         else:
             future = worker.executor.submit(worker.backward, key, tensor)
-            when_done(future, lambda g: send(backward_to, BACKWARD, microbatch, g))
+            when_done(future, microbatch, lambda g: send(backward_to, BACKWARD, microbatch, g))
 
     server = await loop.create_server(lambda: _Frames(on_frame), "127.0.0.1", ports[stage])
     print("LISTENING", flush=True)
@@ -218,7 +246,9 @@ async def run_stage(stage: int, ports: list[int], window: int, sealed: bool) -> 
 
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     if stage == 0:
-        loop.add_signal_handler(signal.SIGUSR1, lambda: print(f"COUNT {completed} {time.monotonic()}", flush=True))
+        loop.add_signal_handler(
+            signal.SIGUSR1, lambda: print(f"COUNT {completed} {rejected} {time.monotonic()}", flush=True)
+        )
         await asyncio.sleep(1.0)  # every stage is connected by then (each retried above until it was)
         for _ in range(window):
             start_microbatch()
@@ -276,10 +306,15 @@ def pipeline_run(window: int, warmup: float, seconds: float, sealed: bool = Fals
             if p.stdout.readline().strip() != "LISTENING":
                 raise RuntimeError("a stage process did not start")
 
-        def count() -> tuple[int, float]:
-            processes[0].send_signal(signal.SIGUSR1)
-            _, done, at = processes[0].stdout.readline().split()
-            return int(done), float(at)
+        def count() -> tuple[int, int, float]:
+            if processes[0].poll() is None:
+                processes[0].send_signal(signal.SIGUSR1)
+            line = processes[0].stdout.readline().split()
+            if len(line) != 4:  # the stage exited: its reason is on stderr, above the report
+                stopped = [stage for stage, p in enumerate(processes) if p.poll() is not None]
+                raise RuntimeError(f"stage 0 gave no count; stage(s) {stopped} exited")
+            _, done, rejected, at = line
+            return int(done), int(rejected), float(at)
 
         def cpu() -> float:
             return sum(sum(psutil.Process(p.pid).cpu_times()[:2]) for p in processes)
@@ -288,9 +323,9 @@ def pipeline_run(window: int, warmup: float, seconds: float, sealed: bool = Fals
             return {f"stage {stage}": loop_and_other_threads(p.pid) for stage, p in enumerate(processes)}
 
         time.sleep(warmup)
-        threads0, cpu0, (done0, t0) = threads(), cpu(), count()
+        threads0, cpu0, (done0, rejected0, t0) = threads(), cpu(), count()
         time.sleep(seconds)
-        threads1, cpu1, (done1, t1) = threads(), cpu(), count()
+        threads1, cpu1, (done1, rejected1, t1) = threads(), cpu(), count()
         crashed = [p.pid for p in processes if p.poll() is not None]
         if crashed or done1 <= done0:
             raise RuntimeError(f"the pipeline stalled or a stage exited: {crashed}")
@@ -300,6 +335,8 @@ def pipeline_run(window: int, warmup: float, seconds: float, sealed: bool = Fals
             "window": window,
             "sealed": sealed,
             "microbatches": microbatches,
+            "rejected": rejected1 - rejected0,
+            "rejected_before": rejected0,
             "seconds": t1 - t0,
             "microbatches_per_s": microbatches / (t1 - t0),
             "tokens_per_s": microbatches * config_tokens / (t1 - t0),
@@ -336,7 +373,11 @@ def run(args: argparse.Namespace) -> dict:
                 f"floor: three processes on loopback TCP, {'sealed' if sealed else 'raw'}, {window} in flight: "
                 f"{args.floor_warmup:.0f} s warm-up, {args.floor_seconds:.0f} s"
             )
-            runs.append(pipeline_run(window, args.floor_warmup, args.floor_seconds, sealed))
+            try:
+                runs.append(pipeline_run(window, args.floor_warmup, args.floor_seconds, sealed))
+            except RuntimeError as e:  # the report says so; the other runs (and bench_all's) go on
+                log(f"floor: this run FAILED: {e}")
+                runs.append({"window": window, "sealed": sealed, "failed": str(e)})
     log(f"floor: single process again, {args.floor_single_seconds:.0f} s")
     after = single_process(args.floor_single_seconds, 1)
     return {"single": [before, after], "pipeline": runs}
@@ -358,16 +399,26 @@ def format_report(result: dict) -> str:
         "|---|---|---|---|---|",
     ]
     for r in result["pipeline"]:
+        if "failed" in r:
+            lines.append(f"| {'sealed' if r['sealed'] else 'raw fp32'} | {r['window']} | FAILED: {r['failed']} | | |")
+            continue
         lines.append(
             f"| {'sealed' if r['sealed'] else 'raw fp32'} | {r['window']} | {r['tokens_per_s']:,.0f} ({r['tokens_per_s'] / tokens:.2f}x) "
             f"| {r['cpu_ms_per_microbatch']:.1f} ({r['cpu_ms_per_microbatch'] / cpu:.2f}x) | {r['cpu_cores_used']:.2f} |"
         )
     lines.append("")
     for r in result["pipeline"]:
+        if "failed" in r:
+            continue
         lines.append(
             f"- {'sealed' if r['sealed'] else 'raw fp32'}, {r['window']} in flight: CPU ms per microbatch, event loop "
             f"/ other threads (the compute thread): {format_thread_split(r['threads_ms_per_microbatch'])}"
         )
+        if r["rejected"] or r["rejected_before"]:
+            lines.append(
+                f"  - microbatches a worker's checks rejected (dropped, others started): {r['rejected_before']} "
+                f"before the window, {r['rejected']} in it"
+            )
     return "\n".join(lines)
 
 
