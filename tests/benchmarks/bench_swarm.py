@@ -12,7 +12,8 @@ single process  The default config (SwarmConfig()), the same StageWorkers (stage
                 sequence_length * microbatches completed / wall seconds, after a few warm-up
                 microbatches. The 1-thread run is made again after the swarms, and the ratios
                 are against the mean of the two (the swarms run minutes later, on a host whose
-                speed drifts).
+                speed drifts). A microbatch a worker's checks reject is dropped and counted, as
+                a swarm's origin drops one (bench_floor.py does the same).
 swarm           node/local_swarm.py: a bootstrap process plus 3 stages x P peers (`node join
                 --stage s --threads 1 --quiet`), each a process with its own p2pd, on 127.0.0.1,
                 default config (fp16 wire compression, an in-flight window of 4 to 32, heartbeat 5 s / TTL 15 s;
@@ -66,6 +67,7 @@ def log(text: str) -> None:
 def single_process(seconds: float, threads: int, warmup_microbatches: int = 4) -> dict:
     from node.config import SwarmConfig
     from node.model.data import open_source
+    from node.pipeline.admission import RejectedInput
     from node.pipeline.stage_worker import StageWorker
 
     previous_threads = torch.get_num_threads()
@@ -75,30 +77,46 @@ def single_process(seconds: float, threads: int, warmup_microbatches: int = 4) -
     source = open_source(config, None, stream_id=1)
     workers = [StageWorker(config, stage) for stage in range(config.num_stages)]
     losses = []
+    keys = iter(range(1 << 62))
+    rejected = 0
 
-    def one(index: int) -> float:
+    def one() -> float | None:
+        """One microbatch through the chain; None if a worker's checks rejected it (a gradient
+        gate seeing a spike the training made, say): dropped, as a swarm's origin drops one."""
         tokens, targets = source.next_batch(t.microbatch_size, t.sequence_length)
-        key = ("local", index)
-        hidden = workers[0].embed(key, tokens)
-        for worker in workers[1:]:
-            hidden = worker.forward(key, hidden)
-        loss, grad = workers[0].head_loss_backward(key, hidden, targets)
-        for worker in reversed(workers[1:]):
-            grad = worker.backward(key, grad)
-        workers[0].embed_backward(key, grad)
+        key = ("local", next(keys))
+        try:
+            hidden = workers[0].embed(key, tokens)
+            for worker in workers[1:]:
+                hidden = worker.forward(key, hidden)
+            loss, grad = workers[0].head_loss_backward(key, hidden, targets)
+            for worker in reversed(workers[1:]):
+                grad = worker.backward(key, grad)
+            workers[0].embed_backward(key, grad)
+        except RejectedInput as e:
+            log(f"single process: a microbatch was rejected: {e}")
+            for worker in workers:
+                worker.drop(key)
+            nonlocal rejected
+            rejected += 1
+            return None
         return loss
 
     try:
-        for index in range(warmup_microbatches):
-            one(-1 - index)
+        for _ in range(warmup_microbatches):
+            one()
         count = 0
         started = time.perf_counter()
         cpu0 = time.process_time()
         while time.perf_counter() - started < seconds:
-            losses.append(one(count))
-            count += 1
+            loss = one()
+            if loss is not None:
+                losses.append(loss)
+                count += 1
         elapsed = time.perf_counter() - started
         cpu = time.process_time() - cpu0
+        if count == 0:
+            raise RuntimeError(f"single process: no microbatch completed in {seconds:.0f} s ({rejected} rejected)")
     finally:
         for worker in workers:
             worker.close()
@@ -107,6 +125,7 @@ def single_process(seconds: float, threads: int, warmup_microbatches: int = 4) -
     return {
         "threads": threads,
         "microbatches": count,
+        "rejected": rejected,
         "seconds": elapsed,
         "cpu_seconds": cpu,
         "cpu_cores_used": cpu / elapsed,
@@ -371,7 +390,8 @@ def format_report(result: dict) -> str:
 
     for r, when in singles:
         lines.append(
-            f"| single process, stages chained{when} ({r['microbatches']} microbatches in {r['seconds']:.0f} s) "
+            f"| single process, stages chained{when} ({r['microbatches']} microbatches in {r['seconds']:.0f} s"
+            f"{', {} rejected'.format(r['rejected']) if r.get('rejected') else ''}) "
             f"| 1 | {r['threads']} | {r['tokens_per_s']:.0f} | {r['microbatches_per_s']:.2f} "
             f"| {versus(r['tokens_per_s'], base)} | {r['cpu_cores_used']:.2f} | {r['cpu_ms_per_microbatch']:.1f} "
             f"| {versus(r['cpu_ms_per_microbatch'], base_cpu)} |"
