@@ -69,6 +69,7 @@ def single_process(seconds: float, threads: int, warmup_microbatches: int = 4) -
     from node.model.data import open_source
     from node.pipeline.admission import RejectedInput
     from node.pipeline.stage_worker import StageWorker
+    from tests.helpers.chain import chain_microbatch
 
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -86,13 +87,7 @@ def single_process(seconds: float, threads: int, warmup_microbatches: int = 4) -
         tokens, targets = source.next_batch(t.microbatch_size, t.sequence_length)
         key = ("local", next(keys))
         try:
-            hidden = workers[0].embed(key, tokens)
-            for worker in workers[1:]:
-                hidden = worker.forward(key, hidden)
-            loss, grad = workers[0].head_loss_backward(key, hidden, targets)
-            for worker in reversed(workers[1:]):
-                grad = worker.backward(key, grad)
-            workers[0].embed_backward(key, grad)
+            return chain_microbatch(workers, key, tokens, targets)
         except RejectedInput as e:
             log(f"single process: a microbatch was rejected: {e}")
             for worker in workers:
@@ -100,7 +95,6 @@ def single_process(seconds: float, threads: int, warmup_microbatches: int = 4) -
             nonlocal rejected
             rejected += 1
             return None
-        return loss
 
     try:
         for _ in range(warmup_microbatches):

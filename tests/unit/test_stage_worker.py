@@ -14,6 +14,7 @@ from node.config import SwarmConfig
 from node.model.data import open_source
 from node.model.llama import ReferenceModel
 from node.pipeline.stage_worker import ADAM_BETAS, ADAM_EPS, StageWorker, UnknownMicrobatch, lr_at, step_size
+from tests.helpers.chain import chain_microbatch
 
 BASE = SwarmConfig(num_stages=3)
 
@@ -41,17 +42,6 @@ def workers(config: SwarmConfig, **kw: object) -> list[StageWorker]:
     return [StageWorker(config, s, **kw) for s in range(config.num_stages)]
 
 
-def run_microbatch(ws: list[StageWorker], key: tuple[str, int], tokens: torch.Tensor, targets: torch.Tensor) -> float:
-    h = ws[0].embed(key, tokens)
-    for w in ws[1:]:
-        h = w.forward(key, h)
-    loss, g = ws[0].head_loss_backward(key, h, targets)
-    for w in reversed(ws[1:]):
-        g = w.backward(key, g)
-    ws[0].embed_backward(key, g)
-    return loss
-
-
 def close_all(ws: list[StageWorker]) -> None:
     for w in ws:
         w.close()
@@ -74,7 +64,7 @@ def test_pipeline_grads_and_step_match_reference() -> None:
     data = [batch(config, seed=i) for i in range(mps)]
     try:
         for i, (tok, tgt) in enumerate(data):
-            loss = run_microbatch(ws, ("peer", i), tok, tgt)
+            loss = chain_microbatch(ws, ("peer", i), tok, tgt)
             ref_loss = ref(tok, tgt)
             (ref_loss / mps).backward()
             assert loss == pytest.approx(ref_loss.item(), abs=1e-6)
@@ -196,7 +186,7 @@ def test_loss_falls_on_synthetic_source() -> None:
     try:
         for i in range(200):
             tok, tgt = source.next_batch(8, 32)
-            losses.append(run_microbatch(ws, ("p", i), tok, tgt))
+            losses.append(chain_microbatch(ws, ("p", i), tok, tgt))
         assert all(w.inner_step == 100 for w in ws)
         first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
         assert first > math.log(256) - 0.3
@@ -321,7 +311,7 @@ def test_bad_edge_inputs_raise_and_worker_keeps_working() -> None:
         with pytest.raises(ValueError):
             w0.head_loss_backward("k", h[:, :4], tgt[:, :4])
         w0.drop("k")
-        assert run_microbatch(ws, ("ok", 0), tok, tgt) > 0
+        assert chain_microbatch(ws, ("ok", 0), tok, tgt) > 0
         assert all(w.inner_step == 1 for w in ws)
     finally:
         close_all(ws)
