@@ -383,9 +383,9 @@ def format_report(result: dict) -> str:
         return f"{value / reference:.2f}x" if value and reference else "-"
 
     for r, when in singles:
+        rejected = f", {r['rejected']} rejected" if r.get("rejected") else ""
         lines.append(
-            f"| single process, stages chained{when} ({r['microbatches']} microbatches in {r['seconds']:.0f} s"
-            f"{', {} rejected'.format(r['rejected']) if r.get('rejected') else ''}) "
+            f"| single process, stages chained{when} ({r['microbatches']} microbatches in {r['seconds']:.0f} s{rejected}) "
             f"| 1 | {r['threads']} | {r['tokens_per_s']:.0f} | {r['microbatches_per_s']:.2f} "
             f"| {versus(r['tokens_per_s'], base)} | {r['cpu_cores_used']:.2f} | {r['cpu_ms_per_microbatch']:.1f} "
             f"| {versus(r['cpu_ms_per_microbatch'], base_cpu)} |"
