@@ -79,10 +79,11 @@ class DilocoRound:
         wire = ctx.wire
 
         async def fetch() -> list[Tensor]:
+            buffers = await ctx.host_buffers(1)
             async with wire.open(peer) as session:
                 await session.send(wire.request(round_))
                 await session.expect(MessageKind.GOSSIP_ACCEPT)
-                delta = await wire.recv_tensors(session, len(ctx.replica.params))
+                delta = await wire.recv_tensors(session, buffers)
                 await session.expect(MessageKind.GOSSIP_DONE)
                 return delta
 
@@ -92,11 +93,11 @@ class DilocoRound:
             logger.info(f"diloco round {round_}: no Delta from {short_peer_id(peer)}: {e!r}")
             return None
         # all replicas share phi in diloco: check the partner's Delta against ours
-        reason, _ = await ctx.check_partner(peer, start, start.state.phi, delta)
+        reason, _, _, delta_here = await ctx.check_partner(peer, start, start.state.phi, delta)
         if reason is not None:
             ctx.reject(peer, reason)
             return None
-        return delta
+        return delta_here
 
     async def serve(self, session: Session, request: Message) -> None:
         """Stream my Delta for the requested round; a request for my current round starts it."""
@@ -120,5 +121,5 @@ class DilocoRound:
                 await asyncio.sleep(0.01)
         start = self._published[1]
         await session.send(wire.accept(wanted))
-        await wire.send_tensors(session, wanted, start.delta)
+        await wire.send_tensors(session, wanted, start.wire_delta)
         await session.send(wire.transport.message(MessageKind.GOSSIP_DONE, {"round": wanted}))

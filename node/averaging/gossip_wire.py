@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 
-import torch
 from torch import Tensor
 
 from node.averaging.outer_replica import OuterReplica
@@ -128,19 +127,21 @@ class GossipWire:
     # ---- tensors -------------------------------------------------------------------------------
 
     async def send_tensors(self, session: Session, round_: int, tensors: Sequence[Tensor]) -> None:
+        """Send host tensors (RoundStart.wire_phi / wire_delta: never the device's own)."""
         await GOSSIP_CHUNKS.send(session, tensors, {"round": round_})
 
-    async def recv_tensors(self, session: Session, count: int) -> list[Tensor]:
-        """`count` fp32 tensors shaped like my parameters (phi..., then Delta...), in order."""
-        shapes = self.replica.shapes * (count // len(self.replica.params))
-        buffers = [torch.empty(shape, dtype=torch.float32) for shape in shapes]
+    async def recv_tensors(self, session: Session, buffers: Sequence[Tensor]) -> list[Tensor]:
+        """Fill `buffers` (host fp32 tensors shaped like my parameters, phi..., then Delta..., from
+        OuterReplica.host_buffers) from the partner's chunks, in order."""
         await GOSSIP_CHUNKS.receive(session, buffers)
-        return buffers
+        return list(buffers)
 
-    async def swap(self, session: Session, round_: int, tensors: Sequence[Tensor]) -> list[Tensor]:
-        """Send `tensors` while receiving as many of the partner's (both directions at once)."""
+    async def swap(
+        self, session: Session, round_: int, tensors: Sequence[Tensor], buffers: Sequence[Tensor]
+    ) -> list[Tensor]:
+        """Send `tensors` while receiving as many of the partner's into `buffers` (both at once)."""
         sending = asyncio.create_task(self.send_tensors(session, round_, tensors))
-        receiving = asyncio.create_task(self.recv_tensors(session, len(tensors)))
+        receiving = asyncio.create_task(self.recv_tensors(session, buffers))
         try:
             done, _ = await asyncio.wait({sending, receiving}, return_when=asyncio.FIRST_EXCEPTION)
             for task in done:

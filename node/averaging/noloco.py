@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from node.runtime.finite import is_finite
+from node.runtime.finite import all_finite, is_finite
 
 __all__ = [
     "OuterState",
@@ -178,10 +178,9 @@ def apply_to_parameters(state: OuterState, params: Iterable[Tensor]) -> None:
 
 
 def _global_norm(tensors: Iterable[Tensor]) -> float:
-    total = 0.0
-    for t in tensors:
-        total += float(torch.linalg.vector_norm(t.detach().to(torch.float32))) ** 2
-    return math.sqrt(total)
+    """The norm of all `tensors` concatenated, summed in float64 where they are; one host read."""
+    squares = [torch.linalg.vector_norm(t.detach().to(torch.float32)).to(torch.float64) ** 2 for t in tensors]
+    return math.sqrt(torch.stack(squares).sum().item()) if squares else 0.0
 
 
 def relative_distance(phi_a: Sequence[Tensor], phi_b: Sequence[Tensor], eps: float = _NORM_EPS) -> float:
@@ -223,8 +222,9 @@ def validate_partner_update(
                 return f"{what}: tensor {k} has shape {tuple(t.shape)}, expected {tuple(o.shape)}"
             if not t.is_floating_point():
                 return f"{what}: tensor {k} has non-float dtype {t.dtype}"
-            if not is_finite(t):
-                return f"{what}: tensor {k} holds NaN or Inf"
+        if not all_finite(theirs):  # one host read for every tensor
+            bad = next(k for k, t in enumerate(theirs) if not is_finite(t))
+            return f"{what}: tensor {bad} holds NaN or Inf"
         own_norm, their_norm = _global_norm(own), _global_norm(theirs)
         limit = max_norm_factor * own_norm + eps
         if not their_norm <= limit:

@@ -6,6 +6,11 @@ outer state to the live weights (docs/gossip.md, "Training during a round"). The
 node/averaging/noloco.py. Every method that reads or writes the parameters must run on the
 worker's compute thread (StageWorker.compute), between two inner steps: that thread is what keeps
 them consistent, no lock is taken.
+
+Devices: phi, momentum, theta and Delta live on the parameters' device. What goes on the wire is a
+host copy taken at the round's start (`RoundStart.wire_phi`, `wire_delta`: the event loop encodes
+them and must not touch the device), and what a partner sent arrives in host buffers
+(`host_buffers`) that `to_device` moves onto the device before anything is computed with them.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from node.averaging.noloco import (
 )
 from node.averaging.plausibility import PartnerMeasures, PlausibilityBounds, implausible, measure
 from node.config import GossipConfig
+from node.runtime.device import DeviceTransfers
 from node.runtime.finite import is_finite
 
 __all__ = ["STEPPED", "OuterReplica", "RoundOutcome", "RoundStart", "RoundStatus"]
@@ -66,6 +72,8 @@ class RoundStart:
     delta: list[Tensor]
     inner_step: int
     has_progress: bool  # Delta is not all zero
+    wire_phi: list[Tensor]  # host copies of phi and Delta for the wire (the tensors themselves on a CPU)
+    wire_delta: list[Tensor]
     capture_seconds: float = 0.0  # how long the capture took, waiting for the compute thread included
 
 
@@ -77,6 +85,7 @@ class OuterReplica:
         self.bounds = PlausibilityBounds()
         self.params = list(module.parameters())
         self.names = [name for name, _ in module.named_parameters()]
+        self.transfers = DeviceTransfers(self.params[0].device)
         with torch.no_grad():  # built before the service trains: safe off the compute thread
             self.state = OuterState.from_parameters(self.params)
 
@@ -91,13 +100,26 @@ class OuterReplica:
     # ---- a round -------------------------------------------------------------------------------
 
     def capture_start(self, inner_step: int) -> RoundStart:
-        """theta now (fp32 copies) and Delta = phi - theta against the current outer state."""
+        """theta now (fp32 copies) and Delta = phi - theta against the current outer state, with
+        host copies of phi and Delta for the wire (one device sync for all of them)."""
         state = self.state
         with torch.no_grad():
             theta = [p.detach().to(torch.float32, copy=True) for p in self.params]
         delta = pseudo_gradient(state, theta)
-        has_progress = any(bool(d.any()) for d in delta)
-        return RoundStart(state, theta, delta, inner_step, has_progress)
+        # an OuterState's phi and a fresh Delta are never modified in place: on a CPU the wire reads them as they are
+        wire = self.transfers.to_host([*state.phi, *delta])
+        wire_phi, wire_delta = wire[: len(delta)], wire[len(delta) :]
+        has_progress = any(bool(d.any()) for d in wire_delta)  # read on the host copy: no further sync
+        return RoundStart(state, theta, delta, inner_step, has_progress, wire_phi, wire_delta)
+
+    def host_buffers(self, copies: int) -> list[Tensor]:
+        """Host buffers for `copies` x this stage's parameters as they arrive from a partner (fp32,
+        pinned on a GPU so `to_device` needs no staging copy)."""
+        return [self.transfers.host_empty(shape, torch.float32) for shape in self.shapes * copies]
+
+    def to_device(self, received: Sequence[Tensor]) -> list[Tensor]:
+        """A partner's tensors, received into host buffers, on this replica's device."""
+        return self.transfers.to_device_all(received)
 
     def check_partner(
         self, start: RoundStart, phi: list[Tensor], delta: list[Tensor], distance_limit: float | None = None
@@ -170,7 +192,8 @@ class OuterReplica:
                     raise ValueError(f"{kind}.{name}: expected a float tensor of shape {tuple(param.shape)}")
                 if not is_finite(t):
                     raise ValueError(f"{kind}.{name}: holds NaN or Inf")
-                column.append(t.detach().to("cpu", torch.float32, copy=True))
+                # a copy on the parameters' device: the caller's tensors may change after this
+                column.append(self.transfers.to_device(t.detach().to(torch.float32, copy=True)))
             columns[kind] = column
         self.state = OuterState(phi=columns["phi"], momentum=columns["momentum"], round=round)
 

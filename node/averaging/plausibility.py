@@ -66,11 +66,15 @@ class PartnerMeasures:
         )
 
 
-def _sums(a: Tensor, b: Tensor) -> tuple[float, float, float]:
-    """(a.a, b.b, a.b) in float64."""
-    a = a.detach().reshape(-1).to(torch.float64)
-    b = b.detach().reshape(-1).to(torch.float64)
-    return float(a @ a), float(b @ b), float(a @ b)
+def _sums(first: Sequence[Tensor], second: Sequence[Tensor]) -> list[tuple[float, float, float]]:
+    """(a.a, b.b, a.b) in float64 for every pair of tensors, computed where they are (the stage's
+    device) and read to the host at once: one sync for all of them."""
+    rows = []
+    for a, b in zip(first, second):
+        a = a.detach().reshape(-1).to(torch.float64)
+        b = b.detach().reshape(-1).to(torch.float64)
+        rows.append(torch.stack([a @ a, b @ b, a @ b]))
+    return [tuple(row) for row in torch.stack(rows).tolist()] if rows else []
 
 
 def _cosine(aa: float, bb: float, ab: float) -> float:
@@ -96,7 +100,7 @@ def measure(
     (||phi|| sqrt(numel_k / numel)): norms are compared as (norm + floor) and a tensor whose own
     and partner norms are both under its floor has no cosine (it hardly matters and is mostly noise).
     """
-    per_tensor = [_sums(o, p) for o, p in zip(own_phi, partner_phi)]
+    per_tensor = _sums(own_phi, partner_phi)
     numels = [o.numel() for o in own_phi]
     total = max(1, sum(numels))
     own_sq = sum(s[0] for s in per_tensor)
@@ -114,7 +118,7 @@ def measure(
             worst, tensor_norm_ratio = k, factor
         if max(aa, bb) > floor * floor:
             tensor_cosine = min(tensor_cosine, _cosine(aa, bb, ab))
-    delta_sums = [_sums(o, p) for o, p in zip(own_delta, partner_delta)]
+    delta_sums = _sums(own_delta, partner_delta)
     dd, pp, dp = (sum(s[i] for s in delta_sums) for i in range(3))
     return PartnerMeasures(
         distance=math.sqrt(max(0.0, own_sq + partner_sq - 2 * dot)) / max(own_norm, _EPS),

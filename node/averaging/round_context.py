@@ -23,7 +23,7 @@ from dht.swarm_view import SwarmView
 from node.averaging.gossip_wire import STALL_COOLDOWN, GossipWire
 from node.averaging.noloco import OuterState
 from node.averaging.outer_replica import STEPPED, OuterReplica, RoundOutcome, RoundStart, RoundStatus
-from node.averaging.plausibility import DivergenceMemory, lagging_behind
+from node.averaging.plausibility import DivergenceMemory, PartnerMeasures, lagging_behind
 from node.config import GossipConfig
 from node.p2p.reachability import carries_training
 from node.p2p.transport import Transport
@@ -148,15 +148,27 @@ class RoundContext:
         reference = self.divergences.reference(time.monotonic(), exclude=partner, min_own=bounds.min_observations)
         return bounds.distance_limit(reference)
 
+    async def host_buffers(self, copies: int) -> list[Tensor]:
+        """Host buffers for a partner's `copies` x the stage's parameters (allocated on the compute
+        thread: pinned memory on a GPU is a CUDA call, which the event loop never makes)."""
+        return await self.worker.compute(self.replica.host_buffers, copies)
+
     async def check_partner(
         self, partner: str, start: RoundStart, phi: list[Tensor], delta: list[Tensor]
-    ) -> tuple[str | None, float | None]:
-        """(why the partner's update is refused, None) or (None, the relative distance of its phi)."""
+    ) -> tuple[str | None, float | None, list[Tensor], list[Tensor]]:
+        """The partner's phi and Delta (as received, on the host) moved to this replica's device and
+        checked there: (why the update is refused, None) or (None, the relative distance of its
+        phi), with the tensors on the device for the outer step."""
         limit = self.distance_limit(partner)
-        reason, measures = await self.worker.compute(self.replica.check_partner, start, phi, delta, limit)
+
+        def on_device() -> tuple[str | None, PartnerMeasures | None, list[Tensor], list[Tensor]]:
+            phi_here, delta_here = self.replica.to_device(phi), self.replica.to_device(delta)
+            return (*self.replica.check_partner(start, phi_here, delta_here, limit), phi_here, delta_here)
+
+        reason, measures, phi_here, delta_here = await self.worker.compute(on_device)
         if measures is not None:
             logger.debug(f"partner {short_peer_id(partner)}: {measures.describe()}, distance limit {limit:.3g}")
-        return reason, None if measures is None else measures.distance
+        return reason, None if measures is None else measures.distance, phi_here, delta_here
 
     async def finish(self, start: RoundStart, new_state: OuterState, outcome: RoundOutcome) -> RoundOutcome:
         """Apply `new_state` (computed from `start`) and record `outcome`, or record an abort if

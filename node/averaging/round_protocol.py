@@ -155,7 +155,7 @@ class PairwiseRound:
                 if reply.kind != MessageKind.GOSSIP_ACCEPT:
                     raise ProtocolError(f"expected gossip_accept, got {reply.kind.value}")
                 phi, delta = await self._swap(session, start)
-                reason, divergence, seconds = await self._check(peer, start, phi, delta)
+                reason, divergence, seconds, phi, delta = await self._check(peer, start, phi, delta)
                 await session.send(ctx.wire.done(start.state.round, reason))
                 theirs = await GossipWire.recv_within(session, _after_compute(seconds), MessageKind.GOSSIP_DONE)
         if reason is not None:
@@ -199,7 +199,7 @@ class PairwiseRound:
         with _silence_is_a_stall(sender):
             await session.send(ctx.wire.accept(start.state.round))
             phi, delta = await self._swap(session, start)
-            reason, divergence, seconds = await self._check(sender, start, phi, delta)
+            reason, divergence, seconds, phi, delta = await self._check(sender, start, phi, delta)
             # the initiator validates ours meanwhile (its DONE comes after that)
             theirs = await GossipWire.recv_within(session, _after_compute(seconds), MessageKind.GOSSIP_DONE)
             await session.send(ctx.wire.done(start.state.round, reason))
@@ -213,16 +213,18 @@ class PairwiseRound:
 
     async def _check(
         self, peer: str, start: RoundStart, phi: list[Tensor], delta: list[Tensor]
-    ) -> tuple[str | None, float | None, float]:
-        """ctx.check_partner, and how long it took (the compute thread's queue included)."""
+    ) -> tuple[str | None, float | None, float, list[Tensor], list[Tensor]]:
+        """ctx.check_partner, how long it took (the compute thread's queue included), and the
+        partner's phi and Delta on this replica's device."""
         began = time.monotonic()
-        reason, divergence = await self.ctx.check_partner(peer, start, phi, delta)
-        return reason, divergence, time.monotonic() - began
+        reason, divergence, phi, delta = await self.ctx.check_partner(peer, start, phi, delta)
+        return reason, divergence, time.monotonic() - began, phi, delta
 
     async def _swap(self, session: Session, start: RoundStart) -> tuple[list[Tensor], list[Tensor]]:
-        """My phi and Delta out, the partner's in: (phi, Delta) of the partner."""
-        count = len(start.state.phi)
-        tensors = await self.ctx.wire.swap(session, start.state.round, [*start.state.phi, *start.delta])
+        """My phi and Delta out, the partner's in (into host buffers): (phi, Delta) of the partner."""
+        count = len(start.wire_phi)
+        buffers = await self.ctx.host_buffers(2)
+        tensors = await self.ctx.wire.swap(session, start.state.round, [*start.wire_phi, *start.wire_delta], buffers)
         return tensors[:count], tensors[count:]
 
     async def _step_with(self, start: RoundStart, partner: PartnerUpdate | None) -> RoundOutcome:

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from node.config import ModelConfig
+from node.runtime.device import DeviceTransfers
 from node.runtime.finite import all_finite, is_finite
 
 INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -50,11 +52,12 @@ def check_hidden(
     hidden_size: int,
     max_batch: int,
     max_positions: int,
-    device: torch.device,
     dtype: torch.dtype,
     shape: torch.Size | None = None,
 ) -> Tensor:
-    """A [batch, seq, hidden] floating tensor, finite after the cast to the module's dtype."""
+    """A [batch, seq, hidden] floating tensor, finite after the cast to the module's dtype, where it
+    is: a tensor from the wire is checked on the host, before it costs the device anything
+    (StageWorker.hidden_from_wire moves it after)."""
     if not isinstance(hidden, Tensor):
         raise RejectedInput(f"{what}: expected a tensor, got {type(hidden).__name__}")
     if not hidden.is_floating_point():
@@ -68,7 +71,7 @@ def check_hidden(
         check_batch_shape(what, hidden.shape[0], hidden.shape[1], max_batch, max_positions)
         if hidden.shape[2] != hidden_size:
             raise RejectedInput(f"{what}: hidden size {hidden.shape[2]} != {hidden_size}")
-    hidden = hidden.detach().to(device=device, dtype=dtype)
+    hidden = hidden.detach().to(dtype=dtype)
     if not is_finite(hidden):  # checked after the cast: fp32 values may overflow fp16
         raise RejectedInput(f"{what}: contains NaN or infinite values")
     return hidden
@@ -81,10 +84,10 @@ def check_tokens(
     vocab_size: int,
     max_batch: int,
     max_positions: int,
-    device: torch.device,
     shape: torch.Size | None = None,
 ) -> Tensor:
-    """A [batch, seq] integer tensor of ids in [0, vocab_size)."""
+    """A [batch, seq] integer tensor of ids in [0, vocab_size), as int64, where it is (the host, for
+    a tensor from the wire: its range is read there without a device sync)."""
     if not isinstance(tokens, Tensor):
         raise RejectedInput(f"{what}: expected a tensor, got {type(tokens).__name__}")
     if tokens.dtype not in INT_DTYPES:
@@ -97,7 +100,31 @@ def check_tokens(
     lo, hi = int(tokens.min()), int(tokens.max())
     if lo < 0 or hi >= vocab_size:
         raise RejectedInput(f"{what}: token ids must be in [0, {vocab_size}), got range [{lo}, {hi}]")
-    return tokens.detach().to(device=device, dtype=torch.long)
+    return tokens.detach().to(dtype=torch.long)
+
+
+class WireInputs:
+    """The wire-input checks bound to one stage's sizes: `check_*` run where the tensor is (the host,
+    for one from the wire: no device sync), `*_from_wire` then copy it to the stage's device."""
+
+    def __init__(self, model: ModelConfig, dtype: torch.dtype, max_batch: int, transfers: DeviceTransfers) -> None:
+        self.hidden_size, self.vocab_size, self.dtype = model.hidden_size, model.vocab_size, dtype
+        self.bounds = {"max_batch": max_batch, "max_positions": model.max_position_embeddings}
+        self.transfers = transfers
+
+    def check_hidden(self, what: str, hidden: object, shape: torch.Size | None = None) -> Tensor:
+        return check_hidden(what, hidden, hidden_size=self.hidden_size, dtype=self.dtype, shape=shape, **self.bounds)
+
+    def check_tokens(self, what: str, tokens: object, shape: torch.Size | None = None) -> Tensor:
+        return check_tokens(what, tokens, vocab_size=self.vocab_size, shape=shape, **self.bounds)
+
+    def hidden_from_wire(self, what: str, hidden: object, shape: torch.Size | None = None) -> Tensor:
+        """A hidden-state tensor from another peer, checked on the host, then on the stage's device."""
+        return self.transfers.to_device(self.check_hidden(what, hidden, shape))
+
+    def tokens_from_wire(self, what: str, tokens: object, shape: torch.Size | None = None) -> Tensor:
+        """Token ids from the wire (or the local data), checked on the host, then on the stage's device."""
+        return self.transfers.to_device(self.check_tokens(what, tokens, shape))
 
 
 def check_finite(what: str, tensors: Sequence[Tensor | None]) -> None:
@@ -119,7 +146,8 @@ class GradientGate:
         self.samples = 0
 
     def check(self, what: str, grad: Tensor) -> float:
-        """The gradient's norm, if acceptable; RejectedInput otherwise. Does not learn from it."""
+        """The gradient's norm, if acceptable; RejectedInput otherwise. Does not learn from it. Give
+        it the host tensor from the wire: on a device, reading the norm is a sync."""
         norm = float(torch.linalg.vector_norm(grad.float()))
         if not math.isfinite(norm):
             raise RejectedInput(f"{what}: norm is not finite")

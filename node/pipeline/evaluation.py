@@ -50,27 +50,29 @@ def _stage_kind(worker: StageWorker, block: bool) -> None:
 
 
 def eval_embed(worker: StageWorker, tokens: Tensor) -> Tensor:
-    """Stage 0: tokens [B, T] -> hidden [B, T, H] (CPU, fp32), nothing remembered."""
+    """Stage 0: tokens [B, T] -> hidden [B, T, H] (host, fp32), nothing remembered."""
     _stage_kind(worker, block=False)
-    ids = worker.check_tokens("eval tokens", tokens)
+    ids = worker.tokens_from_wire("eval tokens", tokens)
     with torch.no_grad(), worker.precision.autocast():
-        return worker.module.embed(ids).to("cpu", worker.dtype)
+        return worker.transfers.to_host([worker.module.embed(ids).to(worker.dtype)])[0]
 
 
 def eval_forward(worker: StageWorker, hidden: Tensor) -> Tensor:
-    """A block stage: hidden [B, T, H] -> [B, T, H] (CPU, fp32), nothing remembered."""
+    """A block stage: hidden [B, T, H] -> [B, T, H] (host, fp32), nothing remembered."""
     _stage_kind(worker, block=True)
-    x = worker.check_hidden("eval input", hidden)
+    x = worker.hidden_from_wire("eval input", hidden)
     with torch.no_grad(), worker.precision.autocast():
-        return worker.module(x).to("cpu", worker.dtype)
+        return worker.transfers.to_host([worker.module(x).to(worker.dtype)])[0]
 
 
 def eval_loss(worker: StageWorker, hidden: Tensor, targets: Tensor) -> float:
     """Stage 0: mean cross-entropy of the last block stage's output against `targets` (the origin's
     own copy). RejectedInput when the returned hidden states are misshapen or give no finite loss."""
     _stage_kind(worker, block=False)
-    tgt = worker.check_tokens("eval targets", targets)
-    h = worker.check_hidden("eval head input", hidden, shape=torch.Size((*tgt.shape, worker.config.model.hidden_size)))
+    tgt = worker.tokens_from_wire("eval targets", targets)
+    h = worker.hidden_from_wire(
+        "eval head input", hidden, shape=torch.Size((*tgt.shape, worker.config.model.hidden_size))
+    )
     with torch.no_grad(), worker.precision.autocast():
         loss = float(worker.module.loss(h, tgt))
     if not math.isfinite(loss):

@@ -10,7 +10,8 @@ encoded by `training.wire_compression` alone.
 
 `auto` is resolved per peer, not per swarm: the swarm config is shared (and hashed) while a swarm
 mixes CPUs and GPUs. A CUDA device with native bf16 (compute capability >= 8.0) computes in bf16;
-anything else (CPU, older GPUs, MPS) in fp32. Replicas of a stage at different precisions still
+an older CUDA GPU in fp16 with the loss scaling below (its tensor cores, where it has them, and half
+the activation memory); anything else (CPU, MPS) in fp32. Replicas of a stage at different precisions still
 gossip: they exchange fp32 weights.
 
 fp16 and its loss scale. fp16 has 5 exponent bits: gradients below ~6e-8 vanish, so the backward
@@ -70,17 +71,19 @@ MAX_BACKOFFS = 24  # 2**16 halves to 1 in 16 backoffs; 24 bounds the retries wit
 def resolve_precision(requested: Precision, device: torch.device | str) -> Precision:
     """The concrete precision (never AUTO) this peer computes in on `device`.
 
-    AUTO: bf16 on a CUDA device with native bf16 support, fp32 otherwise (on CPU bf16 autocast
-    runs, but is slower than fp32 for these shapes: docs/model.md "Precision"). Explicit values are
-    honoured on any device (bf16 and fp16 autocast both run on CPU, which is what the tests use).
+    AUTO: bf16 on a CUDA device with native bf16 support, fp16 (loss-scaled) on an older CUDA
+    device, fp32 elsewhere (on CPU bf16 autocast runs, but is slower than fp32 for these shapes:
+    docs/model.md "Precision"). Explicit values are honoured on any device (bf16 and fp16 autocast
+    both run on CPU, which is what the tests use).
     """
     requested = Precision(requested)
     if requested is not Precision.AUTO:
         return requested
     device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
-        return Precision.BF16
-    return Precision.FP32
+    if device.type != "cuda":
+        return Precision.FP32
+    native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)  # of the current CUDA device
+    return Precision.BF16 if native_bf16 else Precision.FP16
 
 
 def autocast_dtype(precision: Precision) -> torch.dtype | None:

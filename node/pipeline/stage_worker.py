@@ -38,6 +38,15 @@ before the backward (the version counters tell), the backward recomputes the for
 stored input with the current weights, as hivemind's expert backends always do. Stage 0 always
 takes that path: its embedding is one lookup, cheaper to redo than to copy.
 
+Devices (node/runtime/device.py): the module, the stored activations and everything computed live
+on the stage's device. Tensors from the wire arrive on the host: each is checked there (shape,
+dtype, finiteness, the gradient gate's norm: no device sync) and then copied to the device through
+pinned memory (`hidden_from_wire`, `tokens_from_wire`); results go back to the host for the wire in
+one synchronizing copy (`_out`), after which a forward's time is read, so throughput is the
+compute's, not the kernel launches'. Per microbatch the device is read once more, for the fused
+finiteness check of its gradients (node/runtime/finite.py), and once per optimizer step, for the
+clipped norm (node/pipeline/inner_optimizer.py).
+
 Precision (node/pipeline/precision.py): every forward runs under the stage's autocast and every
 backward through ``StagePrecision.grad``, which applies and removes fp16's loss scale within the
 stage; weights, gradients, optimizer state and the tensors this worker returns stay fp32.
@@ -45,30 +54,40 @@ stage; weights, gradients, optimizer state and the tensors this worker returns s
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
 
-from node.config import SwarmConfig, TrainingConfig
+from node.config import SwarmConfig
 from node.model.llama import BlockStage, EdgeStage, build_stage
 from node.pipeline.activation_store import ActivationStore, StoredMicrobatch, UnknownMicrobatch
 from node.pipeline.admission import (
     GradientGate,
     RejectedInput,
+    WireInputs,
     check_finite,
-    check_hidden,
     check_state_dict,
-    check_tokens,
+)
+from node.pipeline.inner_optimizer import (
+    ADAM_BETAS,
+    ADAM_EPS,
+    THROUGHPUT_EMA,
+    accumulate,
+    clipped_step,
+    lr_at,
+    smoothed_throughput,
+    step_size,
+    time_forward_backward,
 )
 from node.pipeline.precision import StagePrecision
 from node.pipeline.weight_stash import WeightStashes
 from node.runtime.compute_thread import ComputeThread
+from node.runtime.device import DeviceTransfers
 from node.runtime.meter import Meter
 
 T = TypeVar("T")
@@ -86,31 +105,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ADAM_BETAS = (0.9, 0.95)
-ADAM_EPS = 1e-8
-THROUGHPUT_EMA = 0.1  # weight of the newest sample (SWARM's alpha)
 # stored activations per microbatch a stage-0 peer may keep in flight: a block peer fed by several
 # stage-0 peers holds more than one window (node/model/memory.py counts one)
 STORED_PER_IN_FLIGHT = 4
-
-
-def lr_at(config: SwarmConfig, step: int, lr_scale: float = 1.0) -> float:
-    """Learning rate of optimizer step `step` (0-based): linear warmup, cosine decay, then flat.
-
-    step < W:        lr * (step + 1) / W            (W = warmup_steps; the first step is not wasted)
-    W <= step < T:   lr * (m + (1 - m) * (1 + cos(pi * (step - W) / (T - W))) / 2)
-    step >= T:       lr * m                         (T = total_steps, m = min_lr_ratio)
-    all times lr_scale.
-    """
-    t = config.training
-    if step < t.warmup_steps:
-        factor = (step + 1) / t.warmup_steps
-    elif step >= t.total_steps:
-        factor = t.min_lr_ratio
-    else:
-        progress = (step - t.warmup_steps) / (t.total_steps - t.warmup_steps)
-        factor = t.min_lr_ratio + (1.0 - t.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return t.learning_rate * factor * lr_scale
 
 
 class StageWorker:
@@ -137,8 +134,12 @@ class StageWorker:
         self.config = config
         self.stage = stage
         self.device = torch.device(device)
+        self.transfers = DeviceTransfers(self.device)  # the wire's host tensors in, results out
         self.module: nn.Module = module.to(self.device).train()
         self._params = [p for p in self.module.parameters()]
+        named = list(self.module.named_parameters())  # stage 0: the embedding, and the norm + head after the blocks
+        self._embed_params = [p for n, p in named if n.startswith("embed_tokens.")]
+        self._head_params = [p for n, p in named if not n.startswith("embed_tokens.")]
         self.dtype = self._params[0].dtype  # of the master weights and the wire tensors: fp32
         self.precision = StagePrecision(t.precision, self.device)  # compute: autocast, fp16's loss scale
         self.max_stored = max_stored if max_stored is not None else STORED_PER_IN_FLIGHT * t.max_in_flight
@@ -156,16 +157,9 @@ class StageWorker:
         self.meter = Meter()  # times forward/backward/head on the compute thread; a service hands its own
         self.store = ActivationStore(stage, self.max_stored)
         self.stashes = WeightStashes(self.module, t.stashed_weights if stage > 0 else 0)
-        bounds = {
-            "max_batch": self.max_batch,
-            "max_positions": config.model.max_position_embeddings,
-            "device": self.device,
-        }
-        # the wire-input checks bound to this stage's sizes (forward-only evaluation uses them too)
-        self.check_hidden = functools.partial(
-            check_hidden, hidden_size=config.model.hidden_size, dtype=self.dtype, **bounds
-        )
-        self.check_tokens = functools.partial(check_tokens, vocab_size=config.model.vocab_size, **bounds)
+        self.inputs = WireInputs(config.model, self.dtype, self.max_batch, self.transfers)  # wire checks, then device
+        self.check_hidden, self.check_tokens = self.inputs.check_hidden, self.inputs.check_tokens
+        self.hidden_from_wire, self.tokens_from_wire = self.inputs.hidden_from_wire, self.inputs.tokens_from_wire
         self._closed = False
         self.gradient_gate = GradientGate()  # refuses absurd gradients from other peers
         self.optimizer: torch.optim.AdamW = self._new_optimizer()
@@ -206,8 +200,8 @@ class StageWorker:
         self.optimizer = self._new_optimizer()
 
     def state_dict(self) -> dict[str, Tensor]:
-        """A detached CPU copy of the module's weights (safe to serialize while training goes on)."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        """A detached host copy of the module's weights (safe to serialize while training goes on)."""
+        return self.transfers.state_to_host(self.module.state_dict())
 
     def load_state_dict(self, sd: dict[str, Tensor], fresh_optimizer: bool = True) -> None:
         """Copy weights in (names and shapes must match exactly; ValueError otherwise).
@@ -221,7 +215,7 @@ class StageWorker:
         check_state_dict(own, sd)
         with torch.no_grad():
             for name, target in own.items():
-                target.copy_(sd[name].to(device=target.device, dtype=target.dtype))
+                target.copy_(self.transfers.to_device(sd[name], target.dtype))
         if fresh_optimizer:
             self.reset_optimizer()
             self.optimizer.zero_grad(set_to_none=True)
@@ -269,7 +263,8 @@ class StageWorker:
             raise ValueError(f"stage {self.stage} is a block stage: use forward / backward")
 
     def _out(self, t: Tensor) -> Tensor:
-        return t.detach().to("cpu")
+        """A result for the wire: on the host (one device sync on a GPU)."""
+        return self.transfers.to_host([t])[0]
 
     # ------------------------------------------------------------------------------------------
     # Block stage (stage >= 1)
@@ -278,15 +273,16 @@ class StageWorker:
         """Training forward: hidden [B, T, H] -> [B, T, H] (CPU, module dtype); remembers the graph."""
         self._need(block=True)
         start = time.perf_counter()
-        x = self.check_hidden("forward input", hidden)
+        x = self.hidden_from_wire("forward input", hidden)
         leaf = x.requires_grad_(True)
         stash = self.stashes.for_forward(versions := self._versions())
         with torch.enable_grad(), self.precision.autocast():
             out = self.stashes.forward(stash, leaf)
+        result = self._out(out)  # waits for the device: the time below is the compute's, not the launches'
         elapsed = time.perf_counter() - start
         stored = StoredMicrobatch("block", x.detach(), leaf, out, versions, time.monotonic(), elapsed, stash=stash)
         self.store.put(key, stored)
-        return self._out(out)
+        return result
 
     def backward(self, key: Hashable, grad_output: Tensor) -> Tensor:
         """Gradient wrt the stored input; accumulates parameter grads, counts, steps when due."""
@@ -294,7 +290,8 @@ class StageWorker:
         start = time.perf_counter()
         item = self.store.get(key, "block")
         grad = self.check_hidden("backward gradient", grad_output, shape=item.output.shape)
-        norm = self.gradient_gate.check("backward gradient", grad)
+        norm = self.gradient_gate.check("backward gradient", grad)  # on the host: no device sync
+        grad = self.transfers.to_device(grad)
         self.store.take(key, item)
         leaf, out, weights = item.leaf, item.output, self._params
         if item.stash is not None:  # the graph holds the forward's own weights: valid whatever stepped since
@@ -320,12 +317,13 @@ class StageWorker:
         """tokens [B, T] -> hidden [B, T, H] (CPU, module dtype); remembers the embedding graph."""
         self._need(block=False)
         start = time.perf_counter()
-        ids = self.check_tokens("embed tokens", tokens)
+        ids = self.tokens_from_wire("embed tokens", tokens)
         with torch.enable_grad(), self.precision.autocast():
             out = self.module.embed(ids)
+        result = self._out(out)  # waits for the device, so the time is the compute's
         elapsed = time.perf_counter() - start
         self.store.put(key, StoredMicrobatch("edge", ids, None, out, self._versions(), time.monotonic(), elapsed))
-        return self._out(out)
+        return result
 
     def head_loss_backward(self, key: Hashable, hidden: Tensor, targets: Tensor) -> tuple[float, Tensor]:
         """Mean cross-entropy of the last block stage's output, and its gradient wrt `hidden`.
@@ -338,20 +336,20 @@ class StageWorker:
         self._need(block=False)
         start = time.perf_counter()
         item = self.store.get(key, "edge")
-        h = self.check_hidden("head input", hidden, shape=item.output.shape)
-        tgt = self.check_tokens("targets", targets, shape=item.inputs.shape)
+        h = self.hidden_from_wire("head input", hidden, shape=item.output.shape)
+        tgt = self.tokens_from_wire("targets", targets, shape=item.inputs.shape)
         h.requires_grad_(True)
-        head_params = [p for n, p in self.module.named_parameters() if not n.startswith("embed_tokens.")]
         with torch.enable_grad(), self.precision.autocast():
             loss = self.module.loss(h, tgt)
-        grads = self.precision.grad(loss / self.config.training.microbatches_per_step, [h, *head_params])
+        grads = self.precision.grad(loss / self.config.training.microbatches_per_step, [h, *self._head_params])
         loss_value = float(loss.detach())
         if not math.isfinite(loss_value):
             raise RejectedInput(f"loss is not finite ({loss_value}): the returned hidden states are unusable")
         check_finite("head gradients of this microbatch", grads)
         item.head_grads = list(grads[1:])
+        grad_out = self._out(grads[0])
         item.seconds += time.perf_counter() - start
-        return float(loss.detach()), self._out(grads[0])
+        return loss_value, grad_out
 
     def embed_backward(self, key: Hashable, grad: Tensor) -> None:
         """Finish the microbatch at stage 0: apply its head grads, backprop into the embedding,
@@ -362,18 +360,17 @@ class StageWorker:
         if item.head_grads is None:
             raise ValueError(f"stage 0: embed_backward for {key!r} before its head_loss_backward")
         g = self.check_hidden("embedding gradient", grad, shape=item.output.shape)
-        norm = self.gradient_gate.check("embedding gradient", g)
+        norm = self.gradient_gate.check("embedding gradient", g)  # on the host: no device sync
+        g = self.transfers.to_device(g)
         self.store.take(key, item)
         out = item.output
         if item.versions != self._versions():
             with torch.enable_grad(), self.precision.autocast():
                 out = self.module.embed(item.inputs)
-        embed_params = [p for n, p in self.module.named_parameters() if n.startswith("embed_tokens.")]
-        embed_grads = self.precision.grad(out, embed_params, g)
+        embed_grads = self.precision.grad(out, self._embed_params, g)
         check_finite("embedding gradients of this microbatch", embed_grads)
-        head_params = [p for n, p in self.module.named_parameters() if not n.startswith("embed_tokens.")]
-        accumulate(embed_params, embed_grads)
-        accumulate(head_params, item.head_grads)
+        accumulate(self._embed_params, embed_grads)
+        accumulate(self._head_params, item.head_grads)
         self.gradient_gate.accept(norm)
         self._finish(item.seconds + time.perf_counter() - start)
 
@@ -406,91 +403,8 @@ class StageWorker:
         t = self.config.training
         with self.precision.autocast():  # time the arithmetic this peer trains in (routing weighs it)
             seconds = time_forward_backward(
-                self.module, self.config, self.stage, self.device, self.dtype,
+                self.module, self.config, self.stage, self.transfers, self.dtype,
                 batch or t.microbatch_size, seq or t.sequence_length, repeats,
             )  # fmt: skip
         self.throughput = 1.0 / max(seconds, 1e-9)
         return self.throughput
-
-
-def time_forward_backward(
-    module: nn.Module,
-    config: SwarmConfig,
-    stage: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    batch: int,
-    seq: int,
-    repeats: int,
-) -> float:
-    """Best-of-`repeats` seconds of one forward+backward of a stage's module on random inputs."""
-    m = config.model
-    gen = torch.Generator().manual_seed(0)
-    params = list(module.parameters())
-    best = math.inf
-    for i in range(repeats + 1):  # the first run warms up allocators and kernels
-        start = time.perf_counter()
-        with torch.enable_grad():
-            if stage == 0:
-                tokens = torch.randint(0, m.vocab_size, (batch, seq), generator=gen).to(device)
-                h = module.embed(tokens)
-                loss = module.loss(h, tokens)
-                torch.autograd.grad(loss, params, allow_unused=True)
-            else:
-                x = torch.randn(batch, seq, m.hidden_size, generator=gen).to(device, dtype)
-                x.requires_grad_(True)
-                out = module(x)
-                torch.autograd.grad(out, [x, *params], torch.ones_like(out))
-        if i > 0:
-            best = min(best, time.perf_counter() - start)
-    return best
-
-
-def smoothed_throughput(previous: float, sample: float) -> float:
-    """SWARM's throughput estimate: an EMA of microbatches/s, the first sample taken as it is."""
-    return sample if previous <= 0 else (1 - THROUGHPUT_EMA) * previous + THROUGHPUT_EMA * sample
-
-
-def step_size(training: TrainingConfig, stored: int) -> int:
-    """Backward passes per optimizer step for a stage holding `stored` other microbatches between
-    their forward and backward: each of those waits about stored / step_size steps for its
-    gradient, so larger windows take larger steps and staleness stays <= max_staleness_steps."""
-    return max(training.microbatches_per_step, math.ceil(stored / training.max_staleness_steps))
-
-
-def accumulate(params: Sequence[nn.Parameter], grads: Sequence[Tensor | None]) -> None:
-    """Add one microbatch's (checked) parameter gradients to the step's accumulation."""
-    with torch.no_grad():
-        for p, g in zip(params, grads):
-            if g is None:
-                continue
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.add_(g)
-
-
-def clipped_step(
-    optimizer: torch.optim.Optimizer, params: Sequence[Tensor], clip: float, lr: float, grad_scale: float = 1.0
-) -> float | None:
-    """One optimizer step on the accumulated gradients times `grad_scale`, clipped to `clip`: the
-    clipped norm; None (and the gradients dropped) when the norm is not finite; NaN when there was
-    nothing to step."""
-    with_grad = [p for p in params if p.grad is not None]
-    if not with_grad:
-        return math.nan
-    if grad_scale != 1.0:
-        with torch.no_grad():
-            for p in with_grad:
-                p.grad.mul_(grad_scale)
-    total = torch.nn.utils.clip_grad_norm_(with_grad, clip)
-    if not torch.isfinite(total):
-        optimizer.zero_grad(set_to_none=True)
-        return None
-    clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in with_grad]))
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    # the norm of the clipped gradients; float32 rounding can put it a hair above the clip
-    return min(float(clipped), clip)

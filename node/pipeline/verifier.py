@@ -42,6 +42,8 @@ from node.pipeline.routing import BanList
 from node.pipeline.spot_check import (
     Answer,
     CheckRate,
+    Comparison,
+    Limits,
     StrikeBook,
     Tolerance,
     Verdict,
@@ -66,15 +68,16 @@ def answer_check(worker: StageWorker, hidden: Tensor, probe: Tensor) -> tuple[Te
     the worker's compute thread like every other use of its module."""
     if worker.stage == 0:
         raise RejectedInput("stage 0 is not spot-checked")
-    x = worker.check_hidden("check input", hidden)
-    direction = worker.check_hidden("check probe", probe, shape=x.shape)
+    x = worker.hidden_from_wire("check input", hidden)
+    direction = worker.hidden_from_wire("check probe", probe, shape=x.shape)
     leaf = x.requires_grad_(True)
     with torch.enable_grad(), worker.precision.autocast():
         out = worker.module(leaf)
     (grad_in,) = worker.precision.grad(out, [leaf], direction.to(out.dtype))
     if grad_in is None:
         raise RuntimeError("the stage's output does not depend on its input")
-    return out.detach().float().cpu(), grad_in.detach().float().cpu()
+    output, grad_input = worker.transfers.to_host([out.detach().float(), grad_in.detach().float()])
+    return output, grad_input
 
 
 @dataclass
@@ -212,7 +215,7 @@ class Verifier:
             divergence is None or divergence <= self.settings.settled_divergence
         )
         limits = self.tolerance.limits(self._tolerated_divergence(divergence, first, second), settled)
-        first_vs_second = compare(answers[0], answers[1], limits)
+        first_vs_second = await self._compare(answers[0], answers[1], limits)
         logger.debug(f"check of {short_peer_id(first)} against {short_peer_id(second)}: {first_vs_second.describe()}")
         self.stats.checks += 1
         if first_vs_second.agree:
@@ -228,10 +231,22 @@ class Verifier:
             third = await self._ask(stage, arbiter, hidden, probe)
             if third is not None:
                 self.stats.arbitrations += 1
-                verdict = arbitrate(compare(answers[0], third, limits), compare(answers[1], third, limits))
+                verdict = arbitrate(
+                    await self._compare(answers[0], third, limits), await self._compare(answers[1], third, limits)
+                )
                 evidence += f", arbiter {short_peer_id(arbiter)}"
         self._act(stage, verdict, first, second, evidence)
         return verdict
+
+    async def _compare(self, first: Answer, second: Answer, limits: Limits) -> Comparison:
+        """compare() on this stage's device and compute thread: the answers arrived as host tensors."""
+
+        def compared() -> Comparison:
+            to_device = self.worker.transfers.to_device_all
+            on_device = [Answer(*to_device([a.output, a.grad_input])) for a in (first, second)]
+            return compare(on_device[0], on_device[1], limits)
+
+        return await self.worker.compute(compared)
 
     def _tolerated_divergence(self, published: float | None, first: str, second: str) -> float | None:
         """What the outputs' tolerance scales with: the larger of the stage's published divergence
@@ -248,10 +263,17 @@ class Verifier:
     async def audit(self) -> Verdict | None:
         """Check a random mate of this peer's stage against this peer's own answer on its newest
         input; None when there is nothing to check with (no input in flight, no mate)."""
-        hidden = self.worker.store.newest_input()
-        if hidden is None or self.worker.stage == 0:
+        if self.worker.stage == 0:
             return None
-        return await self.check(self.worker.stage, self.peer_id, hidden.detach().float().cpu())
+
+        def newest_input_on_host() -> Tensor | None:
+            hidden = self.worker.store.newest_input()  # on the device: read on the compute thread
+            return None if hidden is None else self.worker.transfers.to_host([hidden.detach().float()], copy=True)[0]
+
+        hidden = await self.worker.compute(newest_input_on_host)
+        if hidden is None:
+            return None
+        return await self.check(self.worker.stage, self.peer_id, hidden)
 
     async def run_audits(self) -> None:
         """Audit a stage mate every `audit_seconds` (jittered, so replicas do not audit in step)."""

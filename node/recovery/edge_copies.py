@@ -28,7 +28,8 @@ from torch import Tensor
 from dht.records import PeerRecord, PeerState
 from node.config import RecoveryStrategy, SwarmConfig
 from node.p2p.transport import Transport, TransportError
-from node.recovery.state_transfer import download_from_any
+from node.pipeline.stage_worker import StageWorker
+from node.recovery.state_transfer import download_from_any, state_on_device
 from protocol.stage_state import StageState, StatePart, StateUnavailable
 
 logger = logging.getLogger(__name__)
@@ -117,10 +118,12 @@ async def refresh_edge_copies(
     interval: int,
     rng: random.Random,
     *,
+    worker: StageWorker | None = None,
     force: bool = False,
 ) -> list[StatePart]:
     """Refresh every due part from a stage-0 peer; returns the parts refreshed. A failed download
-    keeps the previous copy (stale beats none) and is retried at the next check."""
+    keeps the previous copy (stale beats none) and is retried at the next check. With `worker`
+    (the holder's own), a copy is kept on its device, moved there on its compute thread."""
     refreshed = []
     for part in copies.parts:
         if not (force or refresh_due(copies.step_of(part), stage0_peers, interval)):
@@ -130,6 +133,8 @@ async def refresh_edge_copies(
         except TransportError as e:
             logger.warning(f"edge copy {part} not refreshed: {e}")
             continue
+        if worker is not None:
+            state = await worker.compute(state_on_device, state, worker.transfers)
         copies.update(part, state)
         refreshed.append(part)
         logger.info(f"edge copy {part} refreshed at stage-0 step {state.inner_step}")
@@ -143,8 +148,9 @@ async def run_edge_copy_refresher(
     interval: int,
     check_period: float,
     rng: random.Random,
+    worker: StageWorker | None = None,
 ) -> None:
-    """Keep `copies` fresh until cancelled; `stage0_peers` reads the swarm view."""
+    """Keep `copies` fresh until cancelled (on `worker`'s device); `stage0_peers` reads the swarm view."""
     while True:
-        await refresh_edge_copies(copies, transport, stage0_peers(), interval, rng)
+        await refresh_edge_copies(copies, transport, stage0_peers(), interval, rng, worker=worker)
         await asyncio.sleep(check_period)

@@ -172,7 +172,8 @@ async def rebuild_stage(
     plan = plan_rebuild(stage, config.num_stages, recovery.strategy, recovery.checkfree_plus)
     if not plan.recoverable:
         raise RebuildImpossible(f"stage {stage} cannot be rebuilt: {plan.reason}")
-    template = await worker.compute(worker.state_dict)
+    # the live module's own tensors, on its device: the template the result must match (zero: the entries to zero)
+    template = await worker.compute(lambda: {k: v.detach() for k, v in worker.module.state_dict().items()})
     expect = {name: tuple(t.shape) for name, t in template.items()}
 
     sources: dict[int, FetchedSource] = {}
@@ -198,13 +199,19 @@ async def rebuild_stage(
 
     def fresh_state() -> dict[str, Tensor]:
         if plan.action == RebuildAction.FRESH:  # strategy random: a seed that does not reproduce the original init
-            return build_stage(config, stage, init_seed=new_seed).state_dict()
+            # built on the host like every stage (a CPU generator: the same init on any device), then moved
+            return worker.transfers.state_to_device(build_stage(config, stage, init_seed=new_seed).state_dict())
         return template
 
     def apply() -> dict[str, Tensor]:
-        # a source that has not stepped since it joined weighs as 1.0, the authors' start value
-        fetched = {s: (src.state.weights, known_grad_norm(src.state.grad_norm)) for s, src in sources.items()}
-        weights = execute_rebuild(plan, fetched, fresh_state, None if checkpoint is None else checkpoint.weights)
+        # the sources arrived on the host: the rebuild (average, copy) is computed on this stage's device.
+        # A source that has not stepped since it joined weighs as 1.0, the authors' start value
+        to_device = worker.transfers.state_to_device
+        fetched = {
+            s: (to_device(src.state.weights), known_grad_norm(src.state.grad_norm)) for s, src in sources.items()
+        }
+        saved = None if checkpoint is None else to_device(checkpoint.weights)
+        weights = execute_rebuild(plan, fetched, fresh_state, saved)
         worker.load_state_dict(weights, fresh_optimizer=True)
         worker.inner_step = inner_step
         worker.last_grad_norm = None

@@ -39,6 +39,7 @@ from node.p2p.tensor_stream import ChunkIndex, Session, TensorStream
 from node.p2p.transport import Transport, TransportError
 from node.pipeline.stage_worker import StageWorker
 from node.runtime.byte_progress import ByteProgress, ByteTask, Outcome
+from node.runtime.device import DeviceTransfers
 from node.runtime.meter import Tally
 from protocol import MessageKind, ProtocolError
 from protocol.stage_state import (
@@ -69,6 +70,8 @@ __all__ = [
     "download_state",
     "join_live_stage",
     "serve_state",
+    "state_on_device",
+    "state_on_host",
     "state_provider",
     "take_stage_state",
 ]
@@ -298,12 +301,30 @@ class EdgeCopyHolder(Protocol):
     def merged_state(self) -> StageState: ...
 
 
+def state_on_host(state: StageState, transfers: DeviceTransfers) -> StageState:
+    """`state` with its tensors on the host, for the wire (run on the compute thread). Not copies on
+    a CPU: give it tensors that are replaced, never modified in place (edge copies, outer states)."""
+    return dataclasses.replace(
+        state,
+        weights=transfers.state_to_host(state.weights, copy=False),
+        outer=transfers.state_to_host(state.outer, copy=False),
+    )
+
+
+def state_on_device(state: StageState, transfers: DeviceTransfers) -> StageState:
+    """`state` (as downloaded, on the host) with its tensors on the stage's device (compute thread)."""
+    return dataclasses.replace(
+        state, weights=transfers.state_to_device(state.weights), outer=transfers.state_to_device(state.outer)
+    )
+
+
 async def capture_state(worker: StageWorker, gossip: Gossip | None = None, outer_round: int = 0) -> StageState:
     """A consistent copy of `worker`'s stage (and the gossip outer state, when there is one),
-    taken on the worker's compute thread between two of its steps."""
+    taken on the worker's compute thread between two of its steps, on the host for the wire."""
 
     def take() -> StageState:
-        outer = {k: v.detach().to("cpu", copy=True) for k, v in gossip.export_outer().items()} if gossip else {}
+        # an outer state's tensors are never modified in place (every outer step makes new ones)
+        outer = worker.transfers.state_to_host(gossip.export_outer(), copy=False) if gossip else {}
         # the gossip's own round counter is exact; the record's copy lags by up to a heartbeat
         round_now = gossip.outer_state.round if gossip else outer_round
         return StageState(
@@ -333,7 +354,7 @@ def state_provider(
         if part == StatePart.EDGE_COPY:
             if edge_copies is None:
                 raise StateUnavailable(f"stage {worker.stage} keeps no edge copy")
-            return edge_copies.merged_state()
+            return await worker.compute(lambda: state_on_host(edge_copies.merged_state(), worker.transfers))
         if me.state != PeerState.ONLINE:
             raise StateUnavailable(f"this peer is {me.state}, not online")
         if part == StatePart.STAGE:
@@ -346,7 +367,7 @@ def state_provider(
             weights = dict(worker.module.state_dict())
             return StageState(
                 stage=0,
-                weights={k: weights[k].detach().to("cpu", copy=True) for k in keys},
+                weights=worker.transfers.state_to_host({k: weights[k] for k in keys}),
                 inner_step=worker.inner_step,
                 grad_norm=worker.last_grad_norm,
             )
@@ -361,6 +382,7 @@ async def adopt_state(worker: StageWorker, state: StageState, gossip: Gossip | N
     never transferred), its schedule position and lr scale, and the gossip outer state."""
 
     def load() -> None:
+        # the weights go through load_state_dict's own copies; the outer state is moved by import_outer
         worker.load_state_dict(state.weights, fresh_optimizer=True)
         worker.inner_step = state.inner_step
         worker.last_grad_norm = state.grad_norm

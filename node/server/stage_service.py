@@ -313,6 +313,7 @@ async def running_service(
                         config.recovery.edge_copy_interval,
                         me.period,
                         random.Random(),
+                        service.worker,
                     ),
                     name="edge-copies",
                 )

@@ -1,0 +1,148 @@
+"""The arithmetic of one stage's inner optimizer, apart from the worker that runs it.
+
+Pure functions of tensors and the config, no state of their own: the learning-rate schedule, how
+many backward passes make a step, adding a microbatch's gradients, the clipped AdamW step, the
+throughput estimate and the forward+backward timing a peer announces. node/pipeline/stage_worker.py
+calls them on the stage's compute thread. On a GPU none of them reads the device more than once per
+call: the gradients are added and scaled with foreach kernels, the clip is applied on the device and
+only the total norm is read back, and the timing synchronizes before each clock reading.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from node.config import SwarmConfig, TrainingConfig
+from node.runtime.device import DeviceTransfers
+
+__all__ = [
+    "ADAM_BETAS",
+    "ADAM_EPS",
+    "THROUGHPUT_EMA",
+    "accumulate",
+    "clipped_step",
+    "lr_at",
+    "smoothed_throughput",
+    "step_size",
+    "time_forward_backward",
+]
+
+ADAM_BETAS = (0.9, 0.95)
+ADAM_EPS = 1e-8
+THROUGHPUT_EMA = 0.1  # weight of the newest sample (SWARM's alpha)
+
+
+def lr_at(config: SwarmConfig, step: int, lr_scale: float = 1.0) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup, cosine decay, then flat.
+
+    step < W:        lr * (step + 1) / W            (W = warmup_steps; the first step is not wasted)
+    W <= step < T:   lr * (m + (1 - m) * (1 + cos(pi * (step - W) / (T - W))) / 2)
+    step >= T:       lr * m                         (T = total_steps, m = min_lr_ratio)
+    all times lr_scale.
+    """
+    t = config.training
+    if step < t.warmup_steps:
+        factor = (step + 1) / t.warmup_steps
+    elif step >= t.total_steps:
+        factor = t.min_lr_ratio
+    else:
+        progress = (step - t.warmup_steps) / (t.total_steps - t.warmup_steps)
+        factor = t.min_lr_ratio + (1.0 - t.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return t.learning_rate * factor * lr_scale
+
+
+def time_forward_backward(
+    module: nn.Module,
+    config: SwarmConfig,
+    stage: int,
+    transfers: DeviceTransfers,
+    dtype: torch.dtype,
+    batch: int,
+    seq: int,
+    repeats: int,
+) -> float:
+    """Best-of-`repeats` seconds of one forward+backward of a stage's module on random inputs,
+    made on its device; the device is synchronized before each clock reading (on a GPU, kernels
+    run after the call that queued them returns)."""
+    m = config.model
+    device = transfers.device
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = list(module.parameters())
+    best = math.inf
+    for i in range(repeats + 1):  # the first run warms up allocators and kernels
+        transfers.synchronize()
+        start = time.perf_counter()
+        with torch.enable_grad():
+            if stage == 0:
+                tokens = torch.randint(0, m.vocab_size, (batch, seq), generator=gen, device=device)
+                h = module.embed(tokens)
+                loss = module.loss(h, tokens)
+                torch.autograd.grad(loss, params, allow_unused=True)
+            else:
+                x = torch.randn(batch, seq, m.hidden_size, generator=gen, device=device, dtype=dtype)
+                x.requires_grad_(True)
+                out = module(x)
+                torch.autograd.grad(out, [x, *params], torch.ones_like(out))
+        transfers.synchronize()
+        if i > 0:
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def smoothed_throughput(previous: float, sample: float) -> float:
+    """SWARM's throughput estimate: an EMA of microbatches/s, the first sample taken as it is."""
+    return sample if previous <= 0 else (1 - THROUGHPUT_EMA) * previous + THROUGHPUT_EMA * sample
+
+
+def step_size(training: TrainingConfig, stored: int) -> int:
+    """Backward passes per optimizer step for a stage holding `stored` other microbatches between
+    their forward and backward: each of those waits about stored / step_size steps for its
+    gradient, so larger windows take larger steps and staleness stays <= max_staleness_steps."""
+    return max(training.microbatches_per_step, math.ceil(stored / training.max_staleness_steps))
+
+
+def accumulate(params: Sequence[nn.Parameter], grads: Sequence[Tensor | None]) -> None:
+    """Add one microbatch's (checked) parameter gradients to the step's accumulation (on the
+    device, no host sync: foreach kernels for the gradients already started)."""
+    with torch.no_grad():
+        started, added = [], []
+        for p, g in zip(params, grads):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                started.append(p.grad)
+                added.append(g)
+        if started:
+            torch._foreach_add_(started, added)
+
+
+def clipped_step(
+    optimizer: torch.optim.Optimizer, params: Sequence[Tensor], clip: float, lr: float, grad_scale: float = 1.0
+) -> float | None:
+    """One optimizer step on the accumulated gradients times `grad_scale`, clipped to `clip`: the
+    clipped norm; None (and the gradients dropped) when the norm is not finite; NaN when there was
+    nothing to step. One host read per step: the total norm (clip_grad_norm_ computes and applies
+    the clip on the device)."""
+    with_grad = [p for p in params if p.grad is not None]
+    if not with_grad:
+        return math.nan
+    if grad_scale != 1.0:
+        with torch.no_grad():
+            torch._foreach_mul_([p.grad for p in with_grad], grad_scale)
+    total = float(torch.nn.utils.clip_grad_norm_(with_grad, clip))
+    if not math.isfinite(total):
+        optimizer.zero_grad(set_to_none=True)
+        return None
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    # the norm of the clipped gradients: clip_grad_norm_ scales by clip / (total + 1e-6) above the clip
+    return min(total, clip)

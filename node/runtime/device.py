@@ -1,0 +1,104 @@
+"""A stage's device and the copies between it and the host, where the wire is.
+
+Every tensor a peer computes with lives on its stage's device (a CUDA GPU or the CPU). The wire is
+on the host: protocol/ decodes received bytes into CPU tensors and encodes CPU tensors, on the event
+loop, which must never touch a GPU tensor (a CUDA call can block it for as long as the GPU is
+busy). So every tensor crosses between the two exactly here, on the stage's compute thread:
+
+- in (`to_device`): a received host tensor is copied into page-locked (pinned) memory and sent
+  to the GPU with `non_blocking=True`; the copy is queued on the current stream, so the kernels
+  queued after it read the arrived values, and the compute thread does not wait for it;
+- out (`to_host`): device tensors are copied into pinned host buffers with `non_blocking=True`,
+  all of them first, then one synchronization of the stream: one host sync per batch of tensors,
+  not one per tensor, and a DMA instead of the pageable path's staging copy;
+- `synchronize` before a clock is read: CUDA kernels run asynchronously, so a timing taken
+  without it measures how fast kernels are launched, not how fast they run.
+
+On the CPU every one of these is a no-op or a plain copy: host and device are the same memory.
+torch's caching host allocator recycles pinned blocks, so pinning per microbatch does not call
+cudaHostAlloc per microbatch. Pinned memory needs an accelerator: a CPU-only torch refuses it,
+which is why nothing here pins unless the device is CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["DeviceTransfers", "resolve_device"]
+
+
+def resolve_device(requested: str) -> torch.device:
+    """`auto`: the first CUDA GPU when torch sees one, else the CPU; anything else as torch parses it."""
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)
+
+
+class DeviceTransfers:
+    """Copies between the host (the wire) and one stage's device. Call every method on the stage's
+    compute thread (StageWorker.compute): they touch the device."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
+
+    # ---- host -> device ------------------------------------------------------------------------
+
+    def to_device(self, tensor: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """`tensor` (detached) on this device, cast to `dtype` when given. A host tensor headed for
+        a GPU goes through pinned memory and a non-blocking copy."""
+        tensor = tensor.detach()
+        if tensor.device.type != "cpu":  # already on a device (this one, or another GPU)
+            return tensor.to(self.device, dtype=dtype, non_blocking=self.is_cuda)
+        if dtype is not None:
+            tensor = tensor.to(dtype)  # cast on the host: the copy moves the final bytes once
+        if not self.is_cuda:
+            return tensor
+        if not tensor.is_pinned():
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, non_blocking=True)
+
+    def to_device_all(self, tensors: Iterable[Tensor], dtype: torch.dtype | None = None) -> list[Tensor]:
+        return [self.to_device(t, dtype) for t in tensors]
+
+    def state_to_device(self, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """A state dict's tensors on this device (names kept, dtypes kept)."""
+        return dict(zip(state, self.to_device_all(state.values())))
+
+    # ---- device -> host ------------------------------------------------------------------------
+
+    def host_empty(self, shape: Sequence[int] | torch.Size, dtype: torch.dtype) -> Tensor:
+        """An uninitialised host buffer to receive a wire tensor that will go to this device:
+        pinned when the device is a GPU, so the later `to_device` needs no staging copy."""
+        return torch.empty(tuple(shape), dtype=dtype, device="cpu", pin_memory=self.is_cuda)
+
+    def to_host(self, tensors: Sequence[Tensor], copy: bool = False) -> list[Tensor]:
+        """Detached host copies of `tensors` (one synchronization for all of them on a GPU). On the
+        CPU the tensors themselves (detached) are returned unless `copy` asks for copies, which a
+        caller needs when the originals keep changing (weights while training goes on)."""
+        host: list[Tensor] = []
+        for t in tensors:
+            t = t.detach()
+            if t.device.type == "cpu":
+                host.append(t.clone() if copy else t)
+                continue
+            buffer = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+            buffer.copy_(t, non_blocking=True)
+            host.append(buffer)
+        if self.is_cuda and any(t.device.type != "cpu" for t in tensors):
+            self.synchronize()  # the non-blocking copies must have landed before the host reads them
+        return host
+
+    def state_to_host(self, state: Mapping[str, Tensor], copy: bool = True) -> dict[str, Tensor]:
+        """A state dict's tensors on the host (copies by default: weights change while they wait)."""
+        return dict(zip(state, self.to_host(list(state.values()), copy=copy)))
+
+    # ---- clocks --------------------------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Wait for every kernel queued on this device (nothing to wait for on the CPU)."""
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
