@@ -116,7 +116,7 @@ class TokenFileSource:
             raise DataError(f"{self.path} holds {n} tokens, fewer than seq_len + 1 = {seq_len + 1}")
         starts = self.rng.integers(0, n - seq_len, size=batch_size)
         window = np.asarray(self.tokens[starts[:, None] + np.arange(seq_len + 1)[None, :]], dtype=np.int64)
-        seq = torch.from_numpy(window)
+        seq = torch.from_numpy(window)  # host: local data, checked and moved by StageWorker.tokens_from_wire
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 

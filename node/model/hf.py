@@ -87,7 +87,7 @@ def assemble_state_dict(config: SwarmConfig, stages: Mapping[int, Mapping[str, T
             else:  # "layers.{j}.rest" of block stage s
                 _, local, rest = name.split(".", 2)
                 target = f"model.layers.{(stage - 1) * per_stage + int(local)}.{rest}"
-            out[target] = tensor.detach().to("cpu", torch.float32).contiguous()
+            out[target] = tensor.detach().to("cpu", torch.float32).contiguous()  # host: written to a file
     return out
 
 
@@ -181,7 +181,7 @@ def generate(
     if room < 1:
         raise ExportError(f"the prompt has {len(ids)} tokens, the model's context is {room + len(ids)}")
     torch.manual_seed(seed)
-    input_ids = torch.tensor([ids])
+    input_ids = torch.tensor([ids])  # host: `node generate` samples on the CPU
     with torch.no_grad():
         output = model.generate(
             input_ids,

@@ -39,7 +39,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.ones(hidden_size))  # host: built there, moved by StageWorker
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:

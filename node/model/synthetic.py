@@ -218,6 +218,7 @@ class SyntheticMarkovSource:
         DRAWN_ROWS at a time (sequences of another length start a new draw)."""
         if self._drawn.shape[1] != seq_len + 1 or len(self._drawn) < batch_size:
             self._drawn = self.sample(max(batch_size, DRAWN_ROWS), seq_len + 1)
+        # host: local data, checked and moved by StageWorker.tokens_from_wire
         seq, self._drawn = torch.from_numpy(self._drawn[:batch_size]), self._drawn[batch_size:]
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 

@@ -237,5 +237,5 @@ class CheckRate:
 def probe_direction(shape: torch.Size, generator: torch.Generator) -> Tensor:
     """The direction over the stage's output whose gradient wrt the input a check asks for: random
     (unit norm), so a replica cannot prepare a right answer without computing the backward."""
-    probe = torch.randn(shape, generator=generator)
+    probe = torch.randn(shape, generator=generator, device="cpu")  # drawn for the wire
     return probe / probe.norm().clamp_min(_TINY)

@@ -72,7 +72,7 @@ def save_checkpoint(
         "format": FORMAT,
         "stage": stage,
         "inner_step": inner_step,
-        "weights": {name: t.detach().to("cpu") for name, t in weights.items()},
+        "weights": {name: t.detach().to("cpu") for name, t in weights.items()},  # host: written to a file
     }
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=CHECKPOINT_SUFFIX, dir=directory)
     try:
@@ -95,7 +95,7 @@ def load_latest(root: str | os.PathLike, stage: int) -> tuple[dict[str, Tensor],
     """(weights, inner_step) of stage `stage`'s newest readable checkpoint under `root`, or None."""
     for step, path in reversed(_saved(stage_dir(root, stage))):
         try:
-            raw = torch.load(path, map_location="cpu", weights_only=True)
+            raw = torch.load(path, map_location="cpu", weights_only=True)  # host: the rebuild moves it
         except Exception as e:  # torn, truncated or foreign file: an older save may still be good
             logger.warning(f"skipping unreadable checkpoint {path}: {e!r}")
             continue

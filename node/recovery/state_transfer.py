@@ -203,7 +203,7 @@ async def _receive_state(
     if header.kind != MessageKind.STATE_HEADER:
         raise ProtocolError(f"expected a header, got {header.kind.value}")
     layout = check_header(header.meta, stage, part, max_bytes, expect)
-    payload = torch.empty(layout.total_bytes, dtype=torch.uint8)
+    payload = torch.empty(layout.total_bytes, dtype=torch.uint8, device="cpu")  # the wire's bytes
     hasher = payload_hasher()
     # the header's size was checked above: the bar's total is what the donor promised and may send
     shown: ByteTask | None = None

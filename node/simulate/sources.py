@@ -33,5 +33,5 @@ class SecondOrderMarkov:
         for t in range(2, seq + 1):
             k = (self.cumulative[x[:, t - 2], x[:, t - 1]] <= self.rng.random((batch, 1))).sum(axis=1)
             x[:, t] = self.successors[x[:, t - 2], x[:, t - 1], np.minimum(k, self.branching - 1)]
-        tokens = torch.from_numpy(x)
+        tokens = torch.from_numpy(x)  # host: data, moved by StageWorker.tokens_from_wire
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
