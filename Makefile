@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .PHONY: demo test slow bench lint format hostile test-private internet netns-deps chaos results \
-	podman-deps docker-image docker-test
+	podman-deps docker-image docker-test gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,16 @@ slow: $(STAMP)
 # the wide-area part runs a swarm in network namespaces: root and iproute2 (netns-deps), else it skips
 bench: $(STAMP) netns-deps
 	$(PY) tests/benchmarks/bench_all.py
+
+# the volunteer's real case end to end on one device (tests/benchmarks/gpu_check.py, docs/benchmarks.md
+# "GPU check"): a 4-stage swarm at PRESET trains, a joiner downloads a stage, two replicas gossip, a
+# killed stage is rebuilt by CheckFree, the model is exported; figures printed, exit 1 on any failure.
+# `make test` runs DEVICE=cpu PRESET=15m. On a GPU machine, give it the Python that has your CUDA torch
+# and pipeswarm installed (`pip install -e '.[export]'`): make gpu-check PY=python3
+DEVICE ?= cuda
+PRESET ?= 125m
+gpu-check: $(if $(filter $(PY),$(VENV)/bin/python),$(STAMP))
+	$(PY) tests/benchmarks/gpu_check.py --device $(DEVICE) --preset $(PRESET)
 
 # docs/results.md and its plots in docs/results/: the default presets of `node simulate` (about half
 # an hour on 2 busy CPU cores, minutes on an idle machine), the recovery run again with edge stages

@@ -39,6 +39,7 @@ from dht.records import PeerState
 from node import __version__
 from node.averaging.outer_replica import RoundStatus
 from node.p2p.network import Network
+from node.runtime.device import peak_rss
 from node.runtime.meter import Direction, Meter, Tally
 
 if TYPE_CHECKING:  # for types only: every `node` command imports this module, few need the stage service
@@ -249,6 +250,11 @@ class NodeMetrics(Collector):
             ),
             "compute_throughput": ("measured compute speed, microbatches per second (EMA)", worker.throughput),
             "stored_activations": ("microbatches whose activations wait for their backward", worker.num_stored),
+            "peak_device_memory_bytes": (
+                "the most this peer's stage has held on its GPU (torch's allocator); absent on a CPU",
+                worker.transfers.peak_allocated(),
+            ),
+            "peak_rss_bytes": ("this process's peak resident memory", peak_rss()),
             "banned_peers": ("peers banned right now", len(service.router.bans.active())),
             "swarm_peers": (
                 "peers this one sees in the swarm, all stages",

@@ -22,12 +22,13 @@ which is why nothing here pins unless the device is CUDA.
 
 from __future__ import annotations
 
+import resource
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["DeviceTransfers", "resolve_device"]
+__all__ = ["DeviceTransfers", "peak_rss", "resolve_device"]
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -96,9 +97,19 @@ class DeviceTransfers:
         """A state dict's tensors on the host (copies by default: weights change while they wait)."""
         return dict(zip(state, self.to_host(list(state.values()), copy=copy)))
 
-    # ---- clocks --------------------------------------------------------------------------------
+    # ---- clocks and memory ----------------------------------------------------------------------
 
     def synchronize(self) -> None:
         """Wait for every kernel queued on this device (nothing to wait for on the CPU)."""
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
+
+    def peak_allocated(self) -> int | None:
+        """Bytes: the most torch's allocator has held on this GPU since the process started (None
+        on the CPU, where the process's peak RSS, `peak_rss`, is the measure)."""
+        return int(torch.cuda.max_memory_allocated(self.device)) if self.is_cuda else None
+
+
+def peak_rss() -> int:
+    """Bytes: this process's peak resident memory (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
