@@ -33,7 +33,7 @@ from node.averaging.diloco import DilocoRound
 from node.averaging.fingerprint import WeightFingerprint
 from node.averaging.gossip_wire import GOSSIP_SERVICE, STALL_TIMEOUT, GossipWire
 from node.averaging.noloco import OuterState
-from node.averaging.outer_replica import STEPPED, RoundOutcome
+from node.averaging.outer_replica import STEPPED, OuterReplica, RoundOutcome
 from node.averaging.round_context import RoundContext
 from node.averaging.round_protocol import PairwiseRound
 from node.config import GossipMode, SwarmConfig
@@ -62,6 +62,7 @@ class Gossip:
         registry: SwarmRegistry,
         ban_until: Callable[[str], float],
         rng: random.Random | None = None,
+        replica: OuterReplica | None = None,
     ):
         self.config = config
         self.settings = config.gossip
@@ -72,7 +73,9 @@ class Gossip:
         self.registry = registry
         self.rng = rng or random.Random()
         self.events = EventPublisher(registry, me.peer_id)
-        self.rounds = RoundContext(self.settings, me, worker, transport, view, bans, ban_until, self.events, self.rng)
+        self.rounds = RoundContext(
+            self.settings, me, worker, transport, view, bans, ban_until, self.events, self.rng, replica
+        )
         self.wire = self.rounds.wire
         self.pairwise = PairwiseRound(self.rounds)
         self.diloco = DilocoRound(self.rounds)

@@ -54,7 +54,11 @@ class RoundContext:
         ban_until: Callable[[str], float],
         events: EventPublisher,
         rng: random.Random,
+        replica: OuterReplica | None = None,
     ):
+        """`replica`: the outer state, built on the worker's compute thread (its first phi is a copy
+        of the weights, on the stage's device: a CUDA call the event loop must not make); None
+        builds it here, for a worker on the CPU."""
         self.settings = settings
         self.me = me
         self.worker = worker
@@ -63,7 +67,7 @@ class RoundContext:
         self.ban_until = ban_until
         self.events = events
         self.rng = rng
-        self.replica = OuterReplica(worker.module, settings)
+        self.replica = replica if replica is not None else OuterReplica(worker.module, settings)
         self.wire = GossipWire(transport, settings, self.replica)
         self.round_start_step = worker.inner_step  # the inner step the last counted round started at
         self.history: deque[RoundOutcome] = deque(maxlen=256)

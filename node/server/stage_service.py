@@ -23,6 +23,7 @@ from dht.registry import SwarmRegistry, swarm_key_of
 from dht.swarm_view import SwarmView
 from node.averaging.fingerprint import fingerprint_distance
 from node.averaging.gossip import Gossip
+from node.averaging.outer_replica import OuterReplica
 from node.config import SwarmConfig
 from node.model.data import DataError, open_source, stream_id_from_peer
 from node.model.memory import available_memory, fitting_in_flight, format_bytes, memory_refusal
@@ -155,7 +156,10 @@ async def build_service(
     # the window's ceiling: this device's memory bounds it (check_stage_fits), the swarm's config too
     max_in_flight = options.max_in_flight or config.training.max_in_flight
     max_stored = STORED_PER_IN_FLIGHT * max_in_flight
-    worker = StageWorker(config, me.stage, device=pick_device(options.device), max_stored=max_stored)
+    # built off the event loop: moving the module to a GPU (and the optimizer, the outer state) are CUDA calls
+    worker = await asyncio.to_thread(
+        StageWorker, config, me.stage, device=pick_device(options.device), max_stored=max_stored
+    )
     # `auto` is resolved per peer (node/pipeline/precision.py): say what this peer computes in
     logger.info(f"stage {me.stage} computes in {worker.precision.precision} on {worker.device}")
     worker.meter = options.meter  # the process's meter: compute latencies survive a move to another stage
@@ -229,7 +233,8 @@ async def build_service(
         verifier=verifier,
         max_in_flight=max_in_flight,
     )
-    gossip = Gossip(config, me, worker, transport, view, router.bans, registry, ban_until, rng=rng)
+    replica = await worker.compute(OuterReplica, worker.module, config.gossip)
+    gossip = Gossip(config, me, worker, transport, view, router.bans, registry, ban_until, rng=rng, replica=replica)
     return StageService(config, me, worker, transport, router, view, pipeline, gossip, verifier)
 
 
@@ -356,7 +361,9 @@ async def serve_stage(
         torch.set_num_threads(options.threads)
     while True:
         if options.check_memory:
-            options = replace(options, max_in_flight=check_stage_fits(config, me.stage, pick_device(options.device)))
+            # off the loop: asking a GPU for its free memory starts its CUDA context (seconds)
+            fits = await asyncio.to_thread(check_stage_fits, config, me.stage, pick_device(options.device))
+            options = replace(options, max_in_flight=fits)
         target = await serve_current_stage(network, config, me, stop, options)
         if target is None:
             return
