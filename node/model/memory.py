@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from node.config import GossipMode, RecoveryStrategy, SwarmConfig
-from node.model.llama import count_stage_parameters
+from node.model.parameters import count_stage_parameters
 from node.runtime.byte_progress import format_bytes  # re-exported: the memory messages' unit
 
 __all__ = [
