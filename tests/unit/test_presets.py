@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from node.config import ConfigError, GossipMode, ModelConfig, RecoveryStrategy, SwarmConfig
-from node.model.llama import build_stage, count_stage_parameters
+from node.model.llama import build_stage
 from node.model.memory import (
     DeviceMemory,
     activation_values_per_layer,
@@ -21,7 +22,15 @@ from node.model.memory import (
     format_bytes,
     memory_refusal,
 )
-from node.model.presets import PRESETS, PresetName, load_config, preset_of, valid_block_stage_counts
+from node.model.parameters import count_stage_parameters
+from node.model.presets import (
+    PRESETS,
+    PresetName,
+    gossip_round_timeout,
+    load_config,
+    preset_of,
+    valid_block_stage_counts,
+)
 
 # a block-stage count each preset splits evenly, as a swarm of that preset would typically run
 TYPICAL_BLOCK_STAGES = {
@@ -171,6 +180,66 @@ def test_node_bootstrap_refuses_a_bad_preset_in_one_line_with_exit_code_2(monkey
         assert cli.main(["bootstrap", "--preset", "125m", "--num-stages", "5"]) == 2
     assert caplog.records[-1].getMessage().startswith("bad config: preset 125m has 30 layers")
     assert "\n" not in caplog.records[-1].getMessage()
+
+
+# ------------------------------------------------------------------------------------------------
+# The training shape and the gossip timeout a preset fills
+
+
+def test_a_preset_fills_the_training_shape_its_model_needs_and_its_stage_count():
+    for name in PresetName:
+        preset = PRESETS[name]
+        config = load_config(**{"model.preset": name.value})
+        shape = preset.training
+        t = config.training
+        assert (t.sequence_length, t.microbatch_size, t.min_in_flight, t.max_in_flight) == (
+            shape.sequence_length,
+            shape.microbatch_size,
+            shape.min_in_flight,
+            shape.max_in_flight,
+        )
+        assert config.num_stages == (preset.num_stages or SwarmConfig.num_stages)
+    assert load_config(**{"model.preset": "15m"}).training.sequence_length == 256  # its whole context
+    for name in (PresetName.MOBILELLM_125M, PresetName.MOBILELLM_350M, PresetName.MOBILELLM_1B):
+        config = load_config(**{"model.preset": name.value})
+        assert config.training.sequence_length == config.model.max_position_embeddings == 2048
+    assert load_config(**{"model.preset": "125m"}).model.layers_per_stage == 10  # 3 block stages
+
+
+def test_the_gossip_timeout_is_the_largest_stage_round_at_the_stated_link_rate_with_slack():
+    config = load_config(**{"model.preset": "125m"})
+    largest = max(count_stage_parameters(config, 0), count_stage_parameters(config, 1))
+    assert largest == 36_864_576  # stage 0: embedding, norm, head
+    # phi and Delta, fp32, both ways: 16 bytes a parameter, at 50 Mbit/s, twice that, rounded up
+    assert config.gossip.round_timeout == gossip_round_timeout(config) == math.ceil(2 * largest * 16 * 8 / 50e6) == 189
+    # from the final model: a smaller vocabulary shrinks stage 0, the block stage is then the largest
+    small_vocab = load_config(**{"model.preset": "125m", "model.vocab_size": 8192})
+    assert small_vocab.gossip.round_timeout == math.ceil(2 * 35_400_960 * 16 * 8 / 50e6) == 182
+    assert load_config(**{"model.preset": "tiny"}).gossip.round_timeout == 30.0  # never below the default
+
+
+def test_explicit_training_and_gossip_keys_and_stage_counts_win_over_the_preset(tmp_path):
+    path = write_toml(
+        tmp_path,
+        'num_stages = 7\n[model]\npreset = "125m"\n[training]\nsequence_length = 1024\n'
+        "[gossip]\nround_timeout = 45.0\n",
+    )
+    config = load_config(path)
+    assert config.num_stages == 7 and config.model.layers_per_stage == 5
+    assert config.training.sequence_length == 1024 and config.training.microbatch_size == 1
+    assert config.gossip.round_timeout == 45.0
+    flags = load_config(
+        path, num_stages=3, **{"training.max_in_flight": 6, "training.min_in_flight": 2, "gossip.round_timeout": None}
+    )
+    assert flags.num_stages == 3 and flags.model.layers_per_stage == 15
+    assert (flags.training.min_in_flight, flags.training.max_in_flight) == (2, 6)
+    assert flags.gossip.round_timeout == 45.0  # a None override is no override: the TOML's value stays
+    # a shorter context the user chose shortens the preset's sequence; a sequence written longer is refused
+    assert (
+        load_config(**{"model.preset": "125m", "model.max_position_embeddings": 1024}).training.sequence_length == 1024
+    )
+    with pytest.raises(ConfigError, match="sequence_length exceeds max_position_embeddings"):
+        load_config(**{"model.preset": "125m", "model.max_position_embeddings": 1024, "training.sequence_length": 2048})
 
 
 # ------------------------------------------------------------------------------------------------
