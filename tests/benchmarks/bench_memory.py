@@ -111,7 +111,12 @@ def measure_case(case: Case, device: str) -> dict:
 
     cuda = device.startswith("cuda")
     warm_up_the_runtime(torch, device)
-    baseline = torch.cuda.memory_allocated(device) if cuda else resident_bytes()
+
+    def in_use() -> int:
+        """What the device holds now: the allocator's live bytes on CUDA, the resident set on CPU."""
+        return torch.cuda.memory_allocated(device) if cuda else resident_bytes()
+
+    baseline = in_use()
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     preset, stage, in_flight, rounds = case.preset, case.stage, case.in_flight, case.rounds
@@ -129,7 +134,7 @@ def measure_case(case: Case, device: str) -> dict:
             edge_copies.update(part, StageState(stage=0, weights=weights))
     gen = torch.Generator().manual_seed(stage)
     batch, seq = t.microbatch_size, t.sequence_length
-    phases: dict[str, int] = {"built": resident_bytes()}
+    phases: dict[str, int] = {"built": in_use()}
 
     def tokens() -> torch.Tensor:
         return torch.randint(0, m.vocab_size, (batch, seq), generator=gen)
@@ -153,14 +158,14 @@ def measure_case(case: Case, device: str) -> dict:
     keys = list(range(in_flight))
     for key in keys:
         start(key)
-    phases["window full"] = resident_bytes()
+    phases["window full"] = in_use()
     next_key = in_flight
     for _ in range(rounds):
         finish(keys.pop(0))
         start(next_key)
         keys.append(next_key)
         next_key += 1
-    phases["steady"] = resident_bytes()
+    phases["steady"] = in_use()
     round_start = replica.capture_start(worker.inner_step)
     partner_phi = [phi.clone() for phi in round_start.state.phi]
     partner_delta = [delta.clone() for delta in round_start.delta]
@@ -168,11 +173,13 @@ def measure_case(case: Case, device: str) -> dict:
     start(next_key)
     keys.append(next_key)
     new_state = replica.pairwise_step(round_start, [partner_phi], [partner_delta])
-    phases["gossip round"] = resident_bytes()
+    phases["gossip round"] = in_use()
     replica.apply(round_start, new_state)
     del round_start, partner_phi, partner_delta, new_state
     for key in keys:
         finish(key)
+    if cuda:
+        torch.cuda.synchronize(device)
     seconds = time.monotonic() - started
     if cuda:
         peak = torch.cuda.max_memory_allocated(device)
@@ -196,7 +203,9 @@ def measure_case(case: Case, device: str) -> dict:
         "sequence_length": seq,
         "measured_bytes": peak - baseline,
         "baseline_bytes": baseline,
-        "phases_resident_bytes": {name: value - baseline for name, value in phases.items()} if not cuda else {},
+        "phases_bytes": {name: value - baseline for name, value in phases.items()},
+        # CUDA: what the caching allocator reserved at its peak, beyond the live bytes measured
+        "reserved_bytes": torch.cuda.max_memory_reserved(device) - baseline if cuda else None,
         "seconds": round(seconds, 1),
         "torch": torch.__version__,
         "machine": platform.machine(),
