@@ -195,7 +195,7 @@ PRESETS: dict[PresetName, ModelPreset] = {
             published_parameters=15_191_712,
             published_ties_embeddings=True,
             # its whole context; 8 x 256 = 2048 tokens a microbatch, as the larger presets; a window of
-            # 4..16 keeps a block peer under 2.5 GiB, stage 0 under 2 GiB (a laptop's RAM)
+            # 4..16 keeps a peer of any stage near 3 GiB in fp32 on a CPU (a laptop's RAM)
             training=TrainingShape(sequence_length=256, microbatch_size=8, min_in_flight=4, max_in_flight=16),
             num_stages=3,  # 2 block stages x 3 layers
         ),
@@ -237,6 +237,7 @@ PRESETS: dict[PresetName, ModelPreset] = {
             ),
             published_parameters=345_300_000,
             published_ties_embeddings=True,
+            # as 125m; 12 in flight is what a 24 GB GPU holds on a block stage of 8 layers
             training=TrainingShape(sequence_length=2048, microbatch_size=1, min_in_flight=4, max_in_flight=12),
             num_stages=5,  # 4 block stages x 8 layers
         ),
@@ -256,6 +257,7 @@ PRESETS: dict[PresetName, ModelPreset] = {
             ),
             published_parameters=1_010_000_000,
             published_ties_embeddings=True,
+            # as 125m; 10 in flight is what a 24 GB GPU holds on a block stage of 6 layers
             training=TrainingShape(sequence_length=2048, microbatch_size=1, min_in_flight=4, max_in_flight=10),
             num_stages=10,  # 9 block stages x 6 layers
         ),
