@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .PHONY: demo test slow bench lint format hostile test-private internet netns-deps chaos results \
-	podman-deps docker-image docker-test gpu-check
+	podman-deps docker-image docker-test gpu-check memory-table
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,12 @@ results: $(STAMP)
 	$(PY) -m node simulate recovery --failing blocks --out docs/results/edges
 	$(PY) -m node simulate gossip --out docs/results
 	$(PY) -m node.simulate.report docs/results docs/results.md
+
+# docs/model.md's preset and memory tables from the code, and the estimate against a real StageWorker's
+# measured peak per preset and stage (about 15 minutes and 8 GB on 2 CPU cores; `--device cuda` on a GPU);
+# `python tests/benchmarks/bench_memory.py --estimate-only` rewrites the tables without measuring
+memory-table: $(STAMP)
+	$(PY) tests/benchmarks/bench_memory.py
 
 # ruff (lint + format check) with the rules in pyproject.toml; CI runs it before the tests
 lint: $(STAMP)

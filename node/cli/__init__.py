@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset",
         metavar="NAME",
         help=f"model shape ({', '.join(p.value for p in PresetName)}; docs/model.md): fills the [model] "
-        "section, keys written there win",
+        "section, the training shape, gossip.round_timeout and num_stages; keys written explicitly win",
     )
     boot.add_argument(
         "--data",
@@ -236,7 +236,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         if args.train:  # `--no-train`: a place in the registry, no stage service
             from functools import partial
 
-            from node.server.stage_service import ServiceOptions, serve_stage
+            from node.server.stage_service import ServiceOptions, pick_device, serve_stage
 
             service_options = ServiceOptions(
                 device=args.device,
@@ -248,6 +248,8 @@ def cmd_join(args: argparse.Namespace) -> int:
             if metrics is not None:
                 service_options.meter, service_options.on_service = metrics.meter, metrics.attach_service
             serve = partial(serve_stage, options=service_options)
+            if args.check_memory:  # --stage auto takes a stage this device holds
+                options.memory_device = pick_device(args.device)
         return daemon.run(daemon.join(options, serve))
 
 

@@ -67,8 +67,10 @@ wire_compression = "int8"
 Unknown keys, wrong types and out-of-range values are refused with a message naming the key. An
 integer is accepted where a float is expected; `true`/`false` are never accepted as numbers.
 
-`--preset NAME` or `preset = "NAME"` in `[model]` fills the `[model]` keys left unset with a
-published shape, its layers split over the block stages (docs/model.md, "Presets").
+`--preset NAME` or `preset = "NAME"` in `[model]` fills the keys left unset with a published
+shape and what training it needs: `[model]` (its layers split over the block stages),
+`training.sequence_length`, `microbatch_size`, `min_in_flight` and `max_in_flight`,
+`gossip.round_timeout` (sized to a round's payload) and `num_stages` (docs/model.md, "Presets").
 """
 
 

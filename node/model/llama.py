@@ -281,24 +281,6 @@ def llama_config_dict(config: SwarmConfig) -> dict:
     }
 
 
-def count_stage_parameters(config: SwarmConfig, stage: int) -> int:
-    """Parameters held by one stage (closed form; equals sum(p.numel()) of build_stage)."""
-    m = config.model
-    if stage == 0:
-        return 2 * m.vocab_size * m.hidden_size + m.hidden_size
-    head_dim = m.hidden_size // m.num_attention_heads
-    attention = (
-        2 * m.hidden_size * m.num_attention_heads * head_dim + 2 * m.hidden_size * m.num_key_value_heads * head_dim
-    )
-    layer = attention + 3 * m.hidden_size * m.intermediate_size + 2 * m.hidden_size
-    return m.layers_per_stage * layer
-
-
-def count_parameters(config: SwarmConfig) -> int:
-    """Parameters of the whole model (edge stage + all block stages)."""
-    return count_stage_parameters(config, 0) + num_block_stages(config) * count_stage_parameters(config, 1)
-
-
 def initial_loss(config: SwarmConfig) -> float:
     """ln(vocab_size): the cross-entropy of a uniform prediction, about where training starts."""
     return math.log(config.model.vocab_size)

@@ -1,38 +1,48 @@
 """Named model shapes for `node bootstrap --preset NAME` and `[model] preset = "NAME"` (docs/model.md).
 
-A preset fills the [model] section: vocabulary, widths, heads, context, and `layers_per_stage`
-derived from the preset's total layer count and the swarm's block stages (S = num_stages - 1).
-Keys written explicitly (the TOML's [model] table, "model.*" overrides) win over the preset's
-values, so a preset is a starting point ("125m with a 8192-token vocabulary"); an explicit
-`layers_per_stage` also wins, and then the total is layers_per_stage x S, not the preset's. The
---preset flag wins over the TOML's preset. The preset's name is not kept in
-the swarm config: only the values it filled are, so it is not part of the config hash and
-`tiny` gives exactly the default config (and its hash).
+A preset fills the [model] section (vocabulary, widths, heads, context, and `layers_per_stage`
+derived from the preset's total layer count and the swarm's block stages, S = num_stages - 1), the
+[training] values its model needs (a sequence as long as its context, the microbatch size and the
+in-flight window a 24 GB GPU holds: `TrainingShape`), gossip.round_timeout sized to its round's
+payload (`gossip_round_timeout`), and num_stages where neither the TOML nor a flag sets it. Keys
+written explicitly (the TOML's tables, "model.*", "training.*", "gossip.*" overrides, a
+num_stages) win over the preset's values, so a preset is a starting point ("125m with a
+8192-token vocabulary"); an explicit `layers_per_stage` also wins, and then the total is
+layers_per_stage x S, not the preset's. The --preset flag wins over the TOML's preset. The
+preset's name is not kept in the swarm config: only the values it filled are, so it is not part of
+the config hash and `tiny` gives exactly the default config (and its hash).
 
 Each shape follows a published LLaMA-style model (RMSNorm, rotary positions, SwiGLU, grouped-query
 attention, no biases), so the published parameter count checks the shape. Those models tie the
 LM head to the embedding; pipeswarm does not (stage 0 holds both, docs/model.md), so a preset has
 exactly vocab_size x hidden_size parameters more than the model it follows.
 
-No torch; only `load_config` reads a file. `node.config.load_config` alone refuses a [model]
+No torch here; only `load_config` reads a file. `node.config.load_config` alone refuses a [model]
 preset: presets sit above the config module, which must not import them back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass, fields
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from node import config as node_config
-from node.config import ConfigError, ModelConfig, SwarmConfig, load_toml
+from node.config import ConfigError, GossipConfig, ModelConfig, SwarmConfig, TrainingConfig, load_toml
+from node.model.parameters import count_stage_parameters
 
 __all__ = [
+    "GOSSIP_LINK_BITS_PER_SECOND",
+    "GOSSIP_ROUND_BYTES_PER_PARAMETER",
+    "GOSSIP_TIMEOUT_SLACK",
     "PRESETS",
     "ModelPreset",
     "PresetName",
+    "TrainingShape",
+    "gossip_round_timeout",
     "load_config",
     "preset_named",
     "preset_of",
@@ -51,9 +61,49 @@ class PresetName(StrEnum):
     MOBILELLM_1B = "1b"  # MobileLLM-1B: 1.05B here
 
 
+# gossip.round_timeout from a round's payload: a NoLoCo round sends this peer's phi and Delta and
+# receives its partner's, all fp32 (node/averaging/round_protocol.py), over a link of this rate,
+# with this slack for TCP, the plausibility checks and a busy compute thread. 16 bytes at 50 Mbit/s
+# is the 8 a peer uploads at 25 Mbit/s, a home upload rate (and 50 Mbit/s is the wide-area test
+# bed's link, docs/benchmarks.md). Never below the default: small models keep today's 30 s.
+GOSSIP_ROUND_BYTES_PER_PARAMETER = 16
+GOSSIP_LINK_BITS_PER_SECOND = 50e6
+GOSSIP_TIMEOUT_SLACK = 2.0
+
+
+def gossip_round_timeout(config: SwarmConfig) -> float:
+    """Seconds a gossip round of `config`'s largest stage takes at GOSSIP_LINK_BITS_PER_SECOND,
+    times GOSSIP_TIMEOUT_SLACK, rounded up to a second; at least GossipConfig's default."""
+    largest = max(count_stage_parameters(config, 0), count_stage_parameters(config, 1))  # block stages are alike
+    seconds = largest * GOSSIP_ROUND_BYTES_PER_PARAMETER * 8 / GOSSIP_LINK_BITS_PER_SECOND
+    return max(GossipConfig.round_timeout, float(math.ceil(GOSSIP_TIMEOUT_SLACK * seconds)))
+
+
+@dataclass(frozen=True)
+class TrainingShape:
+    """The [training] values a preset's model needs (docs/model.md, "Presets", says why each)."""
+
+    sequence_length: int
+    microbatch_size: int
+    min_in_flight: int
+    max_in_flight: int
+
+    def training_values(self) -> dict[str, int]:
+        return asdict(self)
+
+
+_DEFAULT_TRAINING = TrainingConfig()
+TODAYS_TRAINING = TrainingShape(
+    sequence_length=_DEFAULT_TRAINING.sequence_length,
+    microbatch_size=_DEFAULT_TRAINING.microbatch_size,
+    min_in_flight=_DEFAULT_TRAINING.min_in_flight,
+    max_in_flight=_DEFAULT_TRAINING.max_in_flight,
+)
+
+
 @dataclass(frozen=True)
 class ModelPreset:
-    """One shape: the [model] values it fills and the published model it follows."""
+    """One shape: the [model] and [training] values it fills and the published model it follows."""
 
     name: PresetName
     vocab_size: int
@@ -70,6 +120,10 @@ class ModelPreset:
     """The parameter count the publication states (None: nothing published, tiny)."""
     published_ties_embeddings: bool
     """Whether the published model shares the embedding with the LM head (pipeswarm never does)."""
+    training: TrainingShape
+    """Sequence length, microbatch size and in-flight window of a swarm of this preset."""
+    num_stages: int | None
+    """Stages of a swarm of this preset when neither the TOML nor a flag says (None: the default's)."""
 
     def layers_per_stage(self, num_stages: int) -> int:
         """The preset's layers over S = num_stages - 1 block stages; ConfigError when S does not divide them."""
@@ -120,6 +174,8 @@ PRESETS: dict[PresetName, ModelPreset] = {
             follows="pipeswarm's defaults (node/config/__init__.py), no published model",
             published_parameters=None,
             published_ties_embeddings=False,
+            training=TODAYS_TRAINING,
+            num_stages=None,
         ),
         ModelPreset(
             name=PresetName.STORIES_15M,
@@ -138,6 +194,10 @@ PRESETS: dict[PresetName, ModelPreset] = {
             ),
             published_parameters=15_191_712,
             published_ties_embeddings=True,
+            # its whole context; 8 x 256 = 2048 tokens a microbatch, as the larger presets; a window of
+            # 4..16 keeps a peer of any stage near 3 GiB in fp32 on a CPU (a laptop's RAM)
+            training=TrainingShape(sequence_length=256, microbatch_size=8, min_in_flight=4, max_in_flight=16),
+            num_stages=3,  # 2 block stages x 3 layers
         ),
         ModelPreset(
             name=PresetName.MOBILELLM_125M,
@@ -155,6 +215,11 @@ PRESETS: dict[PresetName, ModelPreset] = {
             ),
             published_parameters=124_600_000,
             published_ties_embeddings=True,
+            # the 2048-token context MobileLLM trained at (shorter would leave positions it advertises
+            # untrained); one sequence a microbatch keeps the unit of memory and of wire traffic small
+            # (a 2.4 MB fp16 hop); a window up to 16 fits a 24 GB GPU in bf16 and in fp32
+            training=TrainingShape(sequence_length=2048, microbatch_size=1, min_in_flight=4, max_in_flight=16),
+            num_stages=4,  # 3 block stages x 10 layers
         ),
         ModelPreset(
             name=PresetName.MOBILELLM_350M,
@@ -172,6 +237,9 @@ PRESETS: dict[PresetName, ModelPreset] = {
             ),
             published_parameters=345_300_000,
             published_ties_embeddings=True,
+            # as 125m; 12 in flight is what a 24 GB GPU holds on a block stage of 8 layers
+            training=TrainingShape(sequence_length=2048, microbatch_size=1, min_in_flight=4, max_in_flight=12),
+            num_stages=5,  # 4 block stages x 8 layers
         ),
         ModelPreset(
             name=PresetName.MOBILELLM_1B,
@@ -189,6 +257,9 @@ PRESETS: dict[PresetName, ModelPreset] = {
             ),
             published_parameters=1_010_000_000,
             published_ties_embeddings=True,
+            # as 125m; 10 in flight is what a 24 GB GPU holds on a block stage of 6 layers
+            training=TrainingShape(sequence_length=2048, microbatch_size=1, min_in_flight=4, max_in_flight=10),
+            num_stages=10,  # 9 block stages x 6 layers
         ),
     )
 }
@@ -208,24 +279,36 @@ def preset_named(name: Any) -> ModelPreset:
         raise ConfigError(f"model.preset: {name!r} is not one of {choices}") from None
 
 
-def preset_values(name: Any, num_stages: Any, explicit: Collection[str]) -> dict[str, Any]:
-    """The [model] values preset `name` gives a swarm of `num_stages` stages (its final count, after
-    files and flags), but for the keys in `explicit` (those the user wrote, which win)."""
+def preset_values(name: Any, num_stages: Any, written: Mapping[str, Any]) -> dict[str, Any]:
+    """The "model.*" and "training.*" values preset `name` gives a swarm of `num_stages` stages (its
+    final count, after files and flags), but for the dotted keys in `written` (the values the user
+    wrote, which win). A written context shorter than the preset's sequence shortens the sequence
+    to it. gossip.round_timeout depends on the final model: `load_config` fills it."""
     preset = preset_named(name)
     if isinstance(num_stages, bool) or not isinstance(num_stages, int):
         raise ConfigError(f"num_stages: expected int, got {type(num_stages).__name__}")
-    if "layers_per_stage" in explicit:
+    if "model.layers_per_stage" in written:
         # the user chose the split; the preset's total then does not apply, nor its divisibility
-        values = {key: value for key, value in preset.model_values(2).items() if key != "layers_per_stage"}
+        model = {key: value for key, value in preset.model_values(2).items() if key != "layers_per_stage"}
     else:
-        values = preset.model_values(num_stages)
-    return {key: value for key, value in values.items() if key not in explicit}
+        model = preset.model_values(num_stages)
+    training = preset.training.training_values()
+    context = written.get("model.max_position_embeddings")
+    if isinstance(context, int) and not isinstance(context, bool) and context >= 1:
+        training["sequence_length"] = min(training["sequence_length"], context)
+    values = {f"model.{key}": value for key, value in model.items()}
+    values |= {f"training.{key}": value for key, value in training.items()}
+    return {key: value for key, value in values.items() if key not in written}
+
+
+PRESET_SECTIONS = ("model", "training", "gossip")  # the sections a preset fills keys of
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> SwarmConfig:
     """node.config.load_config with a model preset resolved: `overrides["model.preset"]` (the
-    --preset flag), else the TOML's [model] preset, fills the [model] keys that neither the TOML nor
-    the overrides set. The preset's name is dropped: it is no part of the config or its hash."""
+    --preset flag), else the TOML's [model] preset, fills the [model], [training] and
+    gossip.round_timeout keys and the num_stages that neither the TOML nor the overrides set. The
+    preset's name is dropped: it is no part of the config or its hash."""
     table = dict(load_toml(path)) if path is not None else {}
     toml_model = table.get("model")
     toml_preset = None
@@ -234,17 +317,24 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> SwarmConfig
         toml_preset = toml_model.get("preset")
     flag_preset = overrides.pop("model.preset", None)
     name = toml_preset if flag_preset is None else flag_preset
-    if name is not None:
-        explicit = set(table["model"]) if isinstance(toml_model, Mapping) else set()
-        explicit |= {
-            key.split(".", 1)[1] for key, value in overrides.items() if key.startswith("model.") and value is not None
-        }
-        num_stages = overrides.get("num_stages")
-        if num_stages is None:
-            num_stages = table.get("num_stages", SwarmConfig.num_stages)
-        filled = {f"model.{key}": value for key, value in preset_values(name, num_stages, explicit).items()}
-        overrides = {**filled, **overrides}
-    return node_config.load_config(table, **overrides)
+    if name is None:
+        return node_config.load_config(table, **overrides)
+    preset = preset_named(name)
+    written = {
+        f"{section}.{key}": value
+        for section in PRESET_SECTIONS
+        if isinstance(table.get(section), Mapping)
+        for key, value in table[section].items()
+    }
+    written |= {key: value for key, value in overrides.items() if value is not None}
+    num_stages = overrides.get("num_stages")
+    if num_stages is None:
+        num_stages = table.get("num_stages", preset.num_stages or SwarmConfig.num_stages)
+    filled = {"num_stages": num_stages, **preset_values(name, num_stages, written)}
+    config = node_config.load_config(table, **{**filled, **{k: v for k, v in overrides.items() if v is not None}})
+    if "gossip.round_timeout" in written:
+        return config
+    return config.replace(gossip={"round_timeout": gossip_round_timeout(config)})
 
 
 def preset_of(config: SwarmConfig) -> PresetName | None:

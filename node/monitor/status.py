@@ -12,8 +12,8 @@ from dht.registry import SwarmRegistry
 from node import __version__
 from node.config import SwarmConfig, synthetic_source
 from node.model.data import open_source
-from node.model.llama import count_parameters
 from node.model.memory import estimate_stage_memory, format_bytes
+from node.model.parameters import count_parameters
 from node.model.presets import preset_of
 from node.recovery.checkfree import unrecoverable
 from node.recovery.lost_stages import lost_stages_from_events

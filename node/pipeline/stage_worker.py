@@ -95,7 +95,6 @@ T = TypeVar("T")
 __all__ = [
     "ADAM_BETAS",
     "ADAM_EPS",
-    "STORED_PER_IN_FLIGHT",
     "THROUGHPUT_EMA",
     "StageWorker",
     "UnknownMicrobatch",
@@ -104,10 +103,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-# stored activations per microbatch a stage-0 peer may keep in flight: a block peer fed by several
-# stage-0 peers holds more than one window (node/model/memory.py counts one)
-STORED_PER_IN_FLIGHT = 4
 
 
 class StageWorker:
@@ -142,7 +137,8 @@ class StageWorker:
         self._head_params = [p for n, p in named if not n.startswith("embed_tokens.")]
         self.dtype = self._params[0].dtype  # of the master weights and the wire tensors: fp32
         self.precision = StagePrecision(t.precision, self.device)  # compute: autocast, fp16's loss scale
-        self.max_stored = max_stored if max_stored is not None else STORED_PER_IN_FLIGHT * t.max_in_flight
+        # the window the memory estimate counts (node/model/memory.py); a service passes what its check admitted
+        self.max_stored = max_stored if max_stored is not None else t.max_in_flight
         self.max_batch = max_batch if max_batch is not None else t.microbatch_size
         if self.max_stored < 1 or self.max_batch < 1:
             raise ValueError("max_stored and max_batch must be >= 1")

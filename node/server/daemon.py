@@ -29,11 +29,13 @@ from dht.registry import SwarmRegistry, list_swarm_configs, swarm_key_of
 from dht.signing import MAX_RECORD_TTL
 from node import __version__
 from node.config import ConfigError, SwarmConfig
+from node.model.memory import format_bytes
 from node.p2p.identity_store import ClaimedKey, IdentityError, IdentityRole, claim_identity
 from node.p2p.network import Network, NetworkError, peer_id_of_maddr, start_network
 from node.p2p.reachability import NatReachability
 from node.p2p.swarm_key import key_fingerprint
 from node.server.stage_claim import StageOutOfRange, claim_stage
+from node.server.stage_fit import DeviceUnusable, fitting_stages, measure_device, no_stage_fits, stage_fits
 from protocol.version import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,9 @@ class NodeOptions:
     direct_links: bool = True  # pipeline channels on direct TCP links where peers reach each other (node/p2p/direct.py)
     direct_port: int = 0
     on_network: Callable[[Network], None] | None = None  # told once networking runs (`--metrics-port`)
+    # the device whose free memory decides which stages `--stage auto` may take (node/server/stage_fit.py);
+    # None: any stage (no training here, or --skip-memory-check)
+    memory_device: str | None = None
 
 
 def install_stop_signals() -> asyncio.Event:
@@ -275,6 +280,28 @@ def check_compatible(record: ConfigRecord) -> SwarmConfig:
 StageService = Callable[[Network, SwarmConfig, PeerAnnouncer, asyncio.Event], Awaitable[None]]
 
 
+def stages_this_device_holds(config: SwarmConfig, device: str | None) -> frozenset[int] | None:
+    """The stages `--stage auto` may choose among: those whose memory estimate fits `device`'s free
+    memory (None: any, no device to check). JoinRefused, with the numbers, when none does."""
+    if device is None:
+        return None
+    try:
+        memory = measure_device(device)
+    except DeviceUnusable as e:
+        raise JoinRefused(str(e)) from None
+    fits = stage_fits(config, range(config.num_stages), memory)
+    allowed = fitting_stages(fits)
+    if not allowed:
+        raise JoinRefused(no_stage_fits(config, fits, memory))
+    for fit in fits:
+        if not fit.fits:
+            logger.info(
+                f"--stage auto skips stage {fit.stage}: it needs about {format_bytes(fit.estimate.total)}, "
+                f"{memory.device} has {format_bytes(memory.free)} free"
+            )
+    return allowed
+
+
 async def join(options: NodeOptions, serve: StageService | None = None) -> int:
     """Join a swarm and serve a stage until stopped. `serve` runs the stage's work (the training
     runtime); without it the peer only holds its place in the registry."""
@@ -304,6 +331,7 @@ async def join(options: NodeOptions, serve: StageService | None = None) -> int:
         )
         me = PeerAnnouncer(registry, record, config.heartbeat.period, config.heartbeat.ttl)
         me.set_addresses(await network.announced_addresses())
+        allowed = stages_this_device_holds(config, options.memory_device) if options.stage == "auto" else None
         try:
             await claim_stage(
                 me,
@@ -312,6 +340,7 @@ async def join(options: NodeOptions, serve: StageService | None = None) -> int:
                 options.stage,
                 jitter=options.join_jitter,
                 settle=max(1.0, config.heartbeat.period / 4),
+                allowed=allowed,
             )
         except StageOutOfRange as e:
             raise JoinRefused(str(e)) from None

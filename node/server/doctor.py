@@ -32,11 +32,12 @@ from dht.records import PeerRecord, PeerState, Reachability, reachability_of
 from dht.registry import SwarmRegistry
 from node import __version__
 from node.config import SwarmConfig
-from node.model.memory import DeviceMemory, available_memory, fitting_in_flight, format_bytes
+from node.model.memory import DeviceMemory, available_memory, format_bytes
 from node.p2p.network import Network, NetworkError, peer_id_of_maddr, start_network
 from node.p2p.reachability import NatReachability
 from node.server.daemon import JoinRefused, check_compatible, expected_founder, find_swarm
 from node.server.stage_choice import choose_stage, stage_loads
+from node.server.stage_fit import DeviceUnusable, StageFit, fitting_stages, measure_device, no_stage_fits, stage_fits
 from protocol.version import PROTOCOL_VERSION
 
 CLOCK_WARN_SECONDS = 1.0  # DHT expirations and record TTLs start to drift visibly
@@ -163,20 +164,44 @@ def check_memory(
     """Whether `device` can hold a peer of `stage` with at least training.min_in_flight microbatches
     in flight (node/model/memory.py's estimate; a join narrows its window to what fits)."""
     try:
-        free = available(device)
-    except (RuntimeError, AssertionError, ValueError) as e:  # torch's answers for a device it lacks
-        return Check("memory", Outcome.FAIL, f"cannot use device {device}: {e}", "pick another --device")
-    in_flight, estimate = fitting_in_flight(config, stage, free.free)
-    needs = f"stage {stage} needs about {format_bytes(estimate.total)}"
-    if in_flight is None:  # not even min_in_flight fits
-        found = f"{needs}; {device} has {format_bytes(free.free)} free"
+        memory = measure_device(device, available)
+    except DeviceUnusable as e:
+        return Check("memory", Outcome.FAIL, str(e), "pick another --device")
+    (fit,) = stage_fits(config, [stage], memory)
+    return _memory_check(fit, memory)
+
+
+def _memory_check(fit: StageFit, memory: DeviceMemory) -> Check:
+    needs = f"stage {fit.stage} needs about {format_bytes(fit.estimate.total)}"
+    if fit.in_flight is None:  # not even min_in_flight fits
+        found = f"{needs}; {memory.device} has {format_bytes(memory.free)} free"
         return Check("memory", Outcome.FAIL, found, "use a larger device, or a swarm with more stages")
-    found = f"{needs} with {in_flight} microbatches in flight; {device} has {format_bytes(free.free)} free"
+    found = f"{needs} with {fit.in_flight} microbatches in flight; {memory.device} has {format_bytes(memory.free)} free"
     return Check("memory", Outcome.OK, found)
 
 
+def check_auto_memory(
+    peers_by_stage: Mapping[int, Sequence[PeerRecord]],
+    config: SwarmConfig,
+    device: str,
+    available: Callable[[str], DeviceMemory] = available_memory,
+) -> Check:
+    """The memory check of the stage `node join --stage auto` would take: the neediest stage this
+    device holds (node/server/stage_fit.py), or a failure with the numbers when it holds none."""
+    try:
+        memory = measure_device(device, available)
+    except DeviceUnusable as e:
+        return Check("memory", Outcome.FAIL, str(e), "pick another --device")
+    fits = stage_fits(config, range(config.num_stages), memory)
+    allowed = fitting_stages(fits)
+    if not allowed:
+        return Check("memory", Outcome.FAIL, no_stage_fits(config, fits, memory))
+    stage = choose_stage(stage_loads(peers_by_stage, config.num_stages), random.Random(), allowed)
+    return _memory_check(fits[stage], memory)
+
+
 def stage_for(requested: str, peers_by_stage: Mapping[int, Sequence[PeerRecord]], num_stages: int) -> int | None:
-    """The stage `node join --stage REQUESTED` would take first (None: out of range)."""
+    """The stage `node join --stage REQUESTED` would take first on a device that holds any (None: out of range)."""
     if requested != "auto":
         stage = int(requested)
         return stage if 0 <= stage < num_stages else None
@@ -312,8 +337,11 @@ async def run_doctor(options: DoctorOptions, report: Callable[[Check], None]) ->
         )
         note(check_clock(live, time.time(), config.heartbeat.period))
         note(check_reachability(await network.announced_addresses(), NatReachability(options.reachability)))
-        stage = stage_for(options.stage, peers_by_stage, config.num_stages)
-        if stage is None:
+        device = resolve_device(options.device)
+        stage = None if options.stage == "auto" else stage_for(options.stage, peers_by_stage, config.num_stages)
+        if options.stage == "auto":
+            note(check_auto_memory(peers_by_stage, config, device))
+        elif stage is None:
             note(
                 Check(
                     "memory",
@@ -323,7 +351,7 @@ async def run_doctor(options: DoctorOptions, report: Callable[[Check], None]) ->
                 )
             )
         else:
-            note(check_memory(stage, config, resolve_device(options.device)))
+            note(check_memory(stage, config, device))
     finally:
         await network.shutdown()
     return not failed()

@@ -5,13 +5,14 @@ ties broken by fewest peers, then at random. Peers that start at the same moment
 empty swarm, so the choice is made twice (node/server/stage_claim.py): announce a tentative
 `joining` record after a random delay, wait for others' announcements to land, re-read, and let
 only as many of the newest joiners of a crowded stage move as it takes to even it out
-(`should_move`). Pure: no networking, no clock.
+(`should_move`). A joiner whose device cannot hold some stages passes the stages it can (`allowed`,
+node/server/stage_fit.py): it takes the neediest of those. Pure: no networking, no clock, no device.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from dht.records import PeerRecord, PeerState
@@ -33,17 +34,30 @@ def stage_loads(peers_by_stage: Mapping[int, Sequence[PeerRecord]], num_stages: 
     return loads
 
 
-def choose_stage(loads: Sequence[StageLoad], rng: random.Random) -> int:
-    """Lowest total throughput, then fewest peers, then a random pick among the equals."""
-    best = min((load.throughput, load.peers) for load in loads)
-    candidates = [load.stage for load in loads if (load.throughput, load.peers) == best]
-    return rng.choice(candidates)
+def choose_stage(loads: Sequence[StageLoad], rng: random.Random, allowed: Collection[int] | None = None) -> int:
+    """Lowest total throughput, then fewest peers, then a random pick among the equals; only among
+    the `allowed` stages (None: any; ValueError when it leaves none)."""
+    candidates = [load for load in loads if allowed is None or load.stage in allowed]
+    if not candidates:
+        raise ValueError("no stage to choose from")
+    best = min((load.throughput, load.peers) for load in candidates)
+    return rng.choice([load.stage for load in candidates if (load.throughput, load.peers) == best])
+
+
+def needier_than(loads: Sequence[StageLoad], stage: int) -> list[int]:
+    """The stages that need help more than `stage` does (lower throughput, then fewer peers)."""
+    mine = (loads[stage].throughput, loads[stage].peers)
+    return [load.stage for load in loads if (load.throughput, load.peers) < mine]
 
 
 def should_move(
-    peers_by_stage: Mapping[int, Sequence[PeerRecord]], num_stages: int, me: PeerRecord, rng: random.Random
+    peers_by_stage: Mapping[int, Sequence[PeerRecord]],
+    num_stages: int,
+    me: PeerRecord,
+    rng: random.Random,
+    allowed: Collection[int] | None = None,
 ) -> int | None:
-    """The stage `me` should move to, or None to stay.
+    """The stage `me` should move to (one of the `allowed`, None: any), or None to stay.
 
     Moving helps only if my stage, without me, still has more than the weakest stage would have
     with me. Several joiners of a crowded stage see the same picture, so only the newest few of
@@ -51,9 +65,10 @@ def should_move(
     """
     loads = stage_loads(peers_by_stage, num_stages)
     mine = loads[me.stage]
-    target = choose_stage([load for load in loads if load.stage != me.stage], rng) if num_stages > 1 else None
-    if target is None:
+    others = [load for load in loads if load.stage != me.stage and (allowed is None or load.stage in allowed)]
+    if not others:
         return None
+    target = choose_stage(others, rng)
     weakest = loads[target]
     if mine.throughput - me.throughput <= weakest.throughput:
         return None

@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
+from collections.abc import Collection
 
 from dht.announcer import PeerAnnouncer
 from dht.records import PeerRecord
 from dht.registry import SwarmRegistry
-from node.server.stage_choice import choose_stage, should_move, stage_loads
+from node.server.stage_choice import choose_stage, needier_than, should_move, stage_loads
+
+logger = logging.getLogger(__name__)
 
 
 class StageOutOfRange(ValueError):
@@ -26,12 +30,14 @@ async def claim_stage(
     jitter: float = 2.0,
     settle: float = 1.5,
     max_rounds: int = 4,
+    allowed: Collection[int] | None = None,
 ) -> int:
     """Announce `me` as `joining` the requested stage ("auto" or a number) and return the stage.
 
-    With "auto": after a random delay pick the stage that needs help most, announce it tentatively,
-    then re-read up to `max_rounds` times and move while `should_move` says so (the tentative
-    record on the old stage is withdrawn as `leaving`)."""
+    With "auto": after a random delay pick the stage that needs help most among the `allowed`
+    (those this peer's device holds; None: any), announce it tentatively, then re-read up to
+    `max_rounds` times and move while `should_move` says so (the tentative record on the old stage
+    is withdrawn as `leaving`)."""
     if requested != "auto":
         stage = int(requested)
         if not 0 <= stage < num_stages:
@@ -41,14 +47,19 @@ async def claim_stage(
     rng = rng or random.Random()
     reader = _PeerReader(registry, num_stages)
     await asyncio.sleep(rng.uniform(0.0, jitter))
-    await me.claim(choose_stage(stage_loads(await reader.read(), num_stages), rng))
+    loads = stage_loads(await reader.read(), num_stages)
+    chosen = choose_stage(loads, rng, allowed)
+    skipped = [stage for stage in needier_than(loads, chosen) if allowed is not None and stage not in allowed]
+    if skipped:
+        logger.info(f"stage(s) {skipped} need help more but do not fit this device: taking stage {chosen}")
+    await me.claim(chosen)
     for _ in range(max_rounds):
         await asyncio.sleep(settle * rng.uniform(1.0, 2.0))
         peers = dict(await reader.read())
         mine = me.record()
         # our own announcement may not have propagated to every replica yet: count it regardless
         peers[mine.stage] = [p for p in peers.get(mine.stage, ()) if p.peer_id != mine.peer_id] + [mine]
-        target = should_move(peers, num_stages, mine, rng)
+        target = should_move(peers, num_stages, mine, rng, allowed)
         if target is None:
             break
         await me.claim(target)

@@ -26,7 +26,7 @@ from node.averaging.gossip import Gossip
 from node.averaging.outer_replica import OuterReplica
 from node.config import SwarmConfig
 from node.model.data import DataError, open_source, stream_id_from_peer
-from node.model.memory import available_memory, fitting_in_flight, format_bytes, memory_refusal
+from node.model.memory import available_memory, format_bytes, memory_refusal
 from node.p2p.dialer import PeerDialer, keep_connected
 from node.p2p.direct import direct_addresses_of
 from node.p2p.network import Network
@@ -35,7 +35,7 @@ from node.p2p.reachability import carries_training
 from node.p2p.transport import Transport
 from node.pipeline.evaluation import MicrobatchPurpose
 from node.pipeline.routing import Router
-from node.pipeline.stage_worker import STORED_PER_IN_FLIGHT, StageWorker
+from node.pipeline.stage_worker import StageWorker
 from node.pipeline.traffic import Pipeline
 from node.pipeline.validation import Validator, open_validator
 from node.pipeline.verifier import Verifier
@@ -52,6 +52,7 @@ from node.runtime.events import EventPublisher
 from node.runtime.meter import Meter
 from node.server.daemon import JoinRefused
 from node.server.progress import ProgressDisplay, ServiceSummary
+from node.server.stage_fit import DeviceUnusable, measure_device, stage_fits
 
 logger = logging.getLogger(__name__)
 
@@ -72,20 +73,20 @@ class ServiceOptions:
 
 def check_stage_fits(config: SwarmConfig, stage: int, device: str) -> int:
     """The most microbatches in flight `device`'s free memory allows a peer of `stage`, by
-    node/model/memory.py's estimate; JoinRefused (exit code 3, one line) when not even
-    training.min_in_flight fits."""
+    node/model/memory.py's estimate in the precision the stage will compute in there; JoinRefused
+    (exit code 3, one line) when not even training.min_in_flight fits."""
     try:
-        available = available_memory(device)
-    except (RuntimeError, AssertionError, ValueError) as e:  # torch's answers for a device it lacks
-        raise JoinRefused(f"cannot use device {device}: {e}") from None
-    in_flight, estimate = fitting_in_flight(config, stage, available.free)
-    if in_flight is None:  # not even min_in_flight fits
-        raise JoinRefused(memory_refusal(config, estimate, available))
+        memory = measure_device(device, available_memory)
+    except DeviceUnusable as e:
+        raise JoinRefused(str(e)) from None
+    (fit,) = stage_fits(config, [stage], memory)
+    if fit.in_flight is None:  # not even min_in_flight fits
+        raise JoinRefused(memory_refusal(config, fit.estimate, memory))
     logger.info(
-        f"stage {stage} needs about {format_bytes(estimate.total)} ({estimate.parameters:,} parameters, "
-        f"{in_flight} microbatches in flight); {available.device} has {format_bytes(available.free)} free"
+        f"stage {stage} needs about {format_bytes(fit.estimate.total)} ({fit.estimate.parameters:,} parameters, "
+        f"{fit.in_flight} microbatches in flight); {memory.device} has {format_bytes(memory.free)} free"
     )
-    return in_flight
+    return fit.in_flight
 
 
 def pick_device(requested: str) -> str:
@@ -153,12 +154,14 @@ async def build_service(
     view = SwarmView(registry, config.num_stages, period=max(0.5, config.heartbeat.period / 2))
     router = Router(rng, config.num_stages, mode=config.training.routing)
     view.on_refresh(router.refresh)
-    # the window's ceiling: this device's memory bounds it (check_stage_fits), the swarm's config too
+    # the window's ceiling: this device's memory bounds it (check_stage_fits), the swarm's config too.
+    # The store of activations is bounded by the same count, the one the memory check admitted: a
+    # block peer fed by several stage-0 peers evicts its oldest microbatch (retried by its origin)
+    # rather than hold more than its device was checked for (docs/model.md, "Memory per peer")
     max_in_flight = options.max_in_flight or config.training.max_in_flight
-    max_stored = STORED_PER_IN_FLIGHT * max_in_flight
     # built off the event loop: moving the module to a GPU (and the optimizer, the outer state) are CUDA calls
     worker = await asyncio.to_thread(
-        StageWorker, config, me.stage, device=pick_device(options.device), max_stored=max_stored
+        StageWorker, config, me.stage, device=pick_device(options.device), max_stored=max_in_flight
     )
     # `auto` is resolved per peer (node/pipeline/precision.py): say what this peer computes in
     logger.info(f"stage {me.stage} computes in {worker.precision.precision} on {worker.device}")

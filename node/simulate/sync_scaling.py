@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from node.model.llama import count_parameters
+from node.model.parameters import count_parameters
 from node.model.presets import PresetName, load_config
 from node.simulate.collectives import SyncMethod, sync_seconds
 from node.simulate.links import LinkModel

@@ -6,7 +6,8 @@ The model is the `15m` preset (llama2.c stories15M's shape: H 288, 6 layers, 6 h
 24.4M parameters here because pipeswarm keeps an untied LM head (docs/model.md, "Presets"): 18.4M
 in stage 0 and 3.0M in each block stage (3 layers). It trains on the embedded order-2 chain, whose
 16 tokens in a 32000-token vocabulary start the loss at ln 32000 = 10.37; microbatches are 4 x 64
-tokens so one fits a CPU-second. Every peer runs the join-time memory check (not skipped) and must
+tokens so one fits a CPU-second (the preset's own microbatches are 8 x 256, its whole context: written
+here, they win over the preset's). Every peer runs the join-time memory check (not skipped) and must
 pass it. The run prints the figures docs/model.md records.
 """
 

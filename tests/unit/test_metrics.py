@@ -18,6 +18,7 @@ from node.p2p.metered_stream import metered
 from node.pipeline.hops import PipelineStats
 from node.pipeline.routing import BanList
 from node.pipeline.validation import ValidationResult
+from node.runtime.device import DeviceTransfers
 from node.runtime.meter import LATENCY_BUCKETS, ComputePass, Direction, Meter, Tally
 
 
@@ -107,7 +108,13 @@ def fake_service(
             outer_state=SimpleNamespace(round=4),
             divergence=0.25,
         ),
-        worker=SimpleNamespace(inner_step=7, throughput=3.5, num_stored=1, microbatches_done=processed),
+        worker=SimpleNamespace(
+            inner_step=7,
+            throughput=3.5,
+            num_stored=1,
+            microbatches_done=processed,
+            transfers=DeviceTransfers("cpu"),
+        ),
         view=SimpleNamespace(peers_by_stage={0: [1, 2], 1: [3]}),
         validator=None if validated is None else SimpleNamespace(latest=ValidationResult(validated, 40)),
     )
@@ -125,6 +132,9 @@ def test_counters_keep_growing_when_the_peer_moves_to_another_stage():
     assert before[("pipeswarm_replica_divergence", ())] == 0.25
     assert before[("pipeswarm_swarm_peers", ())] == 3
     assert ("pipeswarm_val_loss", ()) not in before  # not validating (a block stage)
+    # peak memory: the process's resident set on a CPU, and no GPU figure there
+    assert before[("pipeswarm_peak_rss_bytes", ())] > 50 << 20
+    assert ("pipeswarm_peak_device_memory_bytes", ()) not in before
     metrics.attach_service(None)  # the stage service ends; a new one starts for the new stage
     metrics.attach_service(fake_service(stage=0, completed=1, processed=1, validated=2.5))  # type: ignore[arg-type]
     after = samples(metrics.render().decode())

@@ -13,11 +13,10 @@ from node.model.llama import (
     EdgeStage,
     ReferenceModel,
     build_stage,
-    count_parameters,
-    count_stage_parameters,
     export_llama_state_dict,
     llama_config_dict,
 )
+from node.model.parameters import count_parameters, count_stage_parameters
 from node.model.synthetic import SyntheticMarkovSource
 
 CFG = SwarmConfig()  # the tiny default: 3 stages, hidden 64, 1 layer per block stage

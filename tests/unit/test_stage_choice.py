@@ -8,7 +8,7 @@ import random
 import pytest
 
 from dht.records import PeerRecord, PeerState
-from node.server.stage_choice import StageLoad, choose_stage, should_move, stage_loads
+from node.server.stage_choice import StageLoad, choose_stage, needier_than, should_move, stage_loads
 
 
 def peer(
@@ -156,3 +156,73 @@ def test_every_joiner_computes_the_same_movers_whatever_the_record_order():
     swarm = {0: [peer("s0", 0, PeerState.ONLINE)], 1: joiners(1, 6), 2: []}
     shuffled = {0: swarm[0], 1: random.Random(3).sample(swarm[1], len(swarm[1])), 2: []}
     assert movers(swarm, 3, 1) == movers(shuffled, 3, 1) == {"j6": 2, "j5": 2, "j4": 2}
+
+
+# ------------------------------------------------------------------------------------------------
+# a device that holds only some stages (`allowed`, node/server/stage_fit.py)
+
+
+def test_choose_stage_takes_the_neediest_of_the_stages_the_device_holds():
+    loads = [StageLoad(0, 3.0, 1), StageLoad(1, 0.0, 0), StageLoad(2, 1.0, 1), StageLoad(3, 2.0, 1)]
+    assert choose_stage(loads, random.Random(0)) == 1
+    assert choose_stage(loads, random.Random(0), allowed={0, 2, 3}) == 2  # the next-neediest that fits
+    assert choose_stage(loads, random.Random(0), allowed={0}) == 0
+    assert needier_than(loads, 2) == [1]
+    with pytest.raises(ValueError):
+        choose_stage(loads, random.Random(0), allowed=set())
+
+
+def test_a_joiner_never_moves_to_a_stage_its_device_cannot_hold():
+    swarm = {0: joiners(0, 3), 1: [], 2: [peer("x", 2, PeerState.ONLINE)]}
+    newest = swarm[0][-1]
+    assert should_move(swarm, 3, newest, random.Random(0)) == 1
+    assert should_move(swarm, 3, newest, random.Random(0), allowed={0, 2}) == 2
+    assert should_move(swarm, 3, newest, random.Random(0), allowed={0}) is None
+
+
+class FakeAnnouncer:
+    """What claim_stage asks of a PeerAnnouncer: claim a stage, show the record."""
+
+    def __init__(self, peer_id: str):
+        self._record = peer(peer_id, 0)
+        self.claims: list[int] = []
+
+    async def claim(self, stage: int) -> None:
+        self.claims.append(stage)
+        self._record = peer(self._record.peer_id, stage, updated=200.0)
+
+    def record(self) -> PeerRecord:
+        return self._record
+
+    @property
+    def stage(self) -> int:
+        return self._record.stage
+
+
+class FakeRegistry:
+    def __init__(self, swarm: dict[int, list[PeerRecord]]):
+        self.swarm = swarm
+
+    async def all_peers(self, num_stages: int) -> dict[int, list[PeerRecord]]:
+        return {stage: list(self.swarm.get(stage, [])) for stage in range(num_stages)}
+
+
+def test_auto_claims_the_neediest_stage_the_device_holds_and_says_which_it_skipped(caplog):
+    import asyncio
+    import logging
+
+    from node.server.stage_claim import claim_stage
+
+    swarm = {0: [peer("a", 0, PeerState.ONLINE, 3.0)], 1: [], 2: [peer("c", 2, PeerState.ONLINE, 1.0)]}
+
+    async def claim(allowed) -> tuple[int, list[int]]:
+        me = FakeAnnouncer("me")
+        stage = await claim_stage(
+            me, FakeRegistry(swarm), 3, "auto", rng=random.Random(0), jitter=0, settle=0, allowed=allowed
+        )  # type: ignore[arg-type]
+        return stage, me.claims
+
+    assert asyncio.run(claim(None)) == (1, [1])
+    with caplog.at_level(logging.INFO, logger="node.server.stage_claim"):
+        assert asyncio.run(claim(frozenset({0, 2}))) == (2, [2])
+    assert "stage(s) [1] need help more but do not fit this device: taking stage 2" in caplog.text
