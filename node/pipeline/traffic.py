@@ -239,16 +239,20 @@ class Pipeline:
         if isinstance(microbatch_id, bool) or not isinstance(microbatch_id, int) or not isinstance(token, str):
             raise ProtocolError("a microbatch reference needs an integer microbatch_id and a token")
         ticket = self.in_flight.get(microbatch_id)
-        if ticket is None or not secrets.compare_digest(ticket.token, token):
+        # compared as bytes: compare_digest refuses a str that is not ASCII (a TypeError, not a mismatch)
+        if ticket is None or not secrets.compare_digest(ticket.token.encode(), token.encode()):
             return None
         return ticket
 
     def on_abort(self, sender: str, msg: Message) -> Message:
         """A peer on a microbatch's path gave up on it: retry now instead of at the deadline."""
+        if msg.kind != MessageKind.ERROR:  # an abort notice is an ERROR naming the microbatch (hops.notify_abort)
+            return self.transport.error(f"an abort notice is an error message, not {msg.kind.value}")
         ticket = self._ticket(msg)
         if ticket is None:  # finished already, or a stranger without the token: nothing to do
             return self.transport.error("unknown microbatch")
-        ticket.finish(error=TransportError(f"{short_peer_id(sender)} gave up: {msg.meta['reason']}"))
+        # the ERROR schema makes "reason" a string (protocol/messages.py); shown, never parsed
+        ticket.finish(error=TransportError(f"{short_peer_id(sender)} gave up: {msg.meta['reason'][:200]}"))
         return self._ack(msg)
 
     def _reject(self, sender: str, msg: Message, reason: str) -> None:
