@@ -137,6 +137,18 @@ def _hop_sender(
     )
 
 
+def ticket_named_by(in_flight: dict[int, InFlight], meta: dict) -> InFlight | None:
+    """The origin's attempt a message refers to, if its id and token match one in flight."""
+    microbatch_id, token = meta.get("microbatch_id"), meta.get("token")
+    if isinstance(microbatch_id, bool) or not isinstance(microbatch_id, int) or not isinstance(token, str):
+        raise ProtocolError("a microbatch reference needs an integer microbatch_id and a token")
+    ticket = in_flight.get(microbatch_id)
+    # compared as bytes: compare_digest refuses a str that is not ASCII (a TypeError, not a mismatch)
+    if ticket is None or not secrets.compare_digest(ticket.token.encode(), token.encode()):
+        return None
+    return ticket
+
+
 class Pipeline:
     def __init__(
         self,
@@ -234,15 +246,7 @@ class Pipeline:
         return self._ack(msg)
 
     def _ticket(self, msg: Message) -> InFlight | None:
-        """This origin's attempt the message refers to, if its id and token match one in flight."""
-        microbatch_id, token = msg.meta.get("microbatch_id"), msg.meta.get("token")
-        if isinstance(microbatch_id, bool) or not isinstance(microbatch_id, int) or not isinstance(token, str):
-            raise ProtocolError("a microbatch reference needs an integer microbatch_id and a token")
-        ticket = self.in_flight.get(microbatch_id)
-        # compared as bytes: compare_digest refuses a str that is not ASCII (a TypeError, not a mismatch)
-        if ticket is None or not secrets.compare_digest(ticket.token.encode(), token.encode()):
-            return None
-        return ticket
+        return ticket_named_by(self.in_flight, msg.meta)
 
     def on_abort(self, sender: str, msg: Message) -> Message:
         """A peer on a microbatch's path gave up on it: retry now instead of at the deadline."""
