@@ -1,4 +1,4 @@
-"""What a NoLoCo round puts on the wire at real size: about a byte a parameter each way (pure).
+"""What a NoLoCo round puts on the wire at real size: under a byte a parameter each way (pure).
 
 phi and Delta in fp32 both ways would be 16 bytes a parameter, 283 MB for a `125m` block stage,
 which a 50 Mbit/s home uplink cannot move in any sensible time. What crosses instead
@@ -19,8 +19,8 @@ which a 50 Mbit/s home uplink cannot move in any sensible time. What crosses ins
   and never further than that reach from its own phi whatever a partner sends. The dither makes
   the rounding error independent of phi, so the pull is unbiased.
 
-At block 64 and 4-bit phi a direction carries 0.5 + 4/64 + 0.5 = 1.0625 bytes a parameter: a
-round moves 2.125 bytes a parameter in total, 7.5x less than fp32. DiLoCo rounds send Delta alone.
+At block 64 and 3-bit phi a direction carries 0.5 + 4/64 + 3/8 = 0.9375 bytes a parameter: a
+round moves 1.875 bytes a parameter in total, 8.5x less than fp32. DiLoCo rounds send Delta alone.
 
 Everything here runs on the stage's device (the compute thread); the codes, scales and residues
 are copied to the host for the wire by the caller. Sizes are a function of the parameter shapes
@@ -46,19 +46,19 @@ __all__ = [
     "WireLayout",
     "dequantize4",
     "dither",
-    "pack_nibbles",
+    "pack_bits",
     "phi_steps",
     "quantize4",
-    "unpack_nibbles",
+    "unpack_bits",
 ]
 
 LEVELS = 7  # symmetric 4-bit levels -7..7; a nibble holds q + 8 in 1..15
 DEFAULT_BLOCK = 64  # values per fp32 scale: 1/16 byte a value of scales
-PHI_BITS = (4, 8)
+PHI_BITS = (2, 3, 4, 8)
 MAX_PHI_SEED = 2**31 - 1
 PHI_PIECE = 1 << 20  # values coded at once
-DEFAULT_PHI_BITS = 4
-DEFAULT_PHI_STEP = 8.0  # phi's grid step, in Delta scales (a block's absmax / 7)
+DEFAULT_PHI_BITS = 3
+DEFAULT_PHI_STEP = 16.0  # phi's grid step, in Delta scales (a block's absmax / 7)
 _TINY = 2.0**-126  # divisor for an all-zero block (keeps its codes at zero)
 
 
@@ -76,7 +76,7 @@ def quantize4(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
     grid = padded.view(blocks, block)
     scales = grid.abs().amax(dim=1).div_(LEVELS)
     q = torch.div(grid, scales.clamp_min(_TINY)[:, None]).round_().clamp_(-LEVELS, LEVELS)
-    return pack_nibbles((q + (LEVELS + 1)).to(torch.uint8)), scales
+    return pack_bits((q + (LEVELS + 1)).to(torch.uint8), 4), scales
 
 
 def dequantize4(codes: Tensor, scales: Tensor, numel: int, block: int) -> Tensor:
@@ -84,7 +84,7 @@ def dequantize4(codes: Tensor, scales: Tensor, numel: int, block: int) -> Tensor
     blocks = scales.numel()
     if codes.numel() * 2 != blocks * block or blocks != math.ceil(numel / block):
         raise ValueError(f"{codes.numel()} code bytes and {blocks} scales do not encode {numel} values")
-    grid = unpack_nibbles(codes, blocks * block).to(torch.float32).view(blocks, block)
+    grid = unpack_bits(codes, blocks * block, 4).to(torch.float32).view(blocks, block)
     grid.sub_(LEVELS + 1).mul_(scales.to(torch.float32)[:, None])
     return grid.reshape(-1)[:numel]
 
@@ -133,13 +133,13 @@ class PhiDither:
 
     def residues(self, phi: Tensor, steps: Tensor, bits: int) -> Tensor:
         """phi on its dithered grid, modulo 2**bits: of the grid index k = floor(phi / step + u + 1/2)
-        only the low bits travel; 4-bit residues two to a byte."""
+        only the low bits travel, packed 8 / bits to a byte."""
         flat = phi.reshape(-1)
         low = torch.empty(flat.numel(), dtype=torch.uint8, device=phi.device)
         for start in range(0, flat.numel(), PHI_PIECE):
             index, _ = self._indices(flat[start : start + PHI_PIECE], steps, start)
             low[start : start + PHI_PIECE] = index.remainder_(1 << bits)
-        return pack_nibbles(low) if bits == 4 else low
+        return pack_bits(low, bits)
 
     def decode(self, residues: Tensor, own: Tensor, steps: Tensor, bits: int) -> tuple[Tensor, Tensor]:
         """(the partner's phi, flat fp32; how many of its values decoded in the outer half of the
@@ -149,7 +149,7 @@ class PhiDither:
         partner sends moves no coordinate further than that. Residues of a replica out of reach (or
         garbage) decode uniformly over the reach: half of them in its outer half."""
         flat, modulus = own.reshape(-1), 1 << bits
-        low = unpack_nibbles(residues, flat.numel()) if bits == 4 else residues.reshape(-1)
+        low = unpack_bits(residues, flat.numel(), bits)
         out = torch.empty(flat.numel(), dtype=torch.float32, device=own.device)
         edge = torch.zeros((), dtype=torch.int64, device=own.device)
         for start in range(0, flat.numel(), PHI_PIECE):
@@ -162,21 +162,36 @@ class PhiDither:
         return out, edge
 
 
-def pack_nibbles(values: Tensor) -> Tensor:
-    """uint8 values < 16, two to a byte (the first in the low nibble; an odd count padded with 0)."""
+def pack_bits(values: Tensor, bits: int) -> Tensor:
+    """uint8 values < 2**bits (1 <= bits <= 8) as a little-endian bit stream: value i takes bits
+    i * bits .. (i + 1) * bits - 1, least significant first; the last byte padded with zeros."""
     flat = values.reshape(-1)
-    if flat.numel() % 2:
-        flat = torch.cat([flat, flat.new_zeros(1)])
-    return flat[0::2] | (flat[1::2] << 4)
+    if bits == 8:
+        return flat
+    stream = torch.zeros(math.ceil(flat.numel() * bits / 8) * 8, dtype=torch.uint8, device=flat.device)
+    for b in range(bits):  # bit b of every value, at positions b, b + bits, b + 2 bits, ...
+        stream[b : flat.numel() * bits : bits] = (flat >> b) & 1
+    octets = stream.view(-1, 8)
+    packed = octets[:, 0].clone()
+    for b in range(1, 8):
+        packed |= octets[:, b] << b
+    return packed
 
 
-def unpack_nibbles(packed: Tensor, numel: int) -> Tensor:
-    """The first `numel` values `pack_nibbles` packed."""
-    if packed.numel() != math.ceil(numel / 2):
-        raise ValueError(f"{packed.numel()} bytes do not hold {numel} 4-bit values")
-    out = torch.empty(2 * packed.numel(), dtype=torch.uint8, device=packed.device)
-    out[0::2], out[1::2] = packed & 0x0F, packed >> 4
-    return out[:numel]
+def unpack_bits(packed: Tensor, numel: int, bits: int) -> Tensor:
+    """The first `numel` values `pack_bits` packed."""
+    if packed.numel() != math.ceil(numel * bits / 8):
+        raise ValueError(f"{packed.numel()} bytes do not hold {numel} {bits}-bit values")
+    if bits == 8:
+        return packed.reshape(-1)[:numel]
+    stream = torch.empty(packed.numel(), 8, dtype=torch.uint8, device=packed.device)
+    for b in range(8):
+        stream[:, b] = (packed >> b) & 1
+    stream = stream.reshape(-1)
+    out = torch.zeros(numel, dtype=torch.uint8, device=packed.device)
+    for b in range(bits):
+        out |= stream[b : numel * bits : bits] << b
+    return out
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ Runs the project's StageWorkers, Router and outer steps in one process on the si
 (node/simulate/swarm.py) on the second-order Markov chain where the block stages matter, twice per
 seed: every round exchanging phi and Delta in fp32 (16 bytes a parameter), and as the swarm does
 (node/averaging/gossip_codec.py: 4-bit Delta with error feedback, phi as residues on a dithered
-grid decoded against the receiver's own phi; 2.125 bytes a parameter at the defaults). The same tokens reach both (same seeds,
+grid decoded against the receiver's own phi; 1.875 bytes a parameter at the defaults). The same tokens reach both (same seeds,
 iterations, replicas and data streams). Prints the held-out loss and the replica divergence at the
 end, per seed and as mean and spread, and the codec's cost in % of the loss; `--json FILE` keeps
 every number. Not a timed test: `python tests/benchmarks/bench_gossip_codec.py` (docs/results.md).
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--inner-steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--phi-bits", type=int, default=GossipConfig.phi_bits, choices=[4, 8])
+    parser.add_argument("--phi-bits", type=int, default=GossipConfig.phi_bits, choices=[2, 3, 4, 8])
     parser.add_argument("--phi-step", type=float, default=GossipConfig.phi_step)
     parser.add_argument("--codec-only", action="store_true", help="skip the exact rounds (their figures do not change)")
     parser.add_argument("--json", dest="json_path")

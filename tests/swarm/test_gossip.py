@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from node.averaging.gossip import Gossip
-from node.averaging.gossip_codec import GossipCodec, PhiDither
+from node.averaging.gossip_codec import GossipCodec, PhiDither, pack_bits, unpack_bits
 from node.averaging.gossip_wire import STALL_TIMEOUT
 from node.averaging.noloco import OuterState, diloco_outer_step, outer_step, pseudo_gradient, relative_distance
-from node.config import load_config
+from node.config import GossipConfig, load_config
 from node.p2p.tensor_stream import Session
 from protocol import MessageKind, recv_message, send_message
 from tests.helpers.inprocess_swarm import inprocess_swarm
@@ -287,7 +287,10 @@ def poisoned(poison: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     elif poison == "huge":
         tensors[1::3] = [t * 1e4 for t in tensors[1::3]]
     elif poison == "far":  # every phi value half the grid's period away: the farthest phi the wire can carry
-        tensors[2::3] = [t ^ 0x88 for t in tensors[2::3]]
+        bits, period = GossipConfig.phi_bits, 1 << GossipConfig.phi_bits
+        for k in range(2, len(tensors), 3):
+            values = unpack_bits(tensors[k], tensors[k].numel() * 8 // bits, bits)
+            tensors[k] = pack_bits((values + period // 2) % period, bits)
     else:
         assert poison == "random"  # random residues: a phi unrelated to ours
         gen = torch.Generator().manual_seed(99)
@@ -356,11 +359,11 @@ def test_a_replica_far_behind_its_stage_catches_up_instead_of_banning(caplog):
     async def scenario():
         async with inprocess_swarm(config, stages=[1, 1]) as peers:
             ahead, behind = gossips(peers)
-            # the leader's outer weights moved 2x their norm away (relative distance ~2 > the 1.5
-            # ceiling, norm ratio ~2.2: well-formed, implausible) and its weights with them
+            # the leader's outer weights moved 8x their norm away (far beyond the reach of the phi
+            # codec, 64 Delta scales: well-formed, implausible) and its weights with them
             gen = torch.Generator().manual_seed(5)
             outer = {
-                k: v + 2.0 * v.norm() / v.numel() ** 0.5 * torch.randn(v.shape, generator=gen)
+                k: v + 8.0 * v.norm() / v.numel() ** 0.5 * torch.randn(v.shape, generator=gen)
                 if k.startswith("phi.")
                 else torch.zeros_like(v)
                 for k, v in ahead.export_outer().items()

@@ -37,7 +37,7 @@ from protocol.version import PROTOCOL_VERSION
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "config.md"
 REGENERATE = ".venv/bin/python -m node.config > docs/config.md"
-DEFAULT_HASH = "b69ff66f458b0142"  # protocol 4 (gossip codec: phi_bits, phi_step, delta_block) + routing, precision, tokenizer_hash, the order-2 markov source, [validation], [verification], max_staleness_steps 2, stashed_weights 4, slow_link_compression int8 with max_in_flight 32: changing it splits old and new peers
+DEFAULT_HASH = "4ab4c63771c81de9"  # protocol 4 (gossip codec: phi_bits 3, phi_step 16, delta_block) + routing, precision, tokenizer_hash, the order-2 markov source, [validation], [verification], max_staleness_steps 2, stashed_weights 4, slow_link_compression int8 with max_in_flight 32: changing it splits old and new peers
 SECTIONS = SECTION_TYPES
 TOP_LEVEL = [f.name for f in dataclasses.fields(SwarmConfig) if f.name not in SECTIONS]
 
@@ -193,9 +193,9 @@ RULES = [
     ("training.grad_clip", 0.0, 0.01, "hop_timeout, grad_clip > 0; max_retries, stashed_weights >= 0"),
     ("gossip.inner_steps", 0, 1, "gossip: inner_steps >= 1, timeout > 0, norm factor > 1"),
     ("gossip.round_timeout", 0.0, 0.01, "gossip: inner_steps >= 1, timeout > 0, norm factor > 1"),
-    ("gossip.phi_bits", 6, 8, "gossip: phi_bits 4 or 8, phi_step > 0, delta_block even and >= 2"),
-    ("gossip.phi_step", 0.0, 0.5, "gossip: phi_bits 4 or 8, phi_step > 0, delta_block even and >= 2"),
-    ("gossip.delta_block", 63, 2, "gossip: phi_bits 4 or 8, phi_step > 0, delta_block even and >= 2"),
+    ("gossip.phi_bits", 6, 2, "gossip: phi_bits 2, 3, 4 or 8, phi_step > 0, delta_block even and >= 2"),
+    ("gossip.phi_step", 0.0, 0.5, "gossip: phi_bits 2, 3, 4 or 8, phi_step > 0, delta_block even and >= 2"),
+    ("gossip.delta_block", 63, 2, "gossip: phi_bits 2, 3, 4 or 8, phi_step > 0, delta_block even and >= 2"),
     ("gossip.max_norm_factor", 1.0, 1.01, "gossip: inner_steps >= 1, timeout > 0, norm factor > 1"),
     ("recovery.lr_scale", 0.0, 0.01, "recovery: lr_scale > 0, waits >= 0"),
     ("recovery.lost_grace", -0.5, 0.0, "recovery: lr_scale > 0, waits >= 0"),

@@ -3,7 +3,7 @@
 4-bit Delta round trips within half a quantization step; error feedback delivers the whole
 progress over rounds; phi decodes against the receiver's own phi to within half a grid step while
 the replicas are close, and never lands further than the grid's reach from it whatever was sent; a
-round moves about 2 bytes a parameter at the real presets' shapes; what a partner could send wrong
+round moves at most 2 bytes a parameter at the real presets' shapes; what a partner could send wrong
 (sizes, NaN scales) is refused.
 """
 
@@ -78,7 +78,7 @@ def test_error_feedback_delivers_all_of_the_progress_over_rounds():
 
 
 @pytest.mark.parametrize("preset", ["15m", "125m"])
-def test_a_round_moves_about_two_bytes_a_parameter_at_the_real_presets(preset):
+def test_a_round_moves_at_most_two_bytes_a_parameter_at_the_real_presets(preset):
     config = load_config(**{"model.preset": preset})
     g = config.gossip
     codec = GossipCodec(g.delta_block, g.phi_bits, g.phi_step)
@@ -91,7 +91,7 @@ def test_a_round_moves_about_two_bytes_a_parameter_at_the_real_presets(preset):
             numels = [p.numel() for p in build_stage(config, stage).parameters()]
         assert sum(numels) == parameters
         one_way = codec.layout(numels, with_phi=True).nbytes
-        assert 2 * one_way / parameters <= 2.2, (stage, 2 * one_way / parameters)
+        assert 2 * one_way / parameters <= 2.0, (stage, 2 * one_way / parameters)
         assert 2 * one_way / parameters == pytest.approx(2 * codec.bytes_per_parameter(), rel=0.01)
         assert codec.layout(numels, with_phi=False).nbytes < 0.6 * parameters  # a DiLoCo round: Delta alone
 
@@ -99,7 +99,7 @@ def test_a_round_moves_about_two_bytes_a_parameter_at_the_real_presets(preset):
 @settings(max_examples=40, deadline=None)
 @given(
     numel=st.integers(min_value=1, max_value=3000),
-    bits=st.sampled_from([4, 8]),
+    bits=st.sampled_from([2, 3, 4, 8]),
     step=st.sampled_from([0.25, 1.0, 2.0]),
     seed=st.integers(min_value=0, max_value=2**31 - 1),
 )
@@ -124,8 +124,8 @@ def test_phi_decodes_within_half_a_step_while_the_replicas_are_close_and_within_
     for own, sent in ((far, residues), (close, garbage)):
         decoded, edge = key.decode(sent, own, steps, bits)
         assert torch.all((decoded.double() - own.double()).abs() <= steps * (reach + 1))
-        if numel >= 2000:  # uniform over the reach: about half at its outer half
-            assert 0.4 < int(edge) / numel < 0.6
+        if numel >= 2000:  # uniform over the 2**bits offsets: 1/2 + 2**-bits of them in the reach's outer half
+            assert abs(int(edge) / numel - (0.5 + 2.0**-bits)) < 0.1
 
 
 def test_the_dither_is_a_pure_function_of_seed_and_position():
