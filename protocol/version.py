@@ -1,3 +1,5 @@
 """The wire protocol version. Bump it on any incompatible change to messages, codec or records."""
 
-PROTOCOL_VERSION = 2  # 2: signed DHT envelopes, microbatch tokens, MACed frames in private swarms
+# 2: signed DHT envelopes, microbatch tokens, MACed frames in private swarms
+# 3: spot-checks replay a real hop at the replica's committed weights (CHECK/AUDIT, COMMITMENT, OPEN, OPENING)
+PROTOCOL_VERSION = 3
