@@ -164,6 +164,7 @@ class VerificationReport:
     largest_error: float = 0.0  # the largest replay error of an output among the checks that passed
     largest_gradient_error: float = 0.0  # the same for an input gradient
     tolerance: float = 0.0  # the tolerance largest_error was held to
+    check_seconds: float = 0.0  # mean time from a check's request to its verdict
     strikes: dict[str, float] = field(default_factory=dict)  # peer -> decayed strikes it holds against it
     bans: list[str] = field(default_factory=list)  # peers it banned after spot-checks
 
@@ -177,13 +178,13 @@ class VerificationReport:
         if not isinstance(bans, list) or len(bans) > MAX_REPORTED_PEERS:
             raise RecordError(f"verification.bans: expected a list of at most {MAX_REPORTED_PEERS} peers")
         counts = {name: _check_int(raw.get(name, 0), f"verification.{name}") for name in _REPORT_COUNTS}
-        errors = {
+        measures = {
             name: _check_float(raw.get(name, 0.0), f"verification.{name}", low=0.0)  # type: ignore[arg-type]
-            for name in _REPORT_ERRORS
+            for name in _REPORT_MEASURES
         }
         return cls(
             **counts,
-            **errors,
+            **measures,
             strikes={
                 _check_str(peer, "verification.strikes", MAX_ID_CHARS): _check_float(score, "strike", low=0.0)  # type: ignore[misc]
                 for peer, score in strikes.items()
@@ -193,7 +194,7 @@ class VerificationReport:
 
 
 _REPORT_COUNTS = ("checks", "failed", "unanswered", "served")
-_REPORT_ERRORS = ("largest_error", "largest_gradient_error", "tolerance")
+_REPORT_MEASURES = ("largest_error", "largest_gradient_error", "tolerance", "check_seconds")
 
 
 @dataclass

@@ -60,6 +60,11 @@ class CheckStats:
     largest_error: float = 0.0  # among checks that passed: the largest output replay error
     largest_gradient_error: float = 0.0
     tolerance: float = 0.0  # what largest_error was held to
+    seconds: float = 0.0  # total time from request to verdict of the checks decided
+
+    @property
+    def mean_seconds(self) -> float:
+        return self.seconds / self.checks if self.checks else 0.0
 
     def passed(self, judgement: Judgement) -> None:
         if judgement.forward_error is not None and judgement.forward_error >= self.largest_error:
@@ -177,14 +182,14 @@ class Verifier:
         return await self._verify(observed, request)
 
     async def _verify(self, observed: Observed, request: Message) -> Finding | None:
-        peer = observed.peer
+        peer, began = observed.peer, time.monotonic()
         reply = await self._ask(peer, request, MessageKind.COMMITMENT)
         if reply is None:
             return self._unanswered(observed, "no commitment")
         try:
             commitment = CommitmentReply.parse(reply, self.layers)
         except ValueError as e:
-            return self._act(observed, Judgement(Finding.MALFORMED, f"commitment: {e}"))
+            return self._act(observed, Judgement(Finding.MALFORMED, f"commitment: {e}"), began)
         layer = self.rng.randrange(self.layers)  # drawn after the commitment: the replica could not know it
         forward, backward = boundaries_to_open(layer, self.layers, observed, commitment.has_backward)
         meta = {"stage": observed.stage, "commitment": commitment.commitment, "layer": layer}
@@ -195,7 +200,7 @@ class Verifier:
         judgement = await self.worker.compute(
             judge, self.layout, self.tolerance, commitment, layer, opening.tensors, observed, self.worker.transfers
         )
-        return self._act(observed, judgement)
+        return self._act(observed, judgement, began)
 
     async def _ask(self, peer: str, request: Message, expected: MessageKind) -> Message | None:
         try:
@@ -226,8 +231,9 @@ class Verifier:
         logger.debug(f"check of {short_peer_id(observed.peer)} (stage {observed.stage}) unanswered: {why}")
         return None
 
-    def _act(self, observed: Observed, judgement: Judgement) -> Finding:
+    def _act(self, observed: Observed, judgement: Judgement, began: float) -> Finding:
         self.stats.checks += 1
+        self.stats.seconds += time.monotonic() - began
         peer, stage = observed.peer, observed.stage
         what = (
             f"microbatch {observed.microbatch_id} of {short_peer_id(observed.origin)}" if observed.origin else "audit"
@@ -270,6 +276,7 @@ class Verifier:
             largest_error=stats.largest_error,
             largest_gradient_error=stats.largest_gradient_error,
             tolerance=stats.tolerance,
+            check_seconds=stats.mean_seconds,
             strikes={peer: round(score, 3) for peer, score in scores},
             bans=bans,
         )

@@ -168,6 +168,16 @@ def end(swarm: Swarm | None) -> None:
     assert not leftovers, f"processes left behind: {leftovers}"
 
 
+def print_check_times(watch: Watch, ids: dict[str, str]) -> None:
+    """Each peer's checks decided and their mean time from request to verdict, as last published."""
+    _, last = watch.snapshots[-1]
+    for name, peer_id in ids.items():
+        report = (record_of(last, peer_id) or {}).get("verification") or {}
+        if report.get("checks"):
+            print(f"  {name}: {report['checks']} checks ({report['failed']} found evidence, "
+                  f"{report['unanswered']} unanswered), {report['check_seconds']:.3f} s each on average")  # fmt: skip
+
+
 # ---- the default suite ----------------------------------------------------------------------------
 
 
@@ -198,6 +208,7 @@ def test_a_replica_scaling_every_linear_output_from_its_first_step_is_banned_by_
                 )  # fmt: skip
                 print(f"\nscale x1.5 from the first step: banned by stage 0 {caught:.1f} s after all were online, "
                       f"by a stage mate {caught + audited:.1f} s")  # fmt: skip
+                print_check_times(watch, ids)
 
         asyncio.run(run())
     finally:
@@ -225,6 +236,7 @@ async def issue_layout_run(swarm: Swarm, peers: list[Peer], fault_after: float) 
         _, at_ban = watch.snapshots[-1]
         await keep_watching(observer, watch, online_at + RUN_SECONDS - time.monotonic())
     print_timeline(watch, ids, online_at, banned_at, fault_after)
+    print_check_times(watch, ids)
     _, last = watch.snapshots[-1]
     done = {peer: (record_of(last, peer) or {}).get("microbatches", 0) - (record_of(at_ban, peer) or {}).get(
         "microbatches", 0) for peer in (faulty, *honest)}  # fmt: skip

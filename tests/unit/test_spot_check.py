@@ -200,7 +200,9 @@ def test_evidence_is_every_finding_but_passed_and_the_probe_is_a_unit_direction(
 
 
 def test_a_verification_report_is_validated_like_any_record_field() -> None:
-    report = VerificationReport(checks=3, failed=1, unanswered=2, strikes={"peer-a": 1.5}, bans=["peer-b"])
+    report = VerificationReport(
+        checks=3, failed=1, unanswered=2, check_seconds=0.25, strikes={"peer-a": 1.5}, bans=["peer-b"]
+    )
     record = PeerRecord("me", 1, verification=report)
     assert PeerRecord.from_wire(record.to_wire()).verification == report
     for bad in (
@@ -209,6 +211,7 @@ def test_a_verification_report_is_validated_like_any_record_field() -> None:
         {"bans": "peer"},
         {"checks": -1},
         {"largest_error": float("inf")},
+        {"check_seconds": -1.0},
     ):
         with pytest.raises(RecordError):
             VerificationReport.from_wire(bad)

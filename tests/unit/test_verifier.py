@@ -43,6 +43,7 @@ def test_an_honest_replica_passes_from_wherever_its_hop_is_seen(seen_by) -> None
     report = swarm.checker.report()
     assert report.checks == 3 and report.failed == 0 and not report.strikes and not swarm.events.published
     assert 0.0 <= report.largest_error < SETTINGS.fp32_tolerance and swarm.replicas["honest"].server.served == 3
+    assert report.check_seconds > 0.0
 
 
 def test_replicas_drifted_far_apart_each_pass_at_their_own_weights() -> None:
