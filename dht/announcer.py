@@ -110,19 +110,23 @@ class PeerAnnouncer:
 
     async def claim(self, stage: int) -> None:
         """Announce this peer as `joining` `stage` now; a claim on another stage is withdrawn first."""
-        if stage != self._record.stage and self.last_expiration > 0:
-            await self._announce_leaving()
+        withdrawn = dataclasses.replace(self._record, state=PeerState.LEAVING)
         self._record.stage = stage
         self._record.state = PeerState.JOINING
+        if stage != withdrawn.stage and self.last_expiration > 0:
+            await self._announce_leaving(withdrawn)
         await self.announce_now()
 
     async def move_to(self, stage: int) -> None:
         """Leave the current stage (record overwritten as `leaving`) and join `stage` as `joining`.
         Progress fields describe the old stage, so they are cleared until the new stage reports."""
         old = self._record.stage
-        await self._announce_leaving()
+        withdrawn = dataclasses.replace(self._record, state=PeerState.LEAVING)
+        # the record moves before the withdrawal is awaited: a heartbeat in between must not
+        # re-announce the old stage as online over the `leaving` entry
         record = self._record
         record.stage, record.state = stage, PeerState.JOINING
+        await self._announce_leaving(withdrawn)
         record.inner_step = record.microbatches = 0
         record.loss = record.grad_norm = record.divergence = record.last_partner = None
         record.val_loss = record.val_step = None
@@ -159,10 +163,9 @@ class PeerAnnouncer:
     async def farewell(self) -> None:
         """Overwrite this peer's record with state `leaving` (clean shutdown)."""
         self._record.state = PeerState.LEAVING
-        await self._announce_leaving()
+        await self._announce_leaving(dataclasses.replace(self._record))
 
-    async def _announce_leaving(self) -> None:
-        leaving = dataclasses.replace(self._record, state=PeerState.LEAVING)
+    async def _announce_leaving(self, leaving: PeerRecord) -> None:
         expiration = max(self.last_expiration + 1e-3, get_dht_time() + 1.0)
         try:
             async with asyncio.timeout(5.0):

@@ -364,3 +364,19 @@ class SwarmEvent:
             detail=_check_str(raw.get("detail", ""), "detail", 512),
             reporter=_check_str(raw.get("reporter", ""), "reporter", MAX_ID_CHARS),
         )
+
+
+def one_stage_per_peer(peers_by_stage: dict[int, list[PeerRecord]]) -> dict[int, list[PeerRecord]]:
+    """Each peer at the stage of its newest record only. A peer that moved wrote `leaving` over its
+    old stage's entry, but a DHT read can still return the old `online` entry (a replica that missed
+    the overwrite) until it expires; the newer announcement says where the peer is now."""
+    newest: dict[str, PeerRecord] = {}
+    for records in peers_by_stage.values():
+        for record in records:
+            held = newest.get(record.peer_id)
+            if held is None or (record.updated, record.expires) > (held.updated, held.expires):
+                newest[record.peer_id] = record
+    return {
+        stage: [record for record in records if newest[record.peer_id] is record]
+        for stage, records in peers_by_stage.items()
+    }

@@ -23,6 +23,7 @@ from dht.records import (
     RecordError,
     SwarmEvent,
     events_key,
+    one_stage_per_peer,
     short_peer_id,
     stage_key,
 )
@@ -149,7 +150,7 @@ class SwarmRegistry:
     async def all_peers(self, num_stages: int) -> dict[int, list[PeerRecord]]:
         keys = [stage_key(self.swarm_id, stage) for stage in range(num_stages)]
         found = await self.dht.get_many(keys, sufficient_expiration_time=float("inf"))
-        return {stage: self._parse_stage(stage, found.get(key)) for stage, key in enumerate(keys)}
+        return one_stage_per_peer({stage: self._parse_stage(stage, found.get(key)) for stage, key in enumerate(keys)})
 
     async def publish_event(self, event: SwarmEvent, ttl: float = EVENT_TTL) -> bool:
         if ttl > EVENT_TTL:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from hivemind.utils import get_dht_time
 
-from dht.records import PeerRecord, PeerState
+from dht.records import PeerRecord, PeerState, one_stage_per_peer
 from dht.registry import SwarmRegistry
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ def merge_reads(
         seen = {record.peer_id for record in records}
         kept = [r for r in previous.get(stage, []) if r.peer_id not in seen and r.expires > now]
         merged[stage] = sorted(records + kept, key=lambda record: record.peer_id)
-    return merged
+    return one_stage_per_peer(merged)
 
 
 class SwarmView:

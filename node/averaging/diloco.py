@@ -62,14 +62,15 @@ class DilocoRound:
 
     async def _round(self, round_: int) -> RoundOutcome:
         ctx = self.ctx
-        start = await ctx.capture_start()
+        start = await ctx.capture_start(None)  # every replica shares phi: Delta alone travels
         if not start.has_progress:
             return ctx.record(RoundOutcome(RoundStatus.SKIPPED, round_, detail="no inner step since the last round"))
         self._published = (round_, start)
         members = ctx.candidates()
         fetched = await asyncio.gather(*(self._fetch_delta(peer, round_, start) for peer in members))
         group = [(peer, delta) for peer, delta in zip(members, fetched) if delta is not None]
-        new_state = await ctx.worker.compute(ctx.replica.group_step, start, [delta for _, delta in group])
+        deltas = [start.sent_delta, *(delta for _, delta in group)]  # as every member decodes them
+        new_state = await ctx.worker.compute(ctx.replica.group_step, start, deltas)
         status = RoundStatus.APPLIED if group else RoundStatus.LONE
         return await ctx.finish(start, new_state, RoundOutcome(status, round_, tuple(peer for peer, _ in group)))
 
@@ -79,21 +80,21 @@ class DilocoRound:
         wire = ctx.wire
 
         async def fetch() -> list[Tensor]:
-            buffers = await ctx.host_buffers(1)
+            buffers = await ctx.host_buffers(None)
             async with wire.open(peer) as session:
                 await session.send(wire.request(round_))
                 await session.expect(MessageKind.GOSSIP_ACCEPT)
-                delta = await wire.recv_tensors(session, buffers)
+                received = await wire.recv_tensors(session, buffers)
                 await session.expect(MessageKind.GOSSIP_DONE)
-                return delta
+                return received
 
         try:
-            delta = await within(fetch(), ctx.settings.round_timeout)
+            received = await within(fetch(), wire.round_budget(None, peer))
         except PEER_FAILURES as e:
             logger.info(f"diloco round {round_}: no Delta from {short_peer_id(peer)}: {e!r}")
             return None
         # all replicas share phi in diloco: check the partner's Delta against ours
-        reason, _, _, delta_here = await ctx.check_partner(peer, start, start.state.phi, delta)
+        reason, _, _, delta_here = await ctx.check_partner(peer, start, received)
         if reason is not None:
             ctx.reject(peer, reason)
             return None
@@ -121,5 +122,5 @@ class DilocoRound:
                 await asyncio.sleep(0.01)
         start = self._published[1]
         await session.send(wire.accept(wanted))
-        await wire.send_tensors(session, wanted, start.wire_delta)
+        await wire.send_tensors(session, wanted, start.wire)
         await session.send(wire.transport.message(MessageKind.GOSSIP_DONE, {"round": wanted}))

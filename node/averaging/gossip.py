@@ -184,7 +184,7 @@ class Gossip:
         if refusal is not None:
             await session.send(self.transport.error(refusal, request.request_id))
         elif self.settings.mode == GossipMode.DILOCO:
-            await within(self.diloco.serve(session, request), self.settings.round_timeout)
+            await within(self.diloco.serve(session, request), self.wire.round_budget(None, sender))
         else:
             await self.pairwise.respond(sender, session, request)
 

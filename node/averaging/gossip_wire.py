@@ -2,9 +2,10 @@
 
 One libp2p stream (service "gossip") per exchange; docs/gossip.md ("A round on the wire") lists
 the steps. Tensors travel as GOSSIP_CHUNKs through node/p2p/tensor_stream.py: each tensor is
-flattened and cut into CHUNK_ELEMENTS fp32 elements, `index` = the tensor's place (phi tensors,
-then Delta tensors, in `module.parameters()` order), `offset` = the element offset in it. The
-receiver knows every shape from its own module (same stage, same shapes).
+flattened and cut into CHUNK_ELEMENTS elements, `index` = the tensor's place (node/averaging/
+gossip_codec.py's WireLayout: phi samples, then each parameter's Delta codes and scales, in
+`module.parameters()` order), `offset` = the element offset in it. The receiver knows every shape
+and dtype from its own module and the codec (same stage, same config), never from the wire.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from torch import Tensor
 
+from node.averaging.gossip_codec import PhiSample
 from node.averaging.outer_replica import OuterReplica
 from node.config import GossipConfig, GossipMode
 from node.p2p.tensor_stream import ChunkIndex, Session, TensorStream
@@ -35,14 +37,17 @@ __all__ = [
 ]
 
 GOSSIP_SERVICE = "gossip"
-CHUNK_ELEMENTS = 1 << 20  # 4 MiB of fp32 per GOSSIP_CHUNK
+CHUNK_ELEMENTS = 1 << 18  # 1 MiB of fp32 (256 KiB of codes) per GOSSIP_CHUNK
 # A partner that sends nothing for STALL_TIMEOUT seconds while a message is due ends the round
 # (docs/gossip.md, "Timeouts and failures"): the time one chunk takes at the slowest link we
 # serve, plus slack for a loaded event loop. Waits for the partner's compute thread (its capture
 # before ACCEPT, its validation before DONE) get COMPUTE_SLACK x what the same work took us on top.
-MIN_GOSSIP_BANDWIDTH = 4 << 20  # bytes/s (32 Mbit/s), per direction
+MIN_GOSSIP_BANDWIDTH = 1 << 20  # bytes/s (8.4 Mbit/s), per direction: a slow home uplink
 STALL_LATENCY = 2.0  # seconds
 STALL_TIMEOUT = STALL_LATENCY + CHUNK_ELEMENTS * 4 / MIN_GOSSIP_BANDWIDTH  # 3 s
+# a round's transfer is given its payload at MIN_GOSSIP_BANDWIDTH, or at the partner's measured
+# link rate when one is known, times this, on top of gossip.round_timeout (round_budget)
+TRANSFER_SLACK = 2.0
 COMPUTE_SLACK = 4.0
 STALL_COOLDOWN = 60.0  # seconds a partner that stalled is neither asked nor answered (not a ban)
 GOSSIP_CHUNKS = TensorStream(MessageKind.GOSSIP_CHUNK, CHUNK_ELEMENTS, ChunkIndex.TENSOR)
@@ -85,18 +90,31 @@ class GossipWire:
 
     # ---- messages ------------------------------------------------------------------------------
 
-    def request_meta(self, round_: int, steps: int = 0) -> dict:
-        """`steps`: the inner steps the sender's Delta covers (lets the partner judge ripeness)."""
+    def request_meta(self, round_: int, steps: int = 0, phi_offset: int = 0) -> dict:
+        """`steps`: the inner steps the sender's Delta covers (lets the partner judge ripeness);
+        `phi_offset`: the first phi coordinate this round samples (gossip_codec.PhiSample)."""
         return {
             "round": round_,
             "num_tensors": len(self.replica.params),
             "total_numel": self.replica.total_numel,
             "mode": str(self.settings.mode),
             "steps": steps,
+            "phi_offset": phi_offset,
         }
 
-    def request(self, round_: int, steps: int = 0) -> Message:
-        return self.transport.message(MessageKind.GOSSIP_REQUEST, self.request_meta(round_, steps))
+    def request(self, round_: int, steps: int = 0, phi_offset: int = 0) -> Message:
+        return self.transport.message(MessageKind.GOSSIP_REQUEST, self.request_meta(round_, steps, phi_offset))
+
+    def phi_sample(self, phi_offset: int) -> PhiSample:
+        return PhiSample(phi_offset, self.settings.phi_stride)
+
+    def round_budget(self, sample: PhiSample | None, peer: str) -> float:
+        """Seconds a round with `peer` may last: gossip.round_timeout, plus its payload (one
+        direction; both go at once) at the rate a link to `peer` measures (node/p2p/channels.py),
+        never taken below MIN_GOSSIP_BANDWIDTH, times TRANSFER_SLACK."""
+        payload = self.replica.wire_layout(sample).nbytes
+        rate = max(self.transport.channels.peer_link_rate(peer) or 0.0, MIN_GOSSIP_BANDWIDTH)
+        return self.settings.round_timeout + TRANSFER_SLACK * payload / rate
 
     def refusal(self, request: Message, stage: int, sender_banned: bool, sender_stalled: bool = False) -> str | None:
         """Why a replica of `stage` refuses a request outright (None: it may serve it)."""
@@ -114,6 +132,8 @@ class GossipWire:
         for key in ("num_tensors", "total_numel", "mode"):
             if request.meta.get(key) != mine[key]:
                 return f"{key} {request.meta.get(key)!r} != {mine[key]!r}"
+        if not 0 <= request.meta["phi_offset"] < self.settings.phi_stride:  # an int >= 0: the schema's check
+            return f"phi_offset {request.meta['phi_offset']} outside 0..{self.settings.phi_stride - 1}"
         return None
 
     def accept(self, round_: int) -> Message:

@@ -7,10 +7,11 @@ node/averaging/noloco.py. Every method that reads or writes the parameters must 
 worker's compute thread (StageWorker.compute), between two inner steps: that thread is what keeps
 them consistent, no lock is taken.
 
-Devices: phi, momentum, theta and Delta live on the parameters' device. What goes on the wire is a
-host copy taken at the round's start (`RoundStart.wire_phi`, `wire_delta`: the event loop encodes
-them and must not touch the device), and what a partner sent arrives in host buffers
-(`host_buffers`) that `to_device` moves onto the device before anything is computed with them.
+Devices: phi, momentum, theta and Delta live on the parameters' device. What goes on the wire is
+encoded at the round's start (node/averaging/gossip_codec.py: a strided phi sample and 4-bit Delta
+codes with error feedback) and copied to the host there (`RoundStart.wire`: the event loop sends
+it and must not touch the device); what a partner sent arrives in host buffers (`host_buffers`)
+that `receive` moves onto the device and decodes before anything is computed with it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from enum import StrEnum
 import torch
 from torch import Tensor
 
+from node.averaging.gossip_codec import GossipCodec, PhiSample, WireLayout
 from node.averaging.noloco import (
     OuterState,
     apply_to_parameters,
@@ -72,9 +74,16 @@ class RoundStart:
     delta: list[Tensor]
     inner_step: int
     has_progress: bool  # Delta is not all zero
-    wire_phi: list[Tensor]  # host copies of phi and Delta for the wire (the tensors themselves on a CPU)
-    wire_delta: list[Tensor]
+    sample: PhiSample | None  # the phi coordinates this round exchanges (None: Delta alone, DiLoCo)
+    wire: list[Tensor]  # what this replica sends, on the host: WireLayout order (gossip_codec.py)
+    sent_delta: list[Tensor]  # Delta as partners decode `wire` (DiLoCo averages this one, as they do)
+    residual: list[Tensor]  # the error-feedback residual once `wire` is sent: committed by `apply`
     capture_seconds: float = 0.0  # how long the capture took, waiting for the compute thread included
+
+    @property
+    def own_phi(self) -> list[Tensor]:
+        """This replica's phi as the round compares it with a partner's: the sampled coordinates."""
+        return self.state.phi if self.sample is None else self.sample.take(self.state.phi)
 
 
 class OuterReplica:
@@ -86,8 +95,11 @@ class OuterReplica:
         self.params = list(module.parameters())
         self.names = [name for name, _ in module.named_parameters()]
         self.transfers = DeviceTransfers(self.params[0].device)
+        self.codec = GossipCodec(settings.delta_block, settings.phi_stride)
         with torch.no_grad():  # built before the service trains: safe off the compute thread
             self.state = OuterState.from_parameters(self.params)
+        # what rounding left out of the Delta this replica sent so far (error feedback, gossip_codec.py)
+        self.residual = [torch.zeros_like(phi) for phi in self.state.phi]
 
     @property
     def shapes(self) -> list[torch.Size]:
@@ -99,27 +111,36 @@ class OuterReplica:
 
     # ---- a round -------------------------------------------------------------------------------
 
-    def capture_start(self, inner_step: int) -> RoundStart:
-        """theta now (fp32 copies) and Delta = phi - theta against the current outer state, with
-        host copies of phi and Delta for the wire (one device sync for all of them)."""
+    def capture_start(self, inner_step: int, sample: PhiSample | None = None) -> RoundStart:
+        """theta now (fp32 copies), Delta = phi - theta against the current outer state, and what
+        this replica sends in the round, encoded and on the host (one device sync for all of it):
+        phi's `sample` coordinates (none: a DiLoCo round) and Delta's 4-bit codes."""
         state = self.state
         with torch.no_grad():
             theta = [p.detach().to(torch.float32, copy=True) for p in self.params]
-        delta = pseudo_gradient(state, theta)
-        # an OuterState's phi and a fresh Delta are never modified in place: on a CPU the wire reads them as they are
-        wire = self.transfers.to_host([*state.phi, *delta])
-        wire_phi, wire_delta = wire[: len(delta)], wire[len(delta) :]
-        has_progress = any(bool(d.any()) for d in wire_delta)  # read on the host copy: no further sync
-        return RoundStart(state, theta, delta, inner_step, has_progress, wire_phi, wire_delta)
+            delta = pseudo_gradient(state, theta)
+            codes, sent_delta, residual = self.codec.encode_delta(delta, self.residual)
+            phi = [] if sample is None else [t.clone() for t in sample.take(state.phi)]  # clones: no views go out
+            has_progress = bool(torch.stack([d.abs().amax() for d in delta]).amax() > 0)
+        wire = self.transfers.to_host([*phi, *codes])
+        return RoundStart(state, theta, delta, inner_step, has_progress, sample, wire, sent_delta, residual)
 
-    def host_buffers(self, copies: int) -> list[Tensor]:
-        """Host buffers for `copies` x this stage's parameters as they arrive from a partner (fp32,
-        pinned on a GPU so `to_device` needs no staging copy)."""
-        return [self.transfers.host_empty(shape, torch.float32) for shape in self.shapes * copies]
+    def wire_layout(self, sample: PhiSample | None) -> WireLayout:
+        """What a partner's tensors of a round look like (shapes and dtypes, in order)."""
+        return self.codec.layout([p.numel() for p in self.params], sample)
 
-    def to_device(self, received: Sequence[Tensor]) -> list[Tensor]:
-        """A partner's tensors, received into host buffers, on this replica's device."""
-        return self.transfers.to_device_all(received)
+    def host_buffers(self, sample: PhiSample | None) -> list[Tensor]:
+        """Host buffers for a partner's tensors of a round (pinned on a GPU, so `receive` needs no
+        staging copy), sized from this replica's own shapes: never from the wire."""
+        layout = self.wire_layout(sample)
+        return [self.transfers.host_empty(shape, dtype) for shape, dtype in zip(layout.shapes, layout.dtypes)]
+
+    def receive(self, received: Sequence[Tensor], sample: PhiSample | None) -> tuple[list[Tensor], list[Tensor]]:
+        """A partner's tensors (host buffers from `host_buffers`) on this replica's device, decoded:
+        (its phi sample, empty without one; its Delta, shaped like the parameters)."""
+        on_device = self.transfers.to_device_all(received)
+        count = 0 if sample is None else len(self.params)
+        return on_device[:count], self.codec.decode_delta(on_device[count:], self.shapes)
 
     def check_partner(
         self, start: RoundStart, phi: list[Tensor], delta: list[Tensor], distance_limit: float | None = None
@@ -129,11 +150,12 @@ class OuterReplica:
         (`validate_partner_update`), then whether an honest replica could have sent them
         (plausibility.py); `distance_limit` (None: the bounds' ceiling) caps the relative distance
         of the partner's phi from ours."""
-        reason = validate_partner_update(start.state.phi, start.delta, phi, delta, self.settings.max_norm_factor)
+        own_phi = start.own_phi  # phi as sampled in this round: the partner sent those coordinates
+        reason = validate_partner_update(own_phi, start.delta, phi, delta, self.settings.max_norm_factor)
         if reason is not None:
             return reason, None
         b = self.bounds
-        measures = measure(start.state.phi, start.delta, phi, delta, b.tensor_norm_floor, b.min_tensor_share)
+        measures = measure(own_phi, start.delta, phi, delta, b.tensor_norm_floor, b.min_tensor_share)
         limit = self.bounds.distance_limit(None) if distance_limit is None else distance_limit
         return implausible(measures, self.bounds, limit), measures
 
@@ -143,13 +165,22 @@ class OuterReplica:
         """NoLoCo's outer step with these partners (none: the lone step, n = 1)."""
         s = self.settings
         return outer_step(
-            start.state, start.delta, list(phis), list(deltas), s.outer_momentum, s.outer_lr, s.pull_coefficient
+            start.state,
+            start.delta,
+            list(phis),
+            list(deltas),
+            s.outer_momentum,
+            s.outer_lr,
+            s.pull_coefficient,
+            start.sample,
         )
 
     def group_step(self, start: RoundStart, deltas: Sequence[list[Tensor]]) -> OuterState:
-        """DiLoCo's outer step over my Delta and the other replicas' (all share phi)."""
+        """DiLoCo's outer step over every replica's Delta, mine included (all share phi). Give it
+        the Deltas as every member decodes them (mine: `start.sent_delta`), so that every member
+        takes the same step and the replicas stay identical."""
         s = self.settings
-        return diloco_outer_step(start.state, [start.delta, *deltas], s.outer_momentum, s.outer_lr)
+        return diloco_outer_step(start.state, list(deltas), s.outer_momentum, s.outer_lr)
 
     def apply(self, start: RoundStart, new_state: OuterState) -> bool:
         """phi <- new phi; theta <- new phi + the inner progress made since the round started, so
@@ -162,6 +193,7 @@ class OuterReplica:
             for p, d in zip(self.params, progress):
                 p.add_(d.to(p.dtype))
         self.state = new_state
+        self.residual = start.residual  # what this round sent is sent: the rest goes out with the next
         return True
 
     # ---- the outer state for state transfer (docs/gossip.md, "State download") ---------------
@@ -196,9 +228,15 @@ class OuterReplica:
                 column.append(self.transfers.to_device(t.detach().to(torch.float32, copy=True)))
             columns[kind] = column
         self.state = OuterState(phi=columns["phi"], momentum=columns["momentum"], round=round)
+        self._forget_residual()
 
     def restart_from_weights(self) -> None:
         """phi <- the current weights, zero momentum, same round."""
         state = OuterState.from_parameters(self.params)
         state.round = self.state.round
         self.state = state
+        self._forget_residual()
+
+    def _forget_residual(self) -> None:
+        """A replaced outer state: the progress left unsent belonged to the old one."""
+        self.residual = [torch.zeros_like(phi) for phi in self.state.phi]

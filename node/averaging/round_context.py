@@ -20,6 +20,7 @@ from torch import Tensor
 from dht.announcer import PeerAnnouncer
 from dht.records import EventKind, short_peer_id
 from dht.swarm_view import SwarmView
+from node.averaging.gossip_codec import PhiSample
 from node.averaging.gossip_wire import STALL_COOLDOWN, GossipWire
 from node.averaging.noloco import OuterState
 from node.averaging.outer_replica import STEPPED, OuterReplica, RoundOutcome, RoundStart, RoundStatus
@@ -137,11 +138,11 @@ class RoundContext:
 
     # ---- work on the compute thread ------------------------------------------------------------
 
-    async def capture_start(self) -> RoundStart:
+    async def capture_start(self, sample: PhiSample | None) -> RoundStart:
         worker, replica = self.worker, self.replica
         began = time.monotonic()
         # the step counter is read on the compute thread too: theta and the step must match
-        start = await worker.compute(lambda: replica.capture_start(worker.inner_step))
+        start = await worker.compute(lambda: replica.capture_start(worker.inner_step, sample))
         start.capture_seconds = time.monotonic() - began
         return start
 
@@ -152,21 +153,23 @@ class RoundContext:
         reference = self.divergences.reference(time.monotonic(), exclude=partner, min_own=bounds.min_observations)
         return bounds.distance_limit(reference)
 
-    async def host_buffers(self, copies: int) -> list[Tensor]:
-        """Host buffers for a partner's `copies` x the stage's parameters (allocated on the compute
-        thread: pinned memory on a GPU is a CUDA call, which the event loop never makes)."""
-        return await self.worker.compute(self.replica.host_buffers, copies)
+    async def host_buffers(self, sample: PhiSample | None) -> list[Tensor]:
+        """Host buffers for a partner's tensors of a round (allocated on the compute thread: pinned
+        memory on a GPU is a CUDA call, which the event loop never makes)."""
+        return await self.worker.compute(self.replica.host_buffers, sample)
 
     async def check_partner(
-        self, partner: str, start: RoundStart, phi: list[Tensor], delta: list[Tensor]
+        self, partner: str, start: RoundStart, received: list[Tensor]
     ) -> tuple[str | None, float | None, list[Tensor], list[Tensor]]:
-        """The partner's phi and Delta (as received, on the host) moved to this replica's device and
-        checked there: (why the update is refused, None) or (None, the relative distance of its
-        phi), with the tensors on the device for the outer step."""
+        """The partner's tensors (as received, on the host) moved to this replica's device, decoded
+        and checked there: (why the update is refused, None) or (None, the relative distance of
+        its phi), with its phi sample and Delta on the device for the outer step."""
         limit = self.distance_limit(partner)
 
         def on_device() -> tuple[str | None, PartnerMeasures | None, list[Tensor], list[Tensor]]:
-            phi_here, delta_here = self.replica.to_device(phi), self.replica.to_device(delta)
+            phi_here, delta_here = self.replica.receive(received, start.sample)
+            if start.sample is None:  # DiLoCo: every replica shares phi, only Delta travels
+                phi_here = start.state.phi
             return (*self.replica.check_partner(start, phi_here, delta_here, limit), phi_here, delta_here)
 
         reason, measures, phi_here, delta_here = await self.worker.compute(on_device)

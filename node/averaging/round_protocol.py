@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from dht.records import PeerState, short_peer_id
+from node.averaging.gossip_codec import PhiSample
 from node.averaging.gossip_wire import COMPUTE_SLACK, STALL_TIMEOUT, GossipWire
 from node.averaging.outer_replica import RoundOutcome, RoundStart, RoundStatus
 from node.averaging.round_context import RoundContext
@@ -108,7 +109,8 @@ class PairwiseRound:
             return RoundOutcome(RoundStatus.BUSY, round_, detail="already exchanging")
         self.exchanging = True
         try:
-            start = await ctx.capture_start()
+            # the phi coordinates this round exchanges: the initiator draws them and names them
+            start = await ctx.capture_start(ctx.wire.phi_sample(ctx.rng.randrange(ctx.settings.phi_stride)))
             if not start.has_progress:
                 return ctx.record(
                     RoundOutcome(RoundStatus.SKIPPED, round_, detail="no inner step since the last round")
@@ -119,7 +121,7 @@ class PairwiseRound:
             failure = None
             for peer in candidates[:MAX_PARTNER_TRIES]:
                 try:
-                    return await within(self._initiate(peer, start), ctx.settings.round_timeout)
+                    return await within(self._initiate(peer, start), ctx.wire.round_budget(start.sample, peer))
                 except PartnerBusy:
                     continue
                 except PartnerRejected as e:
@@ -145,7 +147,8 @@ class PairwiseRound:
         ctx = self.ctx
         async with ctx.wire.open(peer, STALL_TIMEOUT) as session:
             with _silence_is_a_stall(peer):
-                await session.send(ctx.wire.request(start.state.round, start.inner_step - ctx.round_start_step))
+                steps = start.inner_step - ctx.round_start_step
+                await session.send(ctx.wire.request(start.state.round, steps, start.sample.offset))
                 # the partner captures its start on its compute thread before it answers
                 reply = await GossipWire.recv_within(session, _after_compute(start.capture_seconds))
                 if reply.kind == MessageKind.BUSY:
@@ -154,8 +157,8 @@ class PairwiseRound:
                     raise TransportError(f"{short_peer_id(peer)} refused: {reply.meta.get('reason')}")
                 if reply.kind != MessageKind.GOSSIP_ACCEPT:
                     raise ProtocolError(f"expected gossip_accept, got {reply.kind.value}")
-                phi, delta = await self._swap(session, start)
-                reason, divergence, seconds, phi, delta = await self._check(peer, start, phi, delta)
+                received = await self._swap(session, start)
+                reason, divergence, seconds, phi, delta = await self._check(peer, start, received)
                 await session.send(ctx.wire.done(start.state.round, reason))
                 theirs = await GossipWire.recv_within(session, _after_compute(seconds), MessageKind.GOSSIP_DONE)
         if reason is not None:
@@ -175,8 +178,9 @@ class PairwiseRound:
             await session.send(ctx.wire.transport.message(MessageKind.BUSY, request_id=request.request_id))
             return
         self.exchanging = True
+        sample = ctx.wire.phi_sample(request.meta["phi_offset"])  # checked by GossipWire.refusal
         try:
-            await within(self._answer(sender, session), ctx.settings.round_timeout)
+            await within(self._answer(sender, session, sample), ctx.wire.round_budget(sample, sender))
         except PartnerRejected as e:
             ctx.reject(sender, str(e), e.implausible)
             ctx.record(RoundOutcome(RoundStatus.REJECTED, ctx.replica.state.round, (sender,), str(e)))
@@ -190,16 +194,16 @@ class PairwiseRound:
         finally:
             self.exchanging = False
 
-    async def _answer(self, sender: str, session: Session) -> None:
+    async def _answer(self, sender: str, session: Session, sample: PhiSample) -> None:
         ctx = self.ctx
-        start = await ctx.capture_start()
+        start = await ctx.capture_start(sample)
         if not start.has_progress:
             await session.send(ctx.wire.transport.message(MessageKind.BUSY))
             return
         with _silence_is_a_stall(sender):
             await session.send(ctx.wire.accept(start.state.round))
-            phi, delta = await self._swap(session, start)
-            reason, divergence, seconds, phi, delta = await self._check(sender, start, phi, delta)
+            received = await self._swap(session, start)
+            reason, divergence, seconds, phi, delta = await self._check(sender, start, received)
             # the initiator validates ours meanwhile (its DONE comes after that)
             theirs = await GossipWire.recv_within(session, _after_compute(seconds), MessageKind.GOSSIP_DONE)
             await session.send(ctx.wire.done(start.state.round, reason))
@@ -212,20 +216,18 @@ class PairwiseRound:
     # ---- both ----------------------------------------------------------------------------------
 
     async def _check(
-        self, peer: str, start: RoundStart, phi: list[Tensor], delta: list[Tensor]
+        self, peer: str, start: RoundStart, received: list[Tensor]
     ) -> tuple[str | None, float | None, float, list[Tensor], list[Tensor]]:
         """ctx.check_partner, how long it took (the compute thread's queue included), and the
-        partner's phi and Delta on this replica's device."""
+        partner's phi sample and Delta, decoded on this replica's device."""
         began = time.monotonic()
-        reason, divergence, phi, delta = await self.ctx.check_partner(peer, start, phi, delta)
+        reason, divergence, phi, delta = await self.ctx.check_partner(peer, start, received)
         return reason, divergence, time.monotonic() - began, phi, delta
 
-    async def _swap(self, session: Session, start: RoundStart) -> tuple[list[Tensor], list[Tensor]]:
-        """My phi and Delta out, the partner's in (into host buffers): (phi, Delta) of the partner."""
-        count = len(start.wire_phi)
-        buffers = await self.ctx.host_buffers(2)
-        tensors = await self.ctx.wire.swap(session, start.state.round, [*start.wire_phi, *start.wire_delta], buffers)
-        return tensors[:count], tensors[count:]
+    async def _swap(self, session: Session, start: RoundStart) -> list[Tensor]:
+        """What I send out, the partner's tensors in (into host buffers sized from my own shapes)."""
+        buffers = await self.ctx.host_buffers(start.sample)
+        return await self.ctx.wire.swap(session, start.state.round, start.wire, buffers)
 
     async def _step_with(self, start: RoundStart, partner: PartnerUpdate | None) -> RoundOutcome:
         """The outer step with the partner's update, or the lone step (n = 1) without one."""

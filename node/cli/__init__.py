@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset",
         metavar="NAME",
         help=f"model shape ({', '.join(p.value for p in PresetName)}; docs/model.md): fills the [model] "
-        "section, the training shape, gossip.round_timeout and num_stages; keys written explicitly win",
+        "section, the training shape and num_stages; keys written explicitly win",
     )
     boot.add_argument(
         "--data",

@@ -142,7 +142,11 @@ class GossipConfig:
     pull: float | None = None
     """gamma: pull toward the group's mean outer weights; unset (omit it in TOML) ties it to outer_lr, as NoLoCo's authors do."""
     round_timeout: float = 30.0
-    """Seconds a gossip round may last (and a due replica waits for a partner before a lone step), > 0; 30 s fits slow peers."""
+    """Seconds a gossip round may last beyond moving its tensors (and a due replica waits for a partner before a lone step), > 0; the transfer's own time is added from the payload and the link's rate (docs/gossip.md)."""
+    phi_stride: int = 10
+    """A NoLoCo round exchanges one phi coordinate in this many (exact fp32, a new offset each round), >= 1; 10 keeps a round under 2 bytes a parameter."""
+    delta_block: int = 64
+    """Delta travels at 4 bits a value with error feedback, one fp32 scale per this many values, even >= 2."""
     max_norm_factor: float = 10.0
     """A partner whose phi or Delta norm exceeds this x our own is rejected and banned, > 1; 10 passes honest drift, not poison."""
 
@@ -393,6 +397,10 @@ def validate(config: SwarmConfig) -> None:
     need(
         g.inner_steps >= 1 and g.round_timeout > 0 and g.max_norm_factor > 1,
         "gossip: inner_steps >= 1, timeout > 0, norm factor > 1",
+    )
+    need(
+        g.phi_stride >= 1 and g.delta_block >= 2 and g.delta_block % 2 == 0,
+        "gossip: phi_stride >= 1, delta_block even and >= 2",
     )
     r = config.recovery
     need(r.lr_scale > 0 and r.lost_grace >= 0 and r.rebalance_wait >= 0, "recovery: lr_scale > 0, waits >= 0")

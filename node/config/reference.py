@@ -69,8 +69,8 @@ integer is accepted where a float is expected; `true`/`false` are never accepted
 
 `--preset NAME` or `preset = "NAME"` in `[model]` fills the keys left unset with a published
 shape and what training it needs: `[model]` (its layers split over the block stages),
-`training.sequence_length`, `microbatch_size`, `min_in_flight` and `max_in_flight`,
-`gossip.round_timeout` (sized to a round's payload) and `num_stages` (docs/model.md, "Presets").
+`training.sequence_length`, `microbatch_size`, `min_in_flight` and `max_in_flight`, and
+`num_stages` (docs/model.md, "Presets").
 """
 
 

@@ -124,7 +124,6 @@ def presets_table() -> str:
                 f"{total:,}",
                 f"{config.num_stages}: {block_stages} x {m.layers_per_stage}, {count_stage_parameters(config, 1):,}",
                 f"{t.microbatch_size} x {t.sequence_length}, {t.min_in_flight}..{t.max_in_flight}",
-                f"{config.gossip.round_timeout:.0f} s",
                 _gpu_and_cpu(config, 0),
                 _gpu_and_cpu(config, 1),
             ]
@@ -137,7 +136,6 @@ def presets_table() -> str:
         "here (untied)",
         "num_stages: block stages x layers, params per block stage",
         "microbatch, in flight",
-        "gossip round_timeout",
         "stage 0 per peer: bf16 GPU / fp32 CPU",
         "block stage per peer: bf16 GPU / fp32 CPU",
     ]

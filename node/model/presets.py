@@ -3,8 +3,9 @@
 A preset fills the [model] section (vocabulary, widths, heads, context, and `layers_per_stage`
 derived from the preset's total layer count and the swarm's block stages, S = num_stages - 1), the
 [training] values its model needs (a sequence as long as its context, the microbatch size and the
-in-flight window a 24 GB GPU holds: `TrainingShape`), gossip.round_timeout sized to its round's
-payload (`gossip_round_timeout`), and num_stages where neither the TOML nor a flag sets it. Keys
+in-flight window a 24 GB GPU holds: `TrainingShape`) and num_stages where neither the TOML nor a
+flag sets it (a gossip round's time follows its payload at run time: node/averaging/gossip_wire.py,
+`round_budget`). Keys
 written explicitly (the TOML's tables, "model.*", "training.*", "gossip.*" overrides, a
 num_stages) win over the preset's values, so a preset is a starting point ("125m with a
 8192-token vocabulary"); an explicit `layers_per_stage` also wins, and then the total is
@@ -23,7 +24,6 @@ preset: presets sit above the config module, which must not import them back.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
@@ -31,18 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from node import config as node_config
-from node.config import ConfigError, GossipConfig, ModelConfig, SwarmConfig, TrainingConfig, load_toml
-from node.model.parameters import count_stage_parameters
+from node.config import ConfigError, ModelConfig, SwarmConfig, TrainingConfig, load_toml
 
 __all__ = [
-    "GOSSIP_LINK_BITS_PER_SECOND",
-    "GOSSIP_ROUND_BYTES_PER_PARAMETER",
-    "GOSSIP_TIMEOUT_SLACK",
     "PRESETS",
     "ModelPreset",
     "PresetName",
     "TrainingShape",
-    "gossip_round_timeout",
     "load_config",
     "preset_named",
     "preset_of",
@@ -59,24 +54,6 @@ class PresetName(StrEnum):
     MOBILELLM_125M = "125m"  # MobileLLM-125M: 143M here
     MOBILELLM_350M = "350m"  # MobileLLM-350M: 376M here
     MOBILELLM_1B = "1b"  # MobileLLM-1B: 1.05B here
-
-
-# gossip.round_timeout from a round's payload: a NoLoCo round sends this peer's phi and Delta and
-# receives its partner's, all fp32 (node/averaging/round_protocol.py), over a link of this rate,
-# with this slack for TCP, the plausibility checks and a busy compute thread. 16 bytes at 50 Mbit/s
-# is the 8 a peer uploads at 25 Mbit/s, a home upload rate (and 50 Mbit/s is the wide-area test
-# bed's link, docs/benchmarks.md). Never below the default: small models keep today's 30 s.
-GOSSIP_ROUND_BYTES_PER_PARAMETER = 16
-GOSSIP_LINK_BITS_PER_SECOND = 50e6
-GOSSIP_TIMEOUT_SLACK = 2.0
-
-
-def gossip_round_timeout(config: SwarmConfig) -> float:
-    """Seconds a gossip round of `config`'s largest stage takes at GOSSIP_LINK_BITS_PER_SECOND,
-    times GOSSIP_TIMEOUT_SLACK, rounded up to a second; at least GossipConfig's default."""
-    largest = max(count_stage_parameters(config, 0), count_stage_parameters(config, 1))  # block stages are alike
-    seconds = largest * GOSSIP_ROUND_BYTES_PER_PARAMETER * 8 / GOSSIP_LINK_BITS_PER_SECOND
-    return max(GossipConfig.round_timeout, float(math.ceil(GOSSIP_TIMEOUT_SLACK * seconds)))
 
 
 @dataclass(frozen=True)
@@ -217,7 +194,7 @@ PRESETS: dict[PresetName, ModelPreset] = {
             published_ties_embeddings=True,
             # the 2048-token context MobileLLM trained at (shorter would leave positions it advertises
             # untrained); one sequence a microbatch keeps the unit of memory and of wire traffic small
-            # (a 2.4 MB fp16 hop); a window up to 16 fits a 24 GB GPU in bf16 and in fp32
+            # (a 2.4 MB fp16 hop); a window up to 16 fits a 24 GB GPU in bf16 and in fp16
             training=TrainingShape(sequence_length=2048, microbatch_size=1, min_in_flight=4, max_in_flight=16),
             num_stages=4,  # 3 block stages x 10 layers
         ),
@@ -283,7 +260,7 @@ def preset_values(name: Any, num_stages: Any, written: Mapping[str, Any]) -> dic
     """The "model.*" and "training.*" values preset `name` gives a swarm of `num_stages` stages (its
     final count, after files and flags), but for the dotted keys in `written` (the values the user
     wrote, which win). A written context shorter than the preset's sequence shortens the sequence
-    to it. gossip.round_timeout depends on the final model: `load_config` fills it."""
+    to it."""
     preset = preset_named(name)
     if isinstance(num_stages, bool) or not isinstance(num_stages, int):
         raise ConfigError(f"num_stages: expected int, got {type(num_stages).__name__}")
@@ -301,13 +278,13 @@ def preset_values(name: Any, num_stages: Any, written: Mapping[str, Any]) -> dic
     return {key: value for key, value in values.items() if key not in written}
 
 
-PRESET_SECTIONS = ("model", "training", "gossip")  # the sections a preset fills keys of
+PRESET_SECTIONS = ("model", "training")  # the sections a preset fills keys of
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> SwarmConfig:
     """node.config.load_config with a model preset resolved: `overrides["model.preset"]` (the
-    --preset flag), else the TOML's [model] preset, fills the [model], [training] and
-    gossip.round_timeout keys and the num_stages that neither the TOML nor the overrides set. The
+    --preset flag), else the TOML's [model] preset, fills the [model] and [training] keys and the
+    num_stages that neither the TOML nor the overrides set. The
     preset's name is dropped: it is no part of the config or its hash."""
     table = dict(load_toml(path)) if path is not None else {}
     toml_model = table.get("model")
@@ -331,10 +308,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> SwarmConfig
     if num_stages is None:
         num_stages = table.get("num_stages", preset.num_stages or SwarmConfig.num_stages)
     filled = {"num_stages": num_stages, **preset_values(name, num_stages, written)}
-    config = node_config.load_config(table, **{**filled, **{k: v for k, v in overrides.items() if v is not None}})
-    if "gossip.round_timeout" in written:
-        return config
-    return config.replace(gossip={"round_timeout": gossip_round_timeout(config)})
+    return node_config.load_config(table, **{**filled, **{k: v for k, v in overrides.items() if v is not None}})
 
 
 def preset_of(config: SwarmConfig) -> PresetName | None:

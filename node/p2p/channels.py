@@ -266,6 +266,13 @@ class ChannelPool:
             return None
         return channel.capacity.bytes_per_second()
 
+    def peer_link_rate(self, peer_id: str) -> float | None:
+        """The best rate any open channel to `peer_id` measures (bytes/s), or None (node/p2p/
+        link_capacity.py): what a transfer to that peer outside the channels can expect."""
+        rates = [self.link_capacity(peer, service) for peer, service in list(self._channels) if peer == peer_id]
+        known = [rate for rate in rates if rate is not None]
+        return max(known) if known else None
+
     def drop(self, peer_id: str, service: str) -> None:
         channel = self._channels.pop((peer_id, service), None)
         if channel is not None:

@@ -113,17 +113,6 @@ def _no_op() -> None:
     pass
 
 
-def _ticket_of(in_flight: dict[int, InFlight], msg: Message) -> InFlight | None:
-    """The origin's attempt the message refers to, if its id and token match one in flight."""
-    microbatch_id, token = msg.meta.get("microbatch_id"), msg.meta.get("token")
-    if isinstance(microbatch_id, bool) or not isinstance(microbatch_id, int) or not isinstance(token, str):
-        raise ProtocolError("a microbatch reference needs an integer microbatch_id and a token")
-    ticket = in_flight.get(microbatch_id)
-    if ticket is None or not secrets.compare_digest(ticket.token, token):
-        return None
-    return ticket
-
-
 Handler = Callable[[str, Message], Message]
 
 
@@ -187,6 +176,18 @@ def _hop_sender(
         verifier,
         compression=wire,
     )
+
+
+def ticket_named_by(in_flight: dict[int, InFlight], meta: dict) -> InFlight | None:
+    """The origin's attempt a message refers to, if its id and token match one in flight."""
+    microbatch_id, token = meta.get("microbatch_id"), meta.get("token")
+    if isinstance(microbatch_id, bool) or not isinstance(microbatch_id, int) or not isinstance(token, str):
+        raise ProtocolError("a microbatch reference needs an integer microbatch_id and a token")
+    ticket = in_flight.get(microbatch_id)
+    # compared as bytes: compare_digest refuses a str that is not ASCII (a TypeError, not a mismatch)
+    if ticket is None or not secrets.compare_digest(ticket.token.encode(), token.encode()):
+        return None
+    return ticket
 
 
 class Pipeline:
@@ -257,7 +258,7 @@ class Pipeline:
                 f"this peer serves stage {self.me.stage} ({self.me.state}), not {expected_stage}"
             )
         if hop == len(order) + 1:
-            if msg.meta["origin"] != self.me.peer_id or _ticket_of(self.in_flight, msg) is None:
+            if msg.meta["origin"] != self.me.peer_id or ticket_named_by(self.in_flight, msg.meta) is None:
                 return self.transport.error("unknown microbatch")
             self._tasks.spawn(self._finish_forward(msg))
             return self._ack(msg)
@@ -282,17 +283,20 @@ class Pipeline:
         expected_sender = path[hop + 1] if hop + 1 < len(path) else path[0]  # the origin starts backward
         if sender != expected_sender:
             raise ProtocolError("backward arrived from a peer that is not the next hop of its path")
-        if hop == 0 and _ticket_of(self.in_flight, msg) is None:
+        if hop == 0 and ticket_named_by(self.in_flight, msg.meta) is None:
             return self.transport.error("unknown microbatch")
         self._tasks.spawn(self._run_backward(msg))
         return self._ack(msg)
 
     def on_abort(self, sender: str, msg: Message) -> Message:
         """A peer on a microbatch's path gave up on it: retry now instead of at the deadline."""
-        ticket = _ticket_of(self.in_flight, msg)
+        if msg.kind != MessageKind.ERROR:  # an abort notice is an ERROR naming the microbatch (hops.notify_abort)
+            return self.transport.error(f"an abort notice is an error message, not {msg.kind.value}")
+        ticket = ticket_named_by(self.in_flight, msg.meta)
         if ticket is None:  # finished already, or a stranger without the token: nothing to do
             return self.transport.error("unknown microbatch")
-        ticket.finish(error=TransportError(f"{short_peer_id(sender)} gave up: {msg.meta['reason']}"))
+        # the ERROR schema makes "reason" a string (protocol/messages.py); shown, never parsed
+        ticket.finish(error=TransportError(f"{short_peer_id(sender)} gave up: {msg.meta['reason'][:200]}"))
         return self._ack(msg)
 
     def _reject(self, sender: str, msg: Message, reason: str) -> None:

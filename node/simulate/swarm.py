@@ -7,8 +7,11 @@ Router, in load_aware or random mode, reading the simulated clock), the microbat
 outer_replica.py: NoLoCo's pairwise step, DiLoCo's group step). What is simulated: time. An
 iteration = every stage-0 replica sends microbatches_per_step microbatches; timeline.py says when
 they finish given per-task compute and the link model, and the clock jumps there. An outer round
-is charged as collectives.py prices it, and blocks training while it runs (the real gossip
-overlaps with training, docs/gossip.md: the charge is an upper bound).
+is charged as collectives.py prices it (a NoLoCo round: what its codec sends, one direction, both
+going at once), and blocks training while it runs (the real gossip overlaps with training,
+docs/gossip.md: the charge is an upper bound). NoLoCo and DiLoCo rounds exchange what the swarm's
+rounds exchange: the encoded phi sample and 4-bit Delta with error feedback (node/averaging/
+gossip_codec.py), decoded as a partner decodes them; averaging every step stays exact.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from enum import StrEnum
 import torch
 
 from dht.records import PeerRecord, PeerState
+from node.averaging.gossip_codec import PhiSample
 from node.averaging.noloco import relative_distance
 from node.averaging.outer_replica import OuterReplica, RoundStart
 from node.config import SwarmConfig
@@ -30,7 +34,7 @@ from node.pipeline.order import pipeline_order
 from node.pipeline.routing import Router
 from node.pipeline.stage_worker import StageWorker
 from node.simulate.clock import SimClock
-from node.simulate.collectives import noloco_round_seconds, ring_allreduce_seconds
+from node.simulate.collectives import ring_allreduce_seconds
 from node.simulate.links import LinkModel
 from node.simulate.sources import SecondOrderMarkov
 from node.simulate.timeline import Microbatch, StageCosts, run_iteration
@@ -173,12 +177,16 @@ class SimulatedSwarm:
             ]
             if not due:
                 continue
-            starts = {r: self.outer[stage][r].capture_start(self.workers[stage][r].inner_step) for r in due}
+            sample = None
+            if self.sync == SyncMode.NOLOCO:  # the phi coordinates this stage's pairs exchange this round
+                stride = self.config.gossip.phi_stride
+                sample = PhiSample(self.rng.randrange(stride), stride)
+            starts = {r: self.outer[stage][r].capture_start(self.workers[stage][r].inner_step, sample) for r in due}
             if self.sync == SyncMode.NOLOCO:
                 self.rng.shuffle(due)  # a fresh random matching among the due replicas; an odd one steps alone
                 for first in range(0, len(due), 2):
                     self._pairwise(stage, due[first : first + 2], starts)
-                seconds = noloco_round_seconds(2, self.stage_bytes[stage], self.link)
+                seconds = self.link.transfer_seconds(self.outer[stage][0].wire_layout(sample).nbytes)
             else:  # DiLoCo and every-step averaging: once one replica is due, every replica takes part
                 due = list(range(self.replicas))  # (one that took no step brings a zero Delta), so all share phi
                 starts.update(
@@ -189,8 +197,15 @@ class SimulatedSwarm:
                     }
                 )
                 for r in due:
-                    others = [starts[o].delta for o in due if o != r]
-                    self.outer[stage][r].apply(starts[r], self.outer[stage][r].group_step(starts[r], others))
+                    outer = self.outer[stage][r]
+                    if self.sync == SyncMode.DILOCO:  # each Delta as it arrives from the wire, mine as sent
+                        deltas = [
+                            starts[r].sent_delta,
+                            *(outer.receive(starts[o].wire, None)[1] for o in due if o != r),
+                        ]
+                    else:  # every-step averaging is the exact baseline
+                        deltas = [starts[r].delta, *(starts[o].delta for o in due if o != r)]
+                    outer.apply(starts[r], outer.group_step(starts[r], deltas))
                 seconds = ring_allreduce_seconds(len(due), self.stage_bytes[stage], self.link)
             for r in due:
                 self.last_round_step[stage][r] = self.workers[stage][r].inner_step
@@ -202,9 +217,9 @@ class SimulatedSwarm:
         outer = self.outer[stage]
         new_states = {}
         for r in pair:  # both outer steps from the states captured at the round's start
-            partners = [starts[o] for o in pair if o != r]
+            received = [outer[r].receive(starts[o].wire, starts[o].sample) for o in pair if o != r]
             new_states[r] = outer[r].pairwise_step(
-                starts[r], [p.state.phi for p in partners], [p.delta for p in partners]
+                starts[r], [phi for phi, _ in received], [delta for _, delta in received]
             )
         for r in pair:
             outer[r].apply(starts[r], new_states[r])

@@ -103,6 +103,7 @@ def measure_case(case: Case, device: str) -> dict:
     """Train one stage as the module docstring says; the measured peak and what it ran."""
     import torch
 
+    from node.averaging.gossip_codec import PhiSample
     from node.averaging.outer_replica import OuterReplica
     from node.model.presets import load_config
     from node.pipeline.stage_worker import StageWorker
@@ -166,16 +167,20 @@ def measure_case(case: Case, device: str) -> dict:
         keys.append(next_key)
         next_key += 1
     phases["steady"] = in_use()
-    round_start = replica.capture_start(worker.inner_step)
-    partner_phi = [phi.clone() for phi in round_start.state.phi]
-    partner_delta = [delta.clone() for delta in round_start.delta]
+    sample = PhiSample(0, config.gossip.phi_stride)
+    round_start = replica.capture_start(worker.inner_step, sample)  # theta, Delta, the encoded wire
+    # the partner's tensors as a round receives them: host buffers, decoded onto the device
+    buffers = replica.host_buffers(sample)
+    for buffer, sent in zip(buffers, round_start.wire):
+        buffer.copy_(sent)
+    partner_phi, partner_delta = replica.receive(buffers, sample)
     finish(keys.pop(0))  # training goes on during a round
     start(next_key)
     keys.append(next_key)
     new_state = replica.pairwise_step(round_start, [partner_phi], [partner_delta])
     phases["gossip round"] = in_use()
     replica.apply(round_start, new_state)
-    del round_start, partner_phi, partner_delta, new_state
+    del round_start, buffers, partner_phi, partner_delta, new_state
     for key in keys:
         finish(key)
     if cuda:

@@ -20,6 +20,7 @@ import msgpack
 import torch
 import trio
 
+from node.averaging.gossip_codec import GossipCodec, PhiSample
 from protocol import MessageKind, encode_tensor
 from protocol.version import PROTOCOL_VERSION
 
@@ -34,7 +35,11 @@ NOT_RUN = "not-run"
 SEVERITY = [HARNESS_ERROR, CRASHED, HANG, ACCEPTED, INCONCLUSIVE, REJECTED]
 
 HEADER = struct.Struct(">Q")
-CHUNK_ELEMENTS = 1 << 20  # what the node's gossip sends per GOSSIP_CHUNK
+CHUNK_ELEMENTS = 1 << 18  # what the node's gossip sends per GOSSIP_CHUNK (node/averaging/gossip_wire.py)
+# the swarm's gossip codec (its defaults: the test swarms do not change them): a round carries phi's
+# coordinates 0, STRIDE, 2 STRIDE, ... and Delta as 4-bit codes and scales (node/averaging/gossip_codec.py)
+GOSSIP_CODEC = GossipCodec()
+PHI_SAMPLE = PhiSample(0, GOSSIP_CODEC.phi_stride)
 EMFILE_MARKERS = ("too many open files", "emfile", "out of system resource")  # matched lowercased
 
 
@@ -1070,7 +1075,14 @@ async def gossip_request(ctx, res: Result, ident, meta: dict, sender_stage: int 
 
 
 def request_meta(n: int, total: int) -> dict:
-    return {"round": 0, "num_tensors": n, "total_numel": total, "mode": "noloco", "steps": 0}
+    return {"round": 0, "num_tensors": n, "total_numel": total, "mode": "noloco", "steps": 0, "phi_offset": 0}
+
+
+def round_tensors(phi: list[torch.Tensor], delta: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What an initiator sends in a round (as the node encodes it): phi's sampled coordinates, then
+    each tensor's Delta codes and scales. A NaN or a scale lands in the decoded values unchanged."""
+    codes, _sent, _left = GOSSIP_CODEC.encode_delta(delta, [torch.zeros_like(d) for d in delta])
+    return [*PHI_SAMPLE.take(phi), *codes]
 
 
 async def drain(wire, timeout: float, out: dict, done: trio.Event) -> None:
@@ -1095,7 +1107,7 @@ async def drain(wire, timeout: float, out: dict, done: trio.Event) -> None:
 
 async def send_tensors(ctx, wire, tensors: list[torch.Tensor]) -> None:
     for index, tensor in enumerate(tensors):
-        flat = tensor.detach().reshape(-1).to(torch.float32)
+        flat = tensor.detach().reshape(-1)
         for offset in range(0, max(flat.numel(), 1), CHUNK_ELEMENTS):
             meta = {"round": 0, "index": index, "offset": offset}
             await wire.send_message(
@@ -1132,7 +1144,7 @@ async def gossip_round(
                 if chunks is not None:
                     await chunks(wire)
                 else:
-                    await send_tensors(ctx, wire, [*phi, *delta])
+                    await send_tensors(ctx, wire, round_tensors(phi, delta))
                     await wire.send_message(
                         ctx.message(MessageKind.GOSSIP_DONE, {"round": 0, "accept": True, "reason": ""})
                     )

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from node.averaging.gossip import Gossip
+from node.averaging.gossip_codec import GossipCodec, PhiSample
 from node.averaging.gossip_wire import STALL_TIMEOUT
 from node.averaging.noloco import OuterState, diloco_outer_step, outer_step, pseudo_gradient, relative_distance
 from node.config import load_config
@@ -88,8 +89,15 @@ def gossips(peers) -> list[Gossip]:
 
 @pytest.mark.timeout(90)
 def test_exchange_applies_exactly_the_outer_step_on_both_sides():
-    config = gossip_config()
+    """Exactly the outer step on what arrived: every phi coordinate (stride 1, so the test knows
+    the sample) and the partner's Delta as its 4-bit codes decode (node/averaging/gossip_codec.py)."""
+    config = gossip_config().replace(gossip={"phi_stride": 1})
     g = config.gossip
+    codec = GossipCodec(g.delta_block, g.phi_stride)
+    whole = PhiSample(0, 1)
+
+    def as_sent(delta: list[torch.Tensor]) -> list[torch.Tensor]:  # a fresh outer state: no residual yet
+        return codec.encode_delta(delta, [torch.zeros_like(d) for d in delta])[1]
 
     async def scenario():
         async with inprocess_swarm(config, stages=[1, 1]) as peers:
@@ -113,12 +121,9 @@ def test_exchange_applies_exactly_the_outer_step_on_both_sides():
             assert outcome.status == "applied", outcome
             await wait_until(lambda: b.outer_state.round == 4)
 
-            expected_a = outer_step(
-                state_a, delta_a, [state_b.phi], [delta_b], g.outer_momentum, g.outer_lr, g.pull_coefficient
-            )
-            expected_b = outer_step(
-                state_b, delta_b, [state_a.phi], [delta_a], g.outer_momentum, g.outer_lr, g.pull_coefficient
-            )
+            step = (g.outer_momentum, g.outer_lr, g.pull_coefficient)
+            expected_a = outer_step(state_a, delta_a, [whole.take(state_b.phi)], [as_sent(delta_b)], *step, whole)
+            expected_b = outer_step(state_b, delta_b, [whole.take(state_a.phi)], [as_sent(delta_a)], *step, whole)
             for gossip, expected, partner in ((a, expected_a, b), (b, expected_b, a)):
                 assert gossip.outer_state.round == expected.round == 4
                 assert_same(gossip.outer_state.phi, expected.phi)
@@ -265,16 +270,23 @@ def test_an_overdue_round_steps_alone_when_its_partner_refuses():
     asyncio.run(scenario())
 
 
+def negated_codes(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes of -Delta: each nibble q + 8 becomes -q + 8 = 16 - (q + 8)."""
+    return (16 - (codes & 0x0F)) | ((16 - (codes >> 4)) << 4)
+
+
 def poisoned(poison: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """What a poisoner sends instead of its phi (first half) and Delta (second half)."""
+    """What a poisoner sends instead of its round's tensors: its phi sample (the first third), then
+    each parameter's Delta codes and scales (gossip_codec.WireLayout)."""
     tensors = list(tensors)
-    count = len(tensors) // 2
+    count = len(tensors) // 3
     if poison == "nan":
         tensors[0] = torch.full_like(tensors[0], float("nan"))
     elif poison == "huge":
         tensors[0] = tensors[0] * 1e4
     elif poison == "negated":  # passes the norm checks: same norms, opposite direction
-        tensors = [-t for t in tensors]
+        tensors[:count] = [-t for t in tensors[:count]]
+        tensors[count::2] = [negated_codes(codes) for codes in tensors[count::2]]
     elif poison == "scaled":
         tensors[:count] = [3 * t for t in tensors[:count]]
     else:
@@ -411,7 +423,10 @@ def test_diloco_mode_averages_all_replicas():
             outcome = await replicas[0].diloco.start_round(0)
             assert outcome.status == "applied" and len(outcome.partners) == 2, outcome
             await wait_until(lambda: all(r.outer_state.round == 1 for r in replicas))
-            expected = diloco_outer_step(start, deltas, g.outer_momentum, g.outer_lr)
+            # every member averages the Deltas as they decode (theirs and its own as sent: no residual yet)
+            codec = GossipCodec(g.delta_block, g.phi_stride)
+            sent = [codec.encode_delta(d, [torch.zeros_like(t) for t in d])[1] for d in deltas]
+            expected = diloco_outer_step(start, sent, g.outer_momentum, g.outer_lr)
             for gossip in replicas:
                 for got, want in zip(gossip.outer_state.phi, expected.phi):
                     assert torch.allclose(got, want, rtol=0, atol=1e-6)

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dht.records import PeerRecord, PeerState
 from node.averaging.fingerprint import WeightFingerprint
+from node.averaging.gossip_codec import PhiSample
 from node.averaging.outer_replica import OuterReplica
 from node.config import GossipConfig, SwarmConfig, VerificationConfig
 from node.model.presets import load_config
@@ -178,26 +179,25 @@ def test_a_noloco_exchange_sends_host_copies_and_steps_on_the_device():
         for worker, seed in ((a, 3), (b, 4)):  # some inner progress on each replica
             out = worker.forward("k", hidden(CONFIG, seed))
             worker.backward("k", torch.full_like(out, 1e-3))
-        starts = [r.capture_start(w.inner_step) for r, w in zip(replicas, (a, b))]
+        sample = PhiSample(3, GossipConfig().phi_stride)
+        starts = [r.capture_start(w.inner_step, sample) for r, w in zip(replicas, (a, b))]
         for start in starts:
             assert start.has_progress
-            assert on_host(start.wire_phi + start.wire_delta)
-            assert on_device(start.state.phi + start.delta + start.theta, device)
-        # the wire: b's host copies land in a's host buffers, which a moves to its device
-        buffers = replicas[0].host_buffers(2)
-        assert on_host(buffers) and len(buffers) == 2 * len(starts[1].wire_phi)
-        for buffer, sent in zip(buffers, starts[1].wire_phi + starts[1].wire_delta):
+            assert on_host(start.wire)  # encoded on the device, copied to the host for the wire
+            assert on_device(start.state.phi + start.delta + start.theta + start.residual, device)
+        # the wire: b's tensors land in a's host buffers, which a moves to its device and decodes
+        buffers = replicas[0].host_buffers(sample)
+        assert on_host(buffers) and [t.shape for t in buffers] == [t.shape for t in starts[1].wire]
+        for buffer, sent in zip(buffers, starts[1].wire):
             buffer.copy_(sent)
-        received = replicas[0].to_device(buffers)
-        assert on_device(received, device)
-        count = len(starts[1].wire_phi)
-        phi, delta = received[:count], received[count:]
+        phi, delta = replicas[0].receive(buffers, sample)
+        assert on_device(phi + delta, device)
         reason, measures = replicas[0].check_partner(starts[0], phi, delta)
         assert reason is None and measures is not None
         new_state = replicas[0].pairwise_step(starts[0], [phi], [delta])
         assert on_device(new_state.phi + new_state.momentum, device)
         assert replicas[0].apply(starts[0], new_state)
-        assert on_device(a.module.parameters(), device)
+        assert on_device(list(a.module.parameters()) + replicas[0].residual, device)
     finally:
         a.close()
         b.close()
