@@ -191,11 +191,13 @@ def test_a_replica_scaling_every_linear_output_from_its_first_step_is_banned_by_
     swarm = None
     try:
         swarm = start(tmp_path, 2, peers, rate=0.3, audit_seconds=2.0)
+        joined = time.monotonic()  # the peers' processes started (the faulty one computes as soon as it can)
 
         async def run() -> None:
             watch = Watch()
             async with observe(swarm.initial_peers, None) as observer:
                 ids = await wait_online(observer, swarm, peers, watch)
+                online_after = time.monotonic() - joined
                 faulty, router = ids["faulty"], ids["stage0"]
                 mates = {ids["honest-a"], ids["honest-b"]}
                 caught = await poll_until(
@@ -206,8 +208,9 @@ def test_a_replica_scaling_every_linear_output_from_its_first_step_is_banned_by_
                     observer, watch, lambda w: any(w.first_ban(mate, faulty) for mate in mates), 120.0,
                     "no stage mate banned the faulty replica", swarm.nodes,
                 )  # fmt: skip
-                print(f"\nscale x1.5 from the first step: banned by stage 0 {caught:.1f} s after all were online, "
-                      f"by a stage mate {caught + audited:.1f} s")  # fmt: skip
+                print(f"\nscale x1.5 from the first step: all online {online_after:.1f} s after the peers started; "
+                      f"banned by stage 0 {caught:.1f} s after that, by a stage mate {caught + audited:.1f} s "
+                      f"(polled every {POLL_SECONDS:.0f} s)")  # fmt: skip
                 print_check_times(watch, ids)
 
         asyncio.run(run())
