@@ -9,8 +9,9 @@
    boundaries) and its opening of one layer; the checker's verdict (codec and digest comparisons,
    the layer's replay in fp32); the bytes of each message as the wire encodes them, next to a hop's;
    what a receipt and a retained weight version hold; a whole check's latency over an in-memory wire.
-2. The relative replay error of an honest layer in fp32 / fp16 / bf16 and of faults (every Linear
-   output x1.01, x1.05, x1.5): the margins of the tolerance, per shape.
+2. The relative replay error of an honest layer computed in fp64 (an exact reference: the rounding
+   of an fp32 replay alone), fp32, fp16 and bf16, and of faults (every Linear output x1.01, x1.05,
+   x1.5): the margins of the tolerance, per shape.
 3. `--swarm`: tokens/s of a 2-stage swarm on loopback (one stage-0 peer, three stage-1 replicas)
    at each rate in turn, interleaved (0, r, 0, r, ...) so the machine's load drifts over both alike.
 """
@@ -176,6 +177,7 @@ def tolerance_margins(preset: str) -> None:
     batch, seq = min(t.microbatch_size, 2), min(t.sequence_length, 512)
     results = []
     for label, precision, scale in (
+        ("fp64", None, None),  # an exact reference: what any fp32 implementation's rounding adds
         ("fp32", Precision.FP32, None),
         ("fp16", Precision.FP16, None),
         ("bf16", Precision.BF16, None),
@@ -186,11 +188,16 @@ def tolerance_margins(preset: str) -> None:
         stage = build_stage(dataclasses.replace(config, model=dataclasses.replace(config.model, layers_per_stage=1)), 1)
         if scale is not None:
             make_faulty(stage, FaultKind.SCALE, scale=scale)
-        named = {name: p.detach() for name, p in stage.named_parameters()}
         hidden = torch.randn(batch, seq, config.model.hidden_size)
         grad = 1e-3 * torch.randn_like(hidden)
-        forward, back = stage_boundaries(stage, layout, named, hidden, grad, StagePrecision(precision, "cpu"))
-        errors = replay_layer(layout, layout.of_stage(named, 0), forward[0], forward[1], back[1], back[0])
+        if precision is None:  # the claim computed in fp64 and rounded to fp32, as a wire would carry it
+            stage, hidden, grad = stage.double(), hidden.double(), grad.double()
+        named = {name: p.detach() for name, p in stage.named_parameters()}
+        computed = StagePrecision(precision or Precision.FP32, "cpu")
+        forward, back = stage_boundaries(stage, layout, named, hidden, grad, computed)
+        forward, back = [t.float() for t in forward], [t.float() for t in back]
+        replayed = {name: weight.float() for name, weight in layout.of_stage(named, 0).items()}
+        errors = replay_layer(layout, replayed, forward[0], forward[1], back[1], back[0])
         results.append(f"{label} {errors[0]:.1e}/{errors[1]:.1e}")
     print(f"  replay error (output/input gradient), one layer at {batch} x {seq}: " + ", ".join(results))
 
