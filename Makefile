@@ -20,8 +20,10 @@ $(STAMP): $(PY) pyproject.toml
 demo: $(STAMP)
 	$(PY) -m node.demo
 
+# two workers: one runs the tests that start swarms (tests/swarm, tests/netns) one after another, the
+# other the unit tests beside them (tests/conftest.py groups them); the swarms leave a core mostly idle
 test: $(STAMP) netns-deps
-	$(PY) -m pytest -q -p no:cacheprovider --durations=30
+	$(PY) -m pytest -q -p no:cacheprovider --durations=30 -n 2 --dist loadgroup
 
 slow: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m slow

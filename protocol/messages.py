@@ -57,7 +57,7 @@ KIND_SCHEMAS: dict[MessageKind, dict[str, Any]] = {
     MessageKind.BUSY: {},
     MessageKind.PING: {},
     MessageKind.PONG: {},
-    MessageKind.GOSSIP_REQUEST: {"round": int, "num_tensors": int, "total_numel": int, "phi_offset": int},
+    MessageKind.GOSSIP_REQUEST: {"round": int, "num_tensors": int, "total_numel": int, "phi_seed": int},
     MessageKind.GOSSIP_ACCEPT: {"round": int},
     MessageKind.GOSSIP_CHUNK: {"round": int, "index": int, "offset": int},
     MessageKind.GOSSIP_DONE: {"round": int},

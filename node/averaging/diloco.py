@@ -80,7 +80,7 @@ class DilocoRound:
         wire = ctx.wire
 
         async def fetch() -> list[Tensor]:
-            buffers = await ctx.host_buffers(None)
+            buffers = await ctx.host_buffers(False)
             async with wire.open(peer) as session:
                 await session.send(wire.request(round_))
                 await session.expect(MessageKind.GOSSIP_ACCEPT)

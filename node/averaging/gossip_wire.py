@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from torch import Tensor
 
-from node.averaging.gossip_codec import PhiSample
+from node.averaging.gossip_codec import MAX_PHI_SEED, PhiDither
 from node.averaging.outer_replica import OuterReplica
 from node.config import GossipConfig, GossipMode
 from node.p2p.tensor_stream import ChunkIndex, Session, TensorStream
@@ -90,29 +90,26 @@ class GossipWire:
 
     # ---- messages ------------------------------------------------------------------------------
 
-    def request_meta(self, round_: int, steps: int = 0, phi_offset: int = 0) -> dict:
+    def request_meta(self, round_: int, steps: int = 0, phi_seed: int = 0) -> dict:
         """`steps`: the inner steps the sender's Delta covers (lets the partner judge ripeness);
-        `phi_offset`: the first phi coordinate this round samples (gossip_codec.PhiSample)."""
+        `phi_seed`: the seed of the dither both sides code phi with this round (gossip_codec.PhiDither)."""
         return {
             "round": round_,
             "num_tensors": len(self.replica.params),
             "total_numel": self.replica.total_numel,
             "mode": str(self.settings.mode),
             "steps": steps,
-            "phi_offset": phi_offset,
+            "phi_seed": phi_seed,
         }
 
-    def request(self, round_: int, steps: int = 0, phi_offset: int = 0) -> Message:
-        return self.transport.message(MessageKind.GOSSIP_REQUEST, self.request_meta(round_, steps, phi_offset))
+    def request(self, round_: int, steps: int = 0, phi_seed: int = 0) -> Message:
+        return self.transport.message(MessageKind.GOSSIP_REQUEST, self.request_meta(round_, steps, phi_seed))
 
-    def phi_sample(self, phi_offset: int) -> PhiSample:
-        return PhiSample(phi_offset, self.settings.phi_stride)
-
-    def round_budget(self, sample: PhiSample | None, peer: str) -> float:
+    def round_budget(self, key: PhiDither | None, peer: str) -> float:
         """Seconds a round with `peer` may last: gossip.round_timeout, plus its payload (one
         direction; both go at once) at the rate a link to `peer` measures (node/p2p/channels.py),
         never taken below MIN_GOSSIP_BANDWIDTH, times TRANSFER_SLACK."""
-        payload = self.replica.wire_layout(sample).nbytes
+        payload = self.replica.wire_layout(key is not None).nbytes
         rate = max(self.transport.channels.peer_link_rate(peer) or 0.0, MIN_GOSSIP_BANDWIDTH)
         return self.settings.round_timeout + TRANSFER_SLACK * payload / rate
 
@@ -132,8 +129,8 @@ class GossipWire:
         for key in ("num_tensors", "total_numel", "mode"):
             if request.meta.get(key) != mine[key]:
                 return f"{key} {request.meta.get(key)!r} != {mine[key]!r}"
-        if not 0 <= request.meta["phi_offset"] < self.settings.phi_stride:  # an int >= 0: the schema's check
-            return f"phi_offset {request.meta['phi_offset']} outside 0..{self.settings.phi_stride - 1}"
+        if not 0 <= request.meta["phi_seed"] <= MAX_PHI_SEED:  # an int: the schema's check
+            return f"phi_seed {request.meta['phi_seed']} outside 0..{MAX_PHI_SEED}"
         return None
 
     def accept(self, round_: int) -> Message:

@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from node.averaging.gossip_codec import PhiSample
 from node.runtime.finite import all_finite, is_finite
 
 __all__ = [
@@ -111,7 +110,6 @@ def outer_step(
     alpha: float,
     beta: float,
     gamma: float,
-    sample: PhiSample | None = None,
 ) -> OuterState:
     """NoLoCo's outer step for replica i; returns a new OuterState (round + 1).
 
@@ -125,10 +123,6 @@ def outer_step(
                           - gamma*((n-1)/n) * phi_i + (gamma/n) * sum_{partners} phi_j
     which is the formula above with phi_i - mean_G(phi) expanded, so no extra model-sized
     temporary is needed.
-
-    With `sample` (a round on the wire, node/averaging/gossip_codec.py) the partners sent only the
-    coordinates flat[sample.offset::sample.stride] of each phi tensor, as 1-D tensors: the pull term
-    acts on those coordinates and no others this round.
     """
     own_delta = list(own_delta)
     partner_phis = [list(p) for p in partner_phis]
@@ -136,9 +130,8 @@ def outer_step(
     if len(partner_phis) != len(partner_deltas):
         raise ValueError(f"{len(partner_phis)} partner phis but {len(partner_deltas)} partner deltas")
     _check_same_shapes(state.phi, own_delta, "own delta")
-    pulled = state.phi if sample is None else sample.take(state.phi)
     for j, (pp, pd) in enumerate(zip(partner_phis, partner_deltas)):
-        _check_same_shapes(pulled, pp, f"partner {j} phi")
+        _check_same_shapes(state.phi, pp, f"partner {j} phi")
         _check_same_shapes(state.phi, pd, f"partner {j} delta")
     n = 1 + len(partner_phis)
     new_phi: list[Tensor] = []
@@ -150,10 +143,9 @@ def outer_step(
             for pd in partner_deltas:
                 d.add_(pd[k].to(torch.float32), alpha=-beta / n)
             if gamma != 0.0 and n > 1:
-                target = d if sample is None else sample.take([d])[0]  # a view: the pull lands in d
-                target.add_(pulled[k].reshape(target.shape), alpha=-gamma * (n - 1) / n)
+                d.add_(phi, alpha=-gamma * (n - 1) / n)
                 for pp in partner_phis:
-                    target.add_(pp[k].to(torch.float32).reshape(target.shape), alpha=gamma / n)
+                    d.add_(pp[k].to(torch.float32), alpha=gamma / n)
             new_momentum.append(d)
             new_phi.append(phi.to(torch.float32).add(d))
     return OuterState(phi=new_phi, momentum=new_momentum, round=state.round + 1)

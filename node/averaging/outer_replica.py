@@ -8,8 +8,8 @@ worker's compute thread (StageWorker.compute), between two inner steps: that thr
 them consistent, no lock is taken.
 
 Devices: phi, momentum, theta and Delta live on the parameters' device. What goes on the wire is
-encoded at the round's start (node/averaging/gossip_codec.py: a strided phi sample and 4-bit Delta
-codes with error feedback) and copied to the host there (`RoundStart.wire`: the event loop sends
+encoded at the round's start (node/averaging/gossip_codec.py: 4-bit Delta codes with error
+feedback, phi as residues on a dithered grid) and copied to the host there (`RoundStart.wire`: the event loop sends
 it and must not touch the device); what a partner sent arrives in host buffers (`host_buffers`)
 that `receive` moves onto the device and decodes before anything is computed with it.
 """
@@ -23,7 +23,7 @@ from enum import StrEnum
 import torch
 from torch import Tensor
 
-from node.averaging.gossip_codec import GossipCodec, PhiSample, WireLayout
+from node.averaging.gossip_codec import GossipCodec, PhiDither, WireLayout
 from node.averaging.noloco import (
     OuterState,
     apply_to_parameters,
@@ -74,16 +74,11 @@ class RoundStart:
     delta: list[Tensor]
     inner_step: int
     has_progress: bool  # Delta is not all zero
-    sample: PhiSample | None  # the phi coordinates this round exchanges (None: Delta alone, DiLoCo)
+    key: PhiDither | None  # how this round codes phi (None: Delta alone, DiLoCo)
     wire: list[Tensor]  # what this replica sends, on the host: WireLayout order (gossip_codec.py)
     sent_delta: list[Tensor]  # Delta as partners decode `wire` (DiLoCo averages this one, as they do)
     residual: list[Tensor]  # the error-feedback residual once `wire` is sent: committed by `apply`
     capture_seconds: float = 0.0  # how long the capture took, waiting for the compute thread included
-
-    @property
-    def own_phi(self) -> list[Tensor]:
-        """This replica's phi as the round compares it with a partner's: the sampled coordinates."""
-        return self.state.phi if self.sample is None else self.sample.take(self.state.phi)
 
 
 class OuterReplica:
@@ -95,7 +90,7 @@ class OuterReplica:
         self.params = list(module.parameters())
         self.names = [name for name, _ in module.named_parameters()]
         self.transfers = DeviceTransfers(self.params[0].device)
-        self.codec = GossipCodec(settings.delta_block, settings.phi_stride)
+        self.codec = GossipCodec(settings.delta_block, settings.phi_bits, settings.phi_step)
         with torch.no_grad():  # built before the service trains: safe off the compute thread
             self.state = OuterState.from_parameters(self.params)
         # what rounding left out of the Delta this replica sent so far (error feedback, gossip_codec.py)
@@ -111,51 +106,63 @@ class OuterReplica:
 
     # ---- a round -------------------------------------------------------------------------------
 
-    def capture_start(self, inner_step: int, sample: PhiSample | None = None) -> RoundStart:
+    def capture_start(self, inner_step: int, key: PhiDither | None = None) -> RoundStart:
         """theta now (fp32 copies), Delta = phi - theta against the current outer state, and what
         this replica sends in the round, encoded and on the host (one device sync for all of it):
-        phi's `sample` coordinates (none: a DiLoCo round) and Delta's 4-bit codes."""
+        Delta's 4-bit codes and, with `key` (none: a DiLoCo round), phi's residues."""
         state = self.state
         with torch.no_grad():
             theta = [p.detach().to(torch.float32, copy=True) for p in self.params]
             delta = pseudo_gradient(state, theta)
-            codes, sent_delta, residual = self.codec.encode_delta(delta, self.residual)
-            phi = [] if sample is None else [t.clone() for t in sample.take(state.phi)]  # clones: no views go out
+            codes, sent_delta, residual = self.codec.encode(delta, self.residual, state.phi, key)
             has_progress = bool(torch.stack([d.abs().amax() for d in delta]).amax() > 0)
-        wire = self.transfers.to_host([*phi, *codes])
-        return RoundStart(state, theta, delta, inner_step, has_progress, sample, wire, sent_delta, residual)
+        wire = self.transfers.to_host(codes)
+        return RoundStart(state, theta, delta, inner_step, has_progress, key, wire, sent_delta, residual)
 
-    def wire_layout(self, sample: PhiSample | None) -> WireLayout:
+    def wire_layout(self, with_phi: bool) -> WireLayout:
         """What a partner's tensors of a round look like (shapes and dtypes, in order)."""
-        return self.codec.layout([p.numel() for p in self.params], sample)
+        return self.codec.layout([p.numel() for p in self.params], with_phi)
 
-    def host_buffers(self, sample: PhiSample | None) -> list[Tensor]:
+    def host_buffers(self, with_phi: bool) -> list[Tensor]:
         """Host buffers for a partner's tensors of a round (pinned on a GPU, so `receive` needs no
         staging copy), sized from this replica's own shapes: never from the wire."""
-        layout = self.wire_layout(sample)
+        layout = self.wire_layout(with_phi)
         return [self.transfers.host_empty(shape, dtype) for shape, dtype in zip(layout.shapes, layout.dtypes)]
 
-    def receive(self, received: Sequence[Tensor], sample: PhiSample | None) -> tuple[list[Tensor], list[Tensor]]:
+    def receive(self, received: Sequence[Tensor], start: RoundStart) -> tuple[list[Tensor], list[Tensor], float]:
         """A partner's tensors (host buffers from `host_buffers`) on this replica's device, decoded:
-        (its phi sample, empty without one; its Delta, shaped like the parameters)."""
+        (its phi, decoded against ours at the round's start: ours in a DiLoCo round, where every
+        replica shares phi; its Delta, shaped like the parameters; the share of its phi values at
+        the edge of the codec's reach, for `check_partner`)."""
         on_device = self.transfers.to_device_all(received)
-        count = 0 if sample is None else len(self.params)
-        return on_device[:count], self.codec.decode_delta(on_device[count:], self.shapes)
+        phi, delta, edge_share = self.codec.decode(on_device, start.state.phi, start.key)
+        return (phi if start.key is not None else start.state.phi), delta, edge_share
 
     def check_partner(
-        self, start: RoundStart, phi: list[Tensor], delta: list[Tensor], distance_limit: float | None = None
+        self,
+        start: RoundStart,
+        phi: list[Tensor],
+        delta: list[Tensor],
+        distance_limit: float | None = None,
+        edge_share: float = 0.0,
     ) -> tuple[str | None, PartnerMeasures | None]:
         """(why the partner's phi and Delta are unacceptable, what was measured if it got that far),
         None as the reason if they may enter the outer step. First their form
-        (`validate_partner_update`), then whether an honest replica could have sent them
+        (`validate_partner_update`), then whether its phi was within the codec's reach
+        (`edge_share`, from `receive`), then whether an honest replica could have sent them
         (plausibility.py); `distance_limit` (None: the bounds' ceiling) caps the relative distance
         of the partner's phi from ours."""
-        own_phi = start.own_phi  # phi as sampled in this round: the partner sent those coordinates
+        own_phi = start.state.phi
         reason = validate_partner_update(own_phi, start.delta, phi, delta, self.settings.max_norm_factor)
         if reason is not None:
             return reason, None
         b = self.bounds
         measures = measure(own_phi, start.delta, phi, delta, b.tensor_norm_floor, b.min_tensor_share)
+        if not edge_share <= b.max_phi_edge_share:
+            return (
+                f"phi: {edge_share:.0%} of its values at the edge of the codec's reach "
+                f"> {b.max_phi_edge_share:.0%} (out of reach of our weights, or garbage)"
+            ), measures
         limit = self.bounds.distance_limit(None) if distance_limit is None else distance_limit
         return implausible(measures, self.bounds, limit), measures
 
@@ -172,7 +179,6 @@ class OuterReplica:
             s.outer_momentum,
             s.outer_lr,
             s.pull_coefficient,
-            start.sample,
         )
 
     def group_step(self, start: RoundStart, deltas: Sequence[list[Tensor]]) -> OuterState:

@@ -147,6 +147,9 @@ class PlausibilityBounds:
     tensor_norm_floor: float = 0.1
     min_tensor_share: float = 1 / 64  # smaller tensors are judged in the global figures only
     min_delta_cosine: float = -0.5  # honest >= -0.2; a negated Delta is -1
+    # phi's residues decode within the codec's reach of our phi (gossip_codec.py): of a replica out
+    # of reach, or of garbage, half the values land in the reach's outer half; honest: see docs/gossip.md
+    max_phi_edge_share: float = 0.4
 
     def distance_limit(self, reference: float | None) -> float:
         """The largest acceptable relative distance given the recent honest divergence (None:

@@ -20,7 +20,7 @@ from torch import Tensor
 from dht.announcer import PeerAnnouncer
 from dht.records import EventKind, short_peer_id
 from dht.swarm_view import SwarmView
-from node.averaging.gossip_codec import PhiSample
+from node.averaging.gossip_codec import PhiDither
 from node.averaging.gossip_wire import STALL_COOLDOWN, GossipWire
 from node.averaging.noloco import OuterState
 from node.averaging.outer_replica import STEPPED, OuterReplica, RoundOutcome, RoundStart, RoundStatus
@@ -138,11 +138,11 @@ class RoundContext:
 
     # ---- work on the compute thread ------------------------------------------------------------
 
-    async def capture_start(self, sample: PhiSample | None) -> RoundStart:
+    async def capture_start(self, key: PhiDither | None) -> RoundStart:
         worker, replica = self.worker, self.replica
         began = time.monotonic()
         # the step counter is read on the compute thread too: theta and the step must match
-        start = await worker.compute(lambda: replica.capture_start(worker.inner_step, sample))
+        start = await worker.compute(lambda: replica.capture_start(worker.inner_step, key))
         start.capture_seconds = time.monotonic() - began
         return start
 
@@ -153,24 +153,23 @@ class RoundContext:
         reference = self.divergences.reference(time.monotonic(), exclude=partner, min_own=bounds.min_observations)
         return bounds.distance_limit(reference)
 
-    async def host_buffers(self, sample: PhiSample | None) -> list[Tensor]:
+    async def host_buffers(self, with_phi: bool) -> list[Tensor]:
         """Host buffers for a partner's tensors of a round (allocated on the compute thread: pinned
         memory on a GPU is a CUDA call, which the event loop never makes)."""
-        return await self.worker.compute(self.replica.host_buffers, sample)
+        return await self.worker.compute(self.replica.host_buffers, with_phi)
 
     async def check_partner(
         self, partner: str, start: RoundStart, received: list[Tensor]
     ) -> tuple[str | None, float | None, list[Tensor], list[Tensor]]:
         """The partner's tensors (as received, on the host) moved to this replica's device, decoded
         and checked there: (why the update is refused, None) or (None, the relative distance of
-        its phi), with its phi sample and Delta on the device for the outer step."""
+        its phi), with its phi and Delta on the device for the outer step."""
         limit = self.distance_limit(partner)
 
         def on_device() -> tuple[str | None, PartnerMeasures | None, list[Tensor], list[Tensor]]:
-            phi_here, delta_here = self.replica.receive(received, start.sample)
-            if start.sample is None:  # DiLoCo: every replica shares phi, only Delta travels
-                phi_here = start.state.phi
-            return (*self.replica.check_partner(start, phi_here, delta_here, limit), phi_here, delta_here)
+            phi_here, delta_here, edge_share = self.replica.receive(received, start)
+            verdict = self.replica.check_partner(start, phi_here, delta_here, limit, edge_share)
+            return (*verdict, phi_here, delta_here)
 
         reason, measures, phi_here, delta_here = await self.worker.compute(on_device)
         if measures is not None:
@@ -211,10 +210,17 @@ class RoundContext:
         lead = CATCH_UP_LEAD_ROUNDS * self.settings.inner_steps
         return lagging_behind(self.worker.inner_step, partner, steps, lead)
 
+    def partner_far_behind(self, partner: str) -> bool:
+        """Is `partner` the stale one, by its published step (as far behind us as `lags_behind` asks)?"""
+        record = next((p for p in self.view.online(self.me.stage) if p.peer_id == partner), None)
+        lead = CATCH_UP_LEAD_ROUNDS * self.settings.inner_steps
+        return record is not None and record.inner_step + lead <= self.worker.inner_step
+
     def reject(self, peer_id: str, reason: str, implausible: bool = False) -> None:
         """Ban a peer whose tensors failed validation and tell the dashboard; but when they were
         well-formed (`implausible`: only the plausibility check failed) and this replica is the one
-        far behind the stage, ask for a catch-up instead (`behind`) and ban nobody."""
+        far behind the stage, ask for a catch-up instead (`behind`) and ban nobody; when the
+        partner is the one far behind us, decline the round and ban nobody (it catches up)."""
         if implausible and self.lags_behind(peer_id):
             self.behind_partner = peer_id
             self.behind.set()
@@ -222,6 +228,9 @@ class RoundContext:
                 f"gossip from {short_peer_id(peer_id)} failed the plausibility check ({reason}), but this replica "
                 f"(inner step {self.worker.inner_step}) is far behind it and most of its stage: catching up"
             )
+            return
+        if implausible and self.partner_far_behind(peer_id):  # it will catch up from us: decline, ban nobody
+            logger.info(f"declined gossip from {short_peer_id(peer_id)}, far behind this replica: {reason}")
             return
         self.bans.ban(peer_id, self.ban_until(peer_id), f"gossip: {reason}")
         logger.warning(f"rejected gossip from {short_peer_id(peer_id)} and banned it: {reason}")

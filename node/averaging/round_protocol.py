@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from dht.records import PeerState, short_peer_id
-from node.averaging.gossip_codec import PhiSample
+from node.averaging.gossip_codec import MAX_PHI_SEED, PhiDither
 from node.averaging.gossip_wire import COMPUTE_SLACK, STALL_TIMEOUT, GossipWire
 from node.averaging.outer_replica import RoundOutcome, RoundStart, RoundStatus
 from node.averaging.round_context import RoundContext
@@ -109,8 +109,9 @@ class PairwiseRound:
             return RoundOutcome(RoundStatus.BUSY, round_, detail="already exchanging")
         self.exchanging = True
         try:
-            # the phi coordinates this round exchanges: the initiator draws them and names them
-            start = await ctx.capture_start(ctx.wire.phi_sample(ctx.rng.randrange(ctx.settings.phi_stride)))
+            # the dither both sides code phi with this round: the initiator draws it and names it
+            key = PhiDither(ctx.rng.randrange(MAX_PHI_SEED + 1))
+            start = await ctx.capture_start(key)
             if not start.has_progress:
                 return ctx.record(
                     RoundOutcome(RoundStatus.SKIPPED, round_, detail="no inner step since the last round")
@@ -121,7 +122,7 @@ class PairwiseRound:
             failure = None
             for peer in candidates[:MAX_PARTNER_TRIES]:
                 try:
-                    return await within(self._initiate(peer, start), ctx.wire.round_budget(start.sample, peer))
+                    return await within(self._initiate(peer, start, key), ctx.wire.round_budget(key, peer))
                 except PartnerBusy:
                     continue
                 except PartnerRejected as e:
@@ -143,12 +144,12 @@ class PairwiseRound:
         finally:
             self.exchanging = False
 
-    async def _initiate(self, peer: str, start: RoundStart) -> RoundOutcome:
+    async def _initiate(self, peer: str, start: RoundStart, key: PhiDither) -> RoundOutcome:
         ctx = self.ctx
         async with ctx.wire.open(peer, STALL_TIMEOUT) as session:
             with _silence_is_a_stall(peer):
                 steps = start.inner_step - ctx.round_start_step
-                await session.send(ctx.wire.request(start.state.round, steps, start.sample.offset))
+                await session.send(ctx.wire.request(start.state.round, steps, key.seed))
                 # the partner captures its start on its compute thread before it answers
                 reply = await GossipWire.recv_within(session, _after_compute(start.capture_seconds))
                 if reply.kind == MessageKind.BUSY:
@@ -178,9 +179,9 @@ class PairwiseRound:
             await session.send(ctx.wire.transport.message(MessageKind.BUSY, request_id=request.request_id))
             return
         self.exchanging = True
-        sample = ctx.wire.phi_sample(request.meta["phi_offset"])  # checked by GossipWire.refusal
+        key = PhiDither(request.meta["phi_seed"])  # checked by GossipWire.refusal
         try:
-            await within(self._answer(sender, session, sample), ctx.wire.round_budget(sample, sender))
+            await within(self._answer(sender, session, key), ctx.wire.round_budget(key, sender))
         except PartnerRejected as e:
             ctx.reject(sender, str(e), e.implausible)
             ctx.record(RoundOutcome(RoundStatus.REJECTED, ctx.replica.state.round, (sender,), str(e)))
@@ -194,9 +195,9 @@ class PairwiseRound:
         finally:
             self.exchanging = False
 
-    async def _answer(self, sender: str, session: Session, sample: PhiSample) -> None:
+    async def _answer(self, sender: str, session: Session, key: PhiDither) -> None:
         ctx = self.ctx
-        start = await ctx.capture_start(sample)
+        start = await ctx.capture_start(key)
         if not start.has_progress:
             await session.send(ctx.wire.transport.message(MessageKind.BUSY))
             return
@@ -219,14 +220,14 @@ class PairwiseRound:
         self, peer: str, start: RoundStart, received: list[Tensor]
     ) -> tuple[str | None, float | None, float, list[Tensor], list[Tensor]]:
         """ctx.check_partner, how long it took (the compute thread's queue included), and the
-        partner's phi sample and Delta, decoded on this replica's device."""
+        partner's phi and Delta, decoded on this replica's device."""
         began = time.monotonic()
         reason, divergence, phi, delta = await self.ctx.check_partner(peer, start, received)
         return reason, divergence, time.monotonic() - began, phi, delta
 
     async def _swap(self, session: Session, start: RoundStart) -> list[Tensor]:
         """What I send out, the partner's tensors in (into host buffers sized from my own shapes)."""
-        buffers = await self.ctx.host_buffers(start.sample)
+        buffers = await self.ctx.host_buffers(start.key is not None)
         return await self.ctx.wire.swap(session, start.state.round, start.wire, buffers)
 
     async def _step_with(self, start: RoundStart, partner: PartnerUpdate | None) -> RoundOutcome:

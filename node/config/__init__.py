@@ -143,8 +143,10 @@ class GossipConfig:
     """gamma: pull toward the group's mean outer weights; unset (omit it in TOML) ties it to outer_lr, as NoLoCo's authors do."""
     round_timeout: float = 30.0
     """Seconds a gossip round may last beyond moving its tensors (and a due replica waits for a partner before a lone step), > 0; the transfer's own time is added from the payload and the link's rate (docs/gossip.md)."""
-    phi_stride: int = 10
-    """A NoLoCo round exchanges one phi coordinate in this many (exact fp32, a new offset each round), >= 1; 10 keeps a round under 2 bytes a parameter."""
+    phi_bits: int = 4
+    """Bits a phi value in a NoLoCo round, 4 or 8: its grid index modulo 2**bits, decoded against the receiver's own phi (docs/gossip.md)."""
+    phi_step: float = 8.0
+    """phi's grid step in Delta scales (a block's absmax / 7), > 0; at 8 and 4 bits phi decodes to within 4 scales while two replicas differ by < 64 (docs/gossip.md has the measured loss)."""
     delta_block: int = 64
     """Delta travels at 4 bits a value with error feedback, one fp32 scale per this many values, even >= 2."""
     max_norm_factor: float = 10.0
@@ -399,8 +401,8 @@ def validate(config: SwarmConfig) -> None:
         "gossip: inner_steps >= 1, timeout > 0, norm factor > 1",
     )
     need(
-        g.phi_stride >= 1 and g.delta_block >= 2 and g.delta_block % 2 == 0,
-        "gossip: phi_stride >= 1, delta_block even and >= 2",
+        g.phi_bits in (4, 8) and g.phi_step > 0 and g.delta_block >= 2 and g.delta_block % 2 == 0,
+        "gossip: phi_bits 4 or 8, phi_step > 0, delta_block even and >= 2",
     )
     r = config.recovery
     need(r.lr_scale > 0 and r.lost_grace >= 0 and r.rebalance_wait >= 0, "recovery: lr_scale > 0, waits >= 0")

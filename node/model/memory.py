@@ -14,9 +14,9 @@ tests/benchmarks/bench_memory.py):
   error-feedback residual of the Delta it sends (node/averaging/gossip_codec.py), kept whatever
   the gossip mode (node/averaging/outer_replica.py);
 - gossip round: what a NoLoCo round holds beside that while it runs: theta and Delta captured at
-  its start, Delta as sent and the next residual, the partner's decoded Delta, the new phi and
-  momentum = 7 model-sized copies (the partner's phi sample is 1 / phi_stride of one, its inner
-  progress is the working copy above); none with gossip off. DiLoCo holds one Delta per replica
+  its start, Delta as sent and the next residual, the partner's decoded phi and Delta, the new phi
+  and momentum = 8 model-sized copies (its inner progress is the working copy above); none with
+  gossip off. DiLoCo holds one Delta per replica
   instead of the partner's: more with over 3 replicas;
 - stashed weights (block stages): up to `training.stashed_weights` copies of the parameters that
   forwards ran on, kept for their backwards (node/pipeline/weight_stash.py);
@@ -74,9 +74,9 @@ TOKEN_ID = 8  # bytes per token id (int64)
 GRADIENT_COPIES = 2  # the accumulated .grad and one working copy (module docstring)
 ADAMW_MOMENTS = 2  # exp_avg, exp_avg_sq
 OUTER_STATE_COPIES = 3  # phi, momentum, the error-feedback residual of the Delta sent (gossip_codec.py)
-# theta, Delta, Delta as sent, the next residual, the partner's decoded Delta, new phi, new momentum
-# (the partner's phi is a 1 / gossip.phi_stride sample, its codes a sixteenth: left out)
-GOSSIP_ROUND_COPIES = 7
+# theta, Delta, Delta as sent, the next residual, the partner's decoded phi and Delta, new phi, new
+# momentum (the wire's codes and residues, 1 / 8 of a copy each way: left out)
+GOSSIP_ROUND_COPIES = 8
 LOSS_HEAD_COPIES = 3  # logits, their log-softmax (saved by cross_entropy), their gradient
 # resident bytes glibc's heap keeps beyond the activations a CPU stage stores, as a fraction of them:
 # tests/benchmarks/bench_memory.py measured 0.31 (15m block stage) and 0.19 (125m) per stored forward

@@ -26,7 +26,7 @@ from enum import StrEnum
 import torch
 
 from dht.records import PeerRecord, PeerState
-from node.averaging.gossip_codec import PhiSample
+from node.averaging.gossip_codec import MAX_PHI_SEED, PhiDither
 from node.averaging.noloco import relative_distance
 from node.averaging.outer_replica import OuterReplica, RoundStart
 from node.config import SwarmConfig
@@ -82,10 +82,17 @@ class SimulatedSwarm:
         sync: SyncMode,
         seed: int,
         extra_forward: float = 0.0,
+        exact_gossip: bool = False,
     ) -> None:
+        """`exact_gossip`: NoLoCo and DiLoCo rounds exchange every phi coordinate and Delta in fp32
+        (what a round moved before its codec), the baseline the codec's loss cost is measured against."""
         if replicas < 1:
             raise ValueError(f"need at least one replica per stage, got {replicas}")
         self.config, self.replicas, self.link, self.sync = config, replicas, link, SyncMode(sync)
+        self.exact_gossip = exact_gossip
+        self.phi_edge_shares: list[
+            float
+        ] = []  # per NoLoCo round and side: phi's values at the edge of the codec's reach
         self.num_stages = config.num_stages
         self.clock = SimClock()
         self.rng = random.Random(seed)
@@ -177,16 +184,16 @@ class SimulatedSwarm:
             ]
             if not due:
                 continue
-            sample = None
-            if self.sync == SyncMode.NOLOCO:  # the phi coordinates this stage's pairs exchange this round
-                stride = self.config.gossip.phi_stride
-                sample = PhiSample(self.rng.randrange(stride), stride)
-            starts = {r: self.outer[stage][r].capture_start(self.workers[stage][r].inner_step, sample) for r in due}
+            key = None
+            if self.sync == SyncMode.NOLOCO and not self.exact_gossip:  # the dither pairs code phi with
+                key = PhiDither(self.rng.randrange(MAX_PHI_SEED + 1))
+            starts = {r: self.outer[stage][r].capture_start(self.workers[stage][r].inner_step, key) for r in due}
             if self.sync == SyncMode.NOLOCO:
                 self.rng.shuffle(due)  # a fresh random matching among the due replicas; an odd one steps alone
                 for first in range(0, len(due), 2):
                     self._pairwise(stage, due[first : first + 2], starts)
-                seconds = self.link.transfer_seconds(self.outer[stage][0].wire_layout(sample).nbytes)
+                payload = self.outer[stage][0].wire_layout(True).nbytes
+                seconds = self.link.transfer_seconds(2 * self.stage_bytes[stage] if self.exact_gossip else payload)
             else:  # DiLoCo and every-step averaging: once one replica is due, every replica takes part
                 due = list(range(self.replicas))  # (one that took no step brings a zero Delta), so all share phi
                 starts.update(
@@ -198,10 +205,10 @@ class SimulatedSwarm:
                 )
                 for r in due:
                     outer = self.outer[stage][r]
-                    if self.sync == SyncMode.DILOCO:  # each Delta as it arrives from the wire, mine as sent
+                    if self.sync == SyncMode.DILOCO and not self.exact_gossip:  # as decoded, mine as sent
                         deltas = [
                             starts[r].sent_delta,
-                            *(outer.receive(starts[o].wire, None)[1] for o in due if o != r),
+                            *(outer.receive(starts[o].wire, starts[r])[1] for o in due if o != r),
                         ]
                     else:  # every-step averaging is the exact baseline
                         deltas = [starts[r].delta, *(starts[o].delta for o in due if o != r)]
@@ -217,7 +224,14 @@ class SimulatedSwarm:
         outer = self.outer[stage]
         new_states = {}
         for r in pair:  # both outer steps from the states captured at the round's start
-            received = [outer[r].receive(starts[o].wire, starts[o].sample) for o in pair if o != r]
+            if self.exact_gossip:
+                received = [(starts[o].state.phi, starts[o].delta) for o in pair if o != r]
+            else:
+                received = []
+                for o in (o for o in pair if o != r):
+                    phi, delta, edge_share = outer[r].receive(starts[o].wire, starts[r])
+                    self.phi_edge_shares.append(edge_share)
+                    received.append((phi, delta))
             new_states[r] = outer[r].pairwise_step(
                 starts[r], [phi for phi, _ in received], [delta for _, delta in received]
             )

@@ -103,7 +103,7 @@ def measure_case(case: Case, device: str) -> dict:
     """Train one stage as the module docstring says; the measured peak and what it ran."""
     import torch
 
-    from node.averaging.gossip_codec import PhiSample
+    from node.averaging.gossip_codec import PhiDither
     from node.averaging.outer_replica import OuterReplica
     from node.model.presets import load_config
     from node.pipeline.stage_worker import StageWorker
@@ -167,13 +167,12 @@ def measure_case(case: Case, device: str) -> dict:
         keys.append(next_key)
         next_key += 1
     phases["steady"] = in_use()
-    sample = PhiSample(0, config.gossip.phi_stride)
-    round_start = replica.capture_start(worker.inner_step, sample)  # theta, Delta, the encoded wire
+    round_start = replica.capture_start(worker.inner_step, PhiDither(0))  # theta, Delta, the encoded wire
     # the partner's tensors as a round receives them: host buffers, decoded onto the device
-    buffers = replica.host_buffers(sample)
+    buffers = replica.host_buffers(True)
     for buffer, sent in zip(buffers, round_start.wire):
         buffer.copy_(sent)
-    partner_phi, partner_delta = replica.receive(buffers, sample)
+    partner_phi, partner_delta, _edge_share = replica.receive(buffers, round_start)
     finish(keys.pop(0))  # training goes on during a round
     start(next_key)
     keys.append(next_key)

@@ -20,7 +20,7 @@ import msgpack
 import torch
 import trio
 
-from node.averaging.gossip_codec import GossipCodec, PhiSample
+from node.averaging.gossip_codec import GossipCodec, PhiDither
 from protocol import MessageKind, encode_tensor
 from protocol.version import PROTOCOL_VERSION
 
@@ -36,10 +36,11 @@ SEVERITY = [HARNESS_ERROR, CRASHED, HANG, ACCEPTED, INCONCLUSIVE, REJECTED]
 
 HEADER = struct.Struct(">Q")
 CHUNK_ELEMENTS = 1 << 18  # what the node's gossip sends per GOSSIP_CHUNK (node/averaging/gossip_wire.py)
-# the swarm's gossip codec (its defaults: the test swarms do not change them): a round carries phi's
-# coordinates 0, STRIDE, 2 STRIDE, ... and Delta as 4-bit codes and scales (node/averaging/gossip_codec.py)
+# the swarm's gossip codec (its defaults: the test swarms do not change them): a round carries each
+# tensor's Delta as 4-bit codes and scales and phi as residues on a grid dithered with the request's
+# seed (node/averaging/gossip_codec.py)
 GOSSIP_CODEC = GossipCodec()
-PHI_SAMPLE = PhiSample(0, GOSSIP_CODEC.phi_stride)
+PHI_KEY = PhiDither(0)
 EMFILE_MARKERS = ("too many open files", "emfile", "out of system resource")  # matched lowercased
 
 
@@ -1075,14 +1076,13 @@ async def gossip_request(ctx, res: Result, ident, meta: dict, sender_stage: int 
 
 
 def request_meta(n: int, total: int) -> dict:
-    return {"round": 0, "num_tensors": n, "total_numel": total, "mode": "noloco", "steps": 0, "phi_offset": 0}
+    return {"round": 0, "num_tensors": n, "total_numel": total, "mode": "noloco", "steps": 0, "phi_seed": PHI_KEY.seed}
 
 
 def round_tensors(phi: list[torch.Tensor], delta: list[torch.Tensor]) -> list[torch.Tensor]:
-    """What an initiator sends in a round (as the node encodes it): phi's sampled coordinates, then
-    each tensor's Delta codes and scales. A NaN or a scale lands in the decoded values unchanged."""
-    codes, _sent, _left = GOSSIP_CODEC.encode_delta(delta, [torch.zeros_like(d) for d in delta])
-    return [*PHI_SAMPLE.take(phi), *codes]
+    """What an initiator sends in a round (as the node encodes it): each tensor's Delta codes and
+    scales and phi's residues. A NaN in Delta lands in its scale, and so in the decoded values."""
+    return GOSSIP_CODEC.encode(delta, [torch.zeros_like(d) for d in delta], phi, PHI_KEY)[0]
 
 
 async def drain(wire, timeout: float, out: dict, done: trio.Event) -> None:
@@ -1246,7 +1246,7 @@ async def gossip_chunk_shape(ctx, res: Result) -> None:
 @case(
     "gossip_nan_weights",
     "gossip",
-    "an accepted round whose phi holds a NaN",
+    "an accepted round whose Delta holds a NaN (phi's residues decode to finite values whatever they hold)",
     "GOSSIP_DONE accept=False ('holds NaN or Inf'), the sender banned",
 )
 async def gossip_nan_weights(ctx, res: Result) -> None:
@@ -1254,16 +1254,16 @@ async def gossip_nan_weights(ctx, res: Result) -> None:
     if found is None:
         return
     names, phi, theta = found
-    bad = [p.clone() for p in phi]
-    bad[0].view(-1)[0] = math.nan
-    res.sent.append(f"phi = the target's phi with {names[0]}[0] = NaN; Delta = its own")
-    await gossip_round(ctx, res, "gossip-nan", bad, [p - t for p, t in zip(phi, theta)])
+    bad = [p - t for p, t in zip(phi, theta)]
+    bad[0].view(-1)[0] = math.nan  # its block's scale becomes NaN
+    res.sent.append(f"phi = the target's phi; Delta = its own with {names[0]}[0] = NaN")
+    await gossip_round(ctx, res, "gossip-nan", phi, bad)
 
 
 @case(
     "gossip_huge_weights",
     "gossip",
-    "an accepted round whose phi is the target's phi x 1e6",
+    "an accepted round whose Delta is the target's x 1e6 (its grid steps too, so phi may decode far off)",
     "GOSSIP_DONE accept=False ('norm ... exceeds ...'), the sender banned",
 )
 async def gossip_huge_weights(ctx, res: Result) -> None:
@@ -1271,8 +1271,8 @@ async def gossip_huge_weights(ctx, res: Result) -> None:
     if found is None:
         return
     _names, phi, theta = found
-    res.sent.append("phi = 1e6 x the target's phi; Delta = its own")
-    await gossip_round(ctx, res, "gossip-huge", [p * 1e6 for p in phi], [p - t for p, t in zip(phi, theta)])
+    res.sent.append("phi = 1e6 x the target's phi; Delta = 1e6 x its own")
+    await gossip_round(ctx, res, "gossip-huge", [p * 1e6 for p in phi], [(p - t) * 1e6 for p, t in zip(phi, theta)])
 
 
 @case(
@@ -1287,6 +1287,7 @@ async def gossip_negated_weights(ctx, res: Result) -> None:
     if found is None:
         return
     _names, phi, theta = found
+    # the negated phi decodes within the grid's reach of the target's own: the negated Delta is what the checks see
     res.sent.append("phi = -(the target's phi), Delta = -(its phi - theta): same norms, opposite direction")
     await gossip_round(ctx, res, "gossip-negated", [-p for p in phi], [-(p - t) for p, t in zip(phi, theta)])
 

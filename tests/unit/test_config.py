@@ -37,7 +37,7 @@ from protocol.version import PROTOCOL_VERSION
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "config.md"
 REGENERATE = ".venv/bin/python -m node.config > docs/config.md"
-DEFAULT_HASH = "5af4d91c9ee208b5"  # protocol 4 (spot-checks replay a committed layer; [verification] tolerances per precision, receipts) + protocol 3 (gossip codec: phi_stride, delta_block) + routing, precision, tokenizer_hash, the order-2 markov source, [validation], [verification], max_staleness_steps 2, stashed_weights 4, slow_link_compression int8 with max_in_flight 32: changing it splits old and new peers
+DEFAULT_HASH = "d761ac7d70d7e30f"  # protocol 5 (spot-checks replay a committed layer; [verification] tolerances per precision, receipts) + protocol 4 (gossip codec: phi_bits, phi_step, delta_block) + routing, precision, tokenizer_hash, the order-2 markov source, [validation], [verification], max_staleness_steps 2, stashed_weights 4, slow_link_compression int8 with max_in_flight 32: changing it splits old and new peers
 SECTIONS = SECTION_TYPES
 TOP_LEVEL = [f.name for f in dataclasses.fields(SwarmConfig) if f.name not in SECTIONS]
 
@@ -135,6 +135,7 @@ def other_value(key: str, value: Any) -> Any:
         "data.markov_order": 1,  # order 3 over 16 tokens would exceed the chain's context limit
         "training.min_in_flight": 2,  # more than the default max_in_flight 4 would be refused
         "gossip.delta_block": 128,  # blocks of 4-bit values pair up in bytes: even sizes only
+        "gossip.phi_bits": 8,  # 4 or 8
     }
     if key in special:
         return special[key]
@@ -192,8 +193,9 @@ RULES = [
     ("training.grad_clip", 0.0, 0.01, "hop_timeout, grad_clip > 0; max_retries, stashed_weights >= 0"),
     ("gossip.inner_steps", 0, 1, "gossip: inner_steps >= 1, timeout > 0, norm factor > 1"),
     ("gossip.round_timeout", 0.0, 0.01, "gossip: inner_steps >= 1, timeout > 0, norm factor > 1"),
-    ("gossip.phi_stride", 0, 1, "gossip: phi_stride >= 1, delta_block even and >= 2"),
-    ("gossip.delta_block", 63, 2, "gossip: phi_stride >= 1, delta_block even and >= 2"),
+    ("gossip.phi_bits", 6, 8, "gossip: phi_bits 4 or 8, phi_step > 0, delta_block even and >= 2"),
+    ("gossip.phi_step", 0.0, 0.5, "gossip: phi_bits 4 or 8, phi_step > 0, delta_block even and >= 2"),
+    ("gossip.delta_block", 63, 2, "gossip: phi_bits 4 or 8, phi_step > 0, delta_block even and >= 2"),
     ("gossip.max_norm_factor", 1.0, 1.01, "gossip: inner_steps >= 1, timeout > 0, norm factor > 1"),
     ("recovery.lr_scale", 0.0, 0.01, "recovery: lr_scale > 0, waits >= 0"),
     ("recovery.lost_grace", -0.5, 0.0, "recovery: lr_scale > 0, waits >= 0"),

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dht.records import PeerRecord, PeerState
 from node.averaging.fingerprint import WeightFingerprint
-from node.averaging.gossip_codec import PhiSample
+from node.averaging.gossip_codec import PhiDither
 from node.averaging.outer_replica import OuterReplica
 from node.config import GossipConfig, SwarmConfig, VerificationConfig
 from node.model.presets import load_config
@@ -179,18 +179,18 @@ def test_a_noloco_exchange_sends_host_copies_and_steps_on_the_device():
         for worker, seed in ((a, 3), (b, 4)):  # some inner progress on each replica
             out = worker.forward("k", hidden(CONFIG, seed))
             worker.backward("k", torch.full_like(out, 1e-3))
-        sample = PhiSample(3, GossipConfig().phi_stride)
-        starts = [r.capture_start(w.inner_step, sample) for r, w in zip(replicas, (a, b))]
+        key = PhiDither(3)
+        starts = [r.capture_start(w.inner_step, key) for r, w in zip(replicas, (a, b))]
         for start in starts:
             assert start.has_progress
             assert on_host(start.wire)  # encoded on the device, copied to the host for the wire
             assert on_device(start.state.phi + start.delta + start.theta + start.residual, device)
         # the wire: b's tensors land in a's host buffers, which a moves to its device and decodes
-        buffers = replicas[0].host_buffers(sample)
+        buffers = replicas[0].host_buffers(True)
         assert on_host(buffers) and [t.shape for t in buffers] == [t.shape for t in starts[1].wire]
         for buffer, sent in zip(buffers, starts[1].wire):
             buffer.copy_(sent)
-        phi, delta = replicas[0].receive(buffers, sample)
+        phi, delta, _edge_share = replicas[0].receive(buffers, starts[0])
         assert on_device(phi + delta, device)
         reason, measures = replicas[0].check_partner(starts[0], phi, delta)
         assert reason is None and measures is not None
