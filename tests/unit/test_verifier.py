@@ -13,6 +13,7 @@ import torch
 from node.config import SwarmConfig
 from node.pipeline.hop_observations import Observed
 from node.pipeline.spot_check import Finding
+from node.pipeline.verifier import Verifier
 from protocol import Message, MessageKind
 from tests.helpers.check_harness import CONFIG, SETTINGS, Swarm
 from tests.helpers.faulty_node import FaultKind
@@ -115,24 +116,27 @@ def test_a_fault_that_starts_later_is_caught_from_its_first_microbatch() -> None
     assert swarm.check(swarm.hop("replica")) == Finding.WRONG_FORWARD
 
 
+def auditing(swarm: Swarm, mate: str, fault: FaultKind) -> Verifier:
+    """A replica "auditor" whose only stage mate is `mate` (with `fault`), with an input of its own
+    still in flight to audit with."""
+    swarm.add("auditor")
+    swarm.add(mate, fault)
+    auditor = swarm.verifier_for("auditor", swarm.replicas["auditor"].worker)
+    auditor.replicas = lambda stage: [mate]
+    swarm.hop("auditor", backward=False)
+    return auditor
+
+
 def test_a_replica_honest_on_checks_only_passes_audits_but_not_the_checks_of_its_traffic() -> None:
     swarm = Swarm()
-    swarm.add("auditor")
-    swarm.add("liar", FaultKind.CHECKS_AWARE)
-    auditor = swarm.verifier_for("auditor-verifier", swarm.replicas["auditor"].worker)
-    auditor.replicas = lambda stage: ["liar"]
-    swarm.hop("auditor", backward=False)  # the auditor's newest input, still in flight
+    auditor = auditing(swarm, "liar", FaultKind.CHECKS_AWARE)
     assert asyncio.run(auditor.audit()) == Finding.PASSED  # an audit is a message it can tell from traffic
     assert swarm.check(as_previous_peer(swarm.hop("liar"))) == Finding.NOT_WHAT_IT_SENT
 
 
 def test_stage_mates_audit_each_other_and_ban_one_that_computes_wrong() -> None:
     swarm = Swarm()
-    swarm.add("auditor")
-    swarm.add("faulty", FaultKind.SIGNFLIP)
-    auditor = swarm.verifier_for("auditor", swarm.replicas["auditor"].worker)
-    auditor.replicas = lambda stage: ["faulty"]
-    swarm.hop("auditor", backward=False)
+    auditor = auditing(swarm, "faulty", FaultKind.SIGNFLIP)
     assert [asyncio.run(auditor.audit()) for _ in range(3)] == [Finding.WRONG_BACKWARD] * 3
     assert auditor.bans.is_banned("faulty")
     assert asyncio.run(auditor.audit()) is None  # no mate left that is not banned
