@@ -62,7 +62,7 @@ class EventKind(StrEnum):
     UNRECOVERABLE = "unrecoverable"
     BAN = "ban"
     GOSSIP_FAILURE = "gossip_failure"
-    VERIFICATION = "verification"  # a spot-check ban or an unarbitrated disagreement (node/pipeline/verifier.py)
+    VERIFICATION = "verification"  # a spot-check strike or ban, with its evidence (node/pipeline/verifier.py)
 
 
 def short_peer_id(peer_id: Any, n: int = 8) -> str:
@@ -157,14 +157,16 @@ class VerificationReport:
     """What a peer's spot-checks found (node/pipeline/verifier.py): published in its record so that
     `node status` and the dashboard can show who holds strikes and bans against whom."""
 
-    checks: int = 0  # hops it checked with two answers compared
-    disagreements: int = 0
+    checks: int = 0  # checks it decided: a layer of a replica's microbatch replayed
+    failed: int = 0  # of those, checks that found evidence (each one a strike)
+    unanswered: int = 0  # checks a replica left unanswered (no strike)
     served: int = 0  # checks it answered for others
-    largest_agreeing: float = 0.0  # the largest output measure between two answers it found in agreement
-    tolerance: float = 0.0  # the tolerance that measure was compared with
-    largest_gradient: float = 0.0  # the largest gradient measure between two answers it found in agreement
+    largest_error: float = 0.0  # the largest replay error of an output among the checks that passed
+    largest_gradient_error: float = 0.0  # the same for an input gradient
+    tolerance: float = 0.0  # the tolerance largest_error was held to
+    check_seconds: float = 0.0  # mean time from a check's request to its verdict
     strikes: dict[str, float] = field(default_factory=dict)  # peer -> decayed strikes it holds against it
-    bans: list[str] = field(default_factory=list)  # peers it banned after lost arbitrations
+    bans: list[str] = field(default_factory=list)  # peers it banned after spot-checks
 
     @classmethod
     def from_wire(cls, raw: Any) -> VerificationReport:
@@ -175,21 +177,24 @@ class VerificationReport:
             raise RecordError(f"verification.strikes: expected a map of at most {MAX_REPORTED_PEERS} peers")
         if not isinstance(bans, list) or len(bans) > MAX_REPORTED_PEERS:
             raise RecordError(f"verification.bans: expected a list of at most {MAX_REPORTED_PEERS} peers")
+        counts = {name: _check_int(raw.get(name, 0), f"verification.{name}") for name in _REPORT_COUNTS}
+        measures = {
+            name: _check_float(raw.get(name, 0.0), f"verification.{name}", low=0.0)  # type: ignore[arg-type]
+            for name in _REPORT_MEASURES
+        }
         return cls(
-            checks=_check_int(raw.get("checks", 0), "verification.checks"),
-            disagreements=_check_int(raw.get("disagreements", 0), "verification.disagreements"),
-            served=_check_int(raw.get("served", 0), "verification.served"),
-            largest_agreeing=_check_float(raw.get("largest_agreeing", 0.0), "verification.largest_agreeing", low=0.0),  # type: ignore[arg-type]
-            tolerance=_check_float(raw.get("tolerance", 0.0), "verification.tolerance", low=0.0),  # type: ignore[arg-type]
-            largest_gradient=_check_float(  # type: ignore[arg-type]
-                raw.get("largest_gradient", 0.0), "verification.largest_gradient", low=0.0
-            ),
+            **counts,
+            **measures,
             strikes={
                 _check_str(peer, "verification.strikes", MAX_ID_CHARS): _check_float(score, "strike", low=0.0)  # type: ignore[misc]
                 for peer, score in strikes.items()
             },
             bans=[_check_str(peer, "verification.bans", MAX_ID_CHARS) for peer in bans],
         )
+
+
+_REPORT_COUNTS = ("checks", "failed", "unanswered", "served")
+_REPORT_MEASURES = ("largest_error", "largest_gradient_error", "tolerance", "check_seconds")
 
 
 @dataclass

@@ -38,8 +38,12 @@ class MessageKind(enum.StrEnum):
     STATE_HEADER = "state_header"
     STATE_CHUNK = "state_chunk"
     STATE_END = "state_end"
-    CHECK = "check"  # a spot-check of a block stage's computation (node/pipeline/verifier.py)
-    CHECK_RESULT = "check_result"
+    # spot-checks of a block stage's computation (node/pipeline/verifier.py, docs/verification.md)
+    CHECK = "check"  # the checker names a microbatch it saw pass through the replica
+    AUDIT = "audit"  # a stage mate sends an input of its own
+    COMMITMENT = "commitment"  # the replica's digests of what it computed, before a layer is chosen
+    OPEN = "open"  # the checker names the layer to show
+    OPENING = "opening"  # that layer's weights and boundaries, bit-exact
 
 
 # Required meta keys per kind. Extra keys are allowed (still type- and size-checked). Every int in
@@ -67,8 +71,18 @@ KIND_SCHEMAS: dict[MessageKind, dict[str, Any]] = {
     },
     MessageKind.STATE_CHUNK: {"index": int, "offset": int},
     MessageKind.STATE_END: {"checksum": str},
-    MessageKind.CHECK: {"stage": int},
-    MessageKind.CHECK_RESULT: {"stage": int},
+    MessageKind.CHECK: {"stage": int, "origin": str, "microbatch_id": int, "token": str},
+    MessageKind.AUDIT: {"stage": int},
+    MessageKind.COMMITMENT: {
+        "stage": int,
+        "commitment": int,
+        "precision": str,
+        "weights": list[str],
+        "forward": list[str],
+        "backward": list[str],
+    },
+    MessageKind.OPEN: {"stage": int, "commitment": int, "layer": int, "forward": list[int], "backward": list[int]},
+    MessageKind.OPENING: {"stage": int, "commitment": int},
 }
 
 # A request whose meta holds POSTED_KEY: True is *posted*: its receiver replies only to refuse it
@@ -83,8 +97,8 @@ KIND_TENSORS.update(
     {
         MessageKind.FORWARD: frozenset({"hidden"}),
         MessageKind.BACKWARD: frozenset({"grad"}),
-        MessageKind.CHECK: frozenset({"hidden", "probe"}),
-        MessageKind.CHECK_RESULT: frozenset({"output", "grad_input"}),
+        MessageKind.AUDIT: frozenset({"hidden", "probe"}),
+        MessageKind.OPENING: frozenset({"weights"}),
         MessageKind.GOSSIP_CHUNK: frozenset({"chunk"}),
         MessageKind.STATE_CHUNK: frozenset({"chunk"}),
     }

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from dht.records import short_peer_id
 from node.p2p.transport import Transport, TransportError, timed_out
+from node.pipeline.evaluation import MicrobatchPurpose, purpose_of
 from node.pipeline.link_compression import LinkCompression
 from node.pipeline.routing import Router
 from node.pipeline.verifier import Verifier
@@ -82,7 +83,8 @@ class _RoutedHop:
     message: Message | None
     microbatch_id: int
     on_lost: OnLost
-    hidden: Tensor | None = None  # a forward's activations for the verifier, until the first peer takes it
+    # a training forward's input, origin and token for the verifier, until the first peer takes it
+    checkable: tuple[Tensor, str, str] | None = None
     tried: set[str] = field(default_factory=set)
     payload: bytes | None = None
 
@@ -108,7 +110,7 @@ class HopSender:
     ):
         self.transport, self.router, self.stats = transport, router, stats
         self.compression = compression  # each hop's encoding for its link (None: the transport's)
-        self.verifier = verifier  # spot-checks some of the forward hops routed here (node/pipeline/verifier.py)
+        self.verifier = verifier  # may check the forward hops routed here (node/pipeline/verifier.py)
         self.hop_timeout, self.max_retries, self.ban_until = hop_timeout, max_retries, ban_until
         self.refusal_window = min(refusal_window, hop_timeout)
         # peers we can reach only through a relay, which cannot carry a hop (node/p2p/reachability.py)
@@ -122,6 +124,8 @@ class HopSender:
         """Send to one specific peer (the origin or the previous hop): no alternative exists, so a
         refusal, now or later, is `on_lost()`. Returns the peer if the hop was sent, else None."""
         message = self.transport.message(kind, meta, tensors)
+        if self.verifier is not None and kind == MessageKind.BACKWARD:  # the gradient of what peer_id sent here
+            self.verifier.backward_sent(peer_id, meta["path"][0], meta["microbatch_id"], tensors["grad"])
         late = self._late(None, peer_id, service, meta["microbatch_id"], on_lost)
         try:
             payload = self._seal(message, peer_id, service)
@@ -159,8 +163,10 @@ class HopSender:
         timeout just try another. Returns the peer the hop was sent to, None (and `on_lost()`) if
         none could be sent it; a later refusal tries the next peer, and `on_lost()` when none is left."""
         message = self.transport.message(kind, meta, tensors)
-        hidden = tensors["hidden"] if self.verifier is not None and kind == MessageKind.FORWARD else None
-        hop = _RoutedHop(stage, service, message.request_id, message, meta["microbatch_id"], on_lost, hidden)
+        checkable = None
+        if self.verifier is not None and kind == MessageKind.FORWARD and purpose_of(meta) is MicrobatchPurpose.TRAIN:
+            checkable = (tensors["hidden"], meta["origin"], meta.get("token", ""))
+        hop = _RoutedHop(stage, service, message.request_id, message, meta["microbatch_id"], on_lost, checkable)
         peer_id = await self._send_routed(hop)
         if peer_id is None:
             on_lost()
@@ -207,9 +213,10 @@ class HopSender:
             outcome.add_done_callback(lambda done, peer_id=peer_id: self._settled(hop, peer_id, done))
             # no observe(): a send's latency says nothing about the peer's speed; the router
             # follows the throughput the peer measures and announces
-            if hop.hidden is not None:
-                self.verifier.after_hop(hop.stage, peer_id, hop.hidden)
-                hop.hidden = None
+            if hop.checkable is not None and self.verifier is not None:
+                hidden, origin, token = hop.checkable
+                self.verifier.forward_sent(hop.stage, peer_id, origin, hop.microbatch_id, token, hidden)
+                hop.checkable = None
             return peer_id
         logger.info(f"no peer of stage {hop.stage} took microbatch {hop.microbatch_id} (tried {len(hop.tried)})")
         return None

@@ -1,183 +1,135 @@
-"""Spot-checks of a stage's computation by its other replicas (pure logic, no networking).
+"""Spot-checks of a block stage's computation (pure rules, no networking; docs/verification.md).
 
-Reads beside docs/verification.md. The peer that routes a hop sometimes asks two replicas of the
-next stage for the same thing: the stage's output on the hop's input, and the gradient with respect
-to that input of a random probe direction over the output. Honest replicas answer almost alike
-(NoLoCo lets them drift a little between gossip rounds); a replica that scales, replaces or zeroes
-its outputs, or flips its gradients, answers far away. A third replica arbitrates a disagreement;
-the one in the minority gets a strike; strikes decay; enough of them ban the peer.
+A check replays what a replica computed for one microbatch at the weights the replica itself says
+it ran on, one layer at a time, instead of comparing its answer with another replica's (NoLoCo
+replicas drift apart between gossip rounds, early in training by more than a x1.5 fault, so no
+comparison between replicas can tell drift from a fault). The replica commits to digests of its
+weights and of every layer boundary of the microbatch before the checker names the layer to show;
+the checker then compares:
 
-Everything here is deterministic given its inputs and clock: the networking that gathers the
-answers is node/pipeline/verifier.py.
+- what the replica says it received and sent with what the checker itself sent it and received
+  from it, bit for bit once the wire's codecs are accounted for (`arrived_as`);
+- what it shows with the digests it committed to (`digest`);
+- the layer's output and input gradient with a recomputation in fp32 at the committed weights,
+  within the rounding of the precision the replica computed in (`RecomputeTolerance`).
+
+Any mismatch is a `Finding` an honest replica cannot produce, and the only thing that strikes.
+Strikes decay (`StrikeBook`); enough of them ban. A check the replica leaves unanswered strikes
+nobody: it raises that peer's check rate for a while (`CheckRate`).
 """
 
 from __future__ import annotations
 
-import math
+import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
 from torch import Tensor
 
+from node.config import Precision, VerificationConfig
+from protocol.tensors import Compression, decode_tensor, encode_tensor
+
 # strikes_to_ban strikes within about a minute (at the default half-life) ban, though the first
 # ones have decayed a little by the time the last one lands
 STRIKE_MARGIN = 0.1
-# below this norm an answer is "zero"
-_TINY = 1e-12
+# a layer that changes its input by less than this fraction of its norm (all weights zero: the
+# CheckFree "zero" baseline) is measured against this floor instead of its own tiny update
+_UPDATE_FLOOR = 1e-6
+_DIGEST_BYTES = 16
 
 
-def direction_error(a: Tensor, b: Tensor) -> float:
-    """1 - cos(a, b): 0 for parallel answers, 1 for unrelated ones (noise), 2 for opposite ones."""
-    if a.shape != b.shape:
-        return math.inf
-    a, b = a.detach().double().flatten(), b.detach().double().flatten()
-    na, nb = a.norm().item(), b.norm().item()
-    if na < _TINY and nb < _TINY:
-        return 0.0
-    if na < _TINY or nb < _TINY:
-        return 1.0
-    return 1.0 - float(a @ b) / (na * nb)
+class Finding(StrEnum):
+    """What a check concluded. Every value but PASSED is evidence no honest replica can produce."""
 
-
-def scale_error(a: Tensor, b: Tensor) -> float:
-    """|ln(||a|| / ||b||)|: 0 for equal norms, 0.405 for a 1.5x scale, infinite against zeros."""
-    if a.shape != b.shape:
-        return math.inf
-    na, nb = a.detach().double().norm().item(), b.detach().double().norm().item()
-    if na < _TINY and nb < _TINY:
-        return 0.0
-    if na < _TINY or nb < _TINY:
-        return math.inf
-    return abs(math.log(na / nb))
-
-
-@dataclass(frozen=True)
-class Answer:
-    """One replica's answer to a check: the stage's output and the gradient wrt its input."""
-
-    output: Tensor
-    grad_input: Tensor
-
-
-@dataclass(frozen=True)
-class Limits:
-    """The tolerances one comparison is held to (see Tolerance)."""
-
-    output_direction: float  # on 1 - cos of the outputs
-    output_scale: float  # on |ln| of the outputs' norm ratio
-    grad_direction: float  # on 1 - cos of the input gradients
-    grad_scale: float  # on |ln| of the input gradients' norm ratio
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """How two answers differ, in the four ways honest drift and the faults differ (measured on
-    live swarms, docs/verification.md)."""
-
-    output_direction: float
-    output_scale: float
-    grad_direction: float
-    grad_scale: float
-    limits: Limits
+    PASSED = "passed"
+    # what the replica says it received is not what the checker sent it, under any wire codec
+    NOT_WHAT_IT_RECEIVED = "not what it received"
+    # what the checker received from the replica is not what the replica says it sent
+    NOT_WHAT_IT_SENT = "not what it sent"
+    # a tensor it showed, or the layer's weights, do not hash to what it committed to before the layer was chosen
+    NOT_WHAT_IT_COMMITTED = "not what it committed to"
+    # the layer recomputed at the committed weights gives another output
+    WRONG_FORWARD = "wrong forward"
+    # ... or another gradient with respect to the layer's input
+    WRONG_BACKWARD = "wrong backward"
+    # a commitment or an opening that does not fit the stage (counts, shapes, a non-finite value)
+    MALFORMED = "malformed"
 
     @property
-    def distance(self) -> float:
-        """The larger output measure: what a settled stage's divergence-scaled tolerance bounds."""
-        return max(self.output_direction, self.output_scale)
-
-    @property
-    def gradient_distance(self) -> float:
-        return max(self.grad_direction, self.grad_scale)
-
-    @property
-    def agree(self) -> bool:
-        limits = self.limits
-        return (
-            self.output_direction <= limits.output_direction
-            and self.output_scale <= limits.output_scale
-            and self.grad_direction <= limits.grad_direction
-            and self.grad_scale <= limits.grad_scale
-        )
-
-    def describe(self) -> str:
-        limits = self.limits
-        return (
-            f"outputs: 1-cos {self.output_direction:.3f} (tolerance {limits.output_direction:.3f}), "
-            f"|ln norm ratio| {self.output_scale:.3f} (tolerance {limits.output_scale:.3f}); "
-            f"gradients: 1-cos {self.grad_direction:.3f} (tolerance {limits.grad_direction:.3f}), "
-            f"|ln norm ratio| {self.grad_scale:.3f} (tolerance {limits.grad_scale:.3f})"
-        )
+    def is_evidence(self) -> bool:
+        return self is not Finding.PASSED
 
 
-def compare(first: Answer, second: Answer, limits: Limits) -> Comparison:
-    return Comparison(
-        direction_error(first.output, second.output),
-        scale_error(first.output, second.output),
-        direction_error(first.grad_input, second.grad_input),
-        scale_error(first.grad_input, second.grad_input),
-        limits,
-    )
+class RecomputeTolerance:
+    """How far a replayed layer may be from what a replica says it computed: the rounding of the
+    precision the replica computed in, with a margin (the figures: docs/verification.md, "The
+    tolerance"). The replay runs in fp32, so two fp32 implementations (CPU and GPU kernels, other
+    summation orders) differ by about twice fp32's error, a bf16 replica by its own."""
+
+    def __init__(self, fp32: float, fp16: float, bf16: float) -> None:
+        self._by_precision = {Precision.FP32: fp32, Precision.FP16: fp16, Precision.BF16: bf16}
+
+    @classmethod
+    def from_settings(cls, settings: VerificationConfig) -> RecomputeTolerance:
+        return cls(settings.fp32_tolerance, settings.fp16_tolerance, settings.bf16_tolerance)
+
+    def of(self, precision: Precision) -> float:
+        """The tolerance for a replica that computes in `precision` (a concrete one: never auto)."""
+        return self._by_precision[precision]
 
 
-@dataclass(frozen=True)
-class Tolerance:
-    """How far two honest answers may be (the figures: docs/verification.md).
-
-    A settled stage (its replicas past `settle_steps` inner steps): on the outputs' direction and
-    scale, `factor` x the stage's replica divergence (the relative weight distance its peers
-    publish) within [floor, ceiling]; the ceiling stays below 0.405, the outputs' scale error of a
-    computation scaled by 1.5, the mildest fault checked for. The input gradients of honest
-    replicas differ far more than their outputs (measured: 1 - cos up to 0.45, norms 1.4x apart),
-    so they are held to `gradient`, which still catches a sign flip (1 - cos >= 1.5) and zeros.
-
-    Before a stage settles replicas drift further still (measured in the first ~80 steps:
-    outputs 4x apart in norm, gradients 3x), so only gross faults count: `gross_direction` on
-    both directions, `gross_scale` on both scales."""
-
-    floor: float
-    factor: float
-    ceiling: float
-    gradient: float
-    gross_direction: float
-    gross_scale: float
-
-    def limits(self, divergence: float | None, settled: bool = True) -> Limits:
-        if not settled:
-            return Limits(self.gross_direction, self.gross_scale, self.gross_direction, self.gross_scale)
-        if divergence is None or not math.isfinite(divergence):
-            outputs = self.floor
-        else:
-            outputs = min(self.ceiling, max(self.floor, self.factor * divergence))
-        return Limits(outputs, outputs, self.gradient, self.gradient)
+def parse_precision(text: str) -> Precision | None:
+    """A replica's declared compute precision, or None when it is not a concrete one."""
+    try:
+        precision = Precision(text)
+    except ValueError:
+        return None
+    return None if precision is Precision.AUTO else precision
 
 
-class Verdict(StrEnum):
-    """What a check concluded about the two replicas asked first (`first` was on the hop's path)."""
+def update_error(claimed: Tensor, recomputed: Tensor, start: Tensor) -> Tensor:
+    """||claimed - recomputed|| / ||recomputed - start||, as a 0-d tensor on their device.
 
-    AGREED = "agreed"  # the two answers are within tolerance
-    FIRST_WRONG = "first_wrong"  # the arbiter sided with the second replica
-    SECOND_WRONG = "second_wrong"  # the arbiter sided with the first replica
-    INCONCLUSIVE = "inconclusive"  # the arbiter agreed with both or with neither: nobody is struck
-    UNARBITRATED = "unarbitrated"  # they disagree and no third replica could answer
+    Measured on the layer's update (a residual layer's output minus its input; a gradient minus the
+    gradient arriving at the layer) rather than on the output itself: the residual stream is many
+    times larger than what one layer adds to it, and a fault that scales the layer's own
+    computation by 1.05 changes that update by ~15 % but the stream by a fraction of that."""
+    claimed, recomputed, start = claimed.double(), recomputed.double(), start.double()
+    floor = _UPDATE_FLOOR * start.norm() + 1e-30
+    return (claimed - recomputed).norm() / torch.maximum((recomputed - start).norm(), floor)
 
 
-def arbitrate(first_vs_arbiter: Comparison, second_vs_arbiter: Comparison) -> Verdict:
-    """The replica the arbiter disagrees with, when it agrees with exactly one of them."""
-    first_ok, second_ok = first_vs_arbiter.agree, second_vs_arbiter.agree
-    if first_ok and not second_ok:
-        return Verdict.SECOND_WRONG
-    if second_ok and not first_ok:
-        return Verdict.FIRST_WRONG
-    return Verdict.INCONCLUSIVE
+def digest(tensor: Tensor) -> str:
+    """A 128-bit BLAKE2b digest of a host fp32 tensor's shape and bytes (what a commitment holds)."""
+    if tensor.device.type != "cpu" or tensor.dtype != torch.float32:
+        raise ValueError(f"digests are of host fp32 tensors, got {tensor.dtype} on {tensor.device}")
+    hasher = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    hasher.update(repr(tuple(tensor.shape)).encode())
+    hasher.update(tensor.detach().contiguous().numpy().tobytes())
+    return hasher.hexdigest()
+
+
+def is_digest(text: str) -> bool:
+    return len(text) == 2 * _DIGEST_BYTES and all(c in "0123456789abcdef" for c in text)
+
+
+def arrived_as(sent: Tensor, received: Tensor) -> bool:
+    """Whether `received` is exactly what `sent` becomes on the wire under one of its codecs.
+
+    The hop's codec is chosen per link at send time (node/pipeline/link_compression.py) and is
+    deterministic on the host, so an honest pair of tensors matches one of them bit for bit: no
+    tolerance is left for a replica to hide a change in."""
+    if sent.shape != received.shape or sent.dtype != received.dtype:
+        return False
+    return any(torch.equal(decode_tensor(encode_tensor(sent, codec)), received) for codec in Compression)
 
 
 class StrikeBook:
     """Strikes per peer that halve every `half_life` seconds; `strikes_to_ban` of them (after decay)
-    ban. A decaying score forgives an honest peer's rare bad luck (a check that straddled its gossip
-    round) while a peer that is wrong on every check reaches the threshold in a few checks."""
+    ban. Every strike is evidence; the decay forgives a replica wrong once in a long while (a
+    flipped bit) while one wrong on every microbatch reaches the threshold in a few checks."""
 
     def __init__(self, strikes_to_ban: float, half_life: float, clock: Callable[[], float] = time.monotonic):
         if strikes_to_ban <= 0 or half_life <= 0:
@@ -211,9 +163,9 @@ class StrikeBook:
 
 
 class CheckRate:
-    """The probability of checking a hop: `rate`, or `raised` for a peer that was in an
-    unarbitrated disagreement within the last `raised_for` seconds (one word against another bans
-    nobody, but both are watched closely until a third replica can arbitrate)."""
+    """The probability of checking a hop: `rate`, or `raised` for a peer that left a check
+    unanswered within the last `raised_for` seconds (absence is not evidence, but a replica that
+    dodges the checks it would fail is checked more often)."""
 
     def __init__(self, rate: float, raised: float, raised_for: float, clock: Callable[[], float] = time.monotonic):
         self.rate, self.raised, self.raised_for, self._clock = rate, max(rate, raised), raised_for, clock
@@ -235,7 +187,7 @@ class CheckRate:
 
 
 def probe_direction(shape: torch.Size, generator: torch.Generator) -> Tensor:
-    """The direction over the stage's output whose gradient wrt the input a check asks for: random
-    (unit norm), so a replica cannot prepare a right answer without computing the backward."""
+    """An audit's gradient with respect to the stage's output: random (unit norm), so a replica
+    cannot prepare a right answer without computing the backward."""
     probe = torch.randn(shape, generator=generator, device="cpu")  # drawn for the wire
-    return probe / probe.norm().clamp_min(_TINY)
+    return probe / probe.norm().clamp_min(1e-12)

@@ -50,6 +50,7 @@ from node.pipeline.hops import HopSender, PipelineStats
 from node.pipeline.in_flight_window import InFlightWindow, keep_in_flight
 from node.pipeline.link_compression import LinkCompression
 from node.pipeline.order import pipeline_order, visits_every_block_stage
+from node.pipeline.receipts import ReceiptKeeper
 from node.pipeline.routing import Router
 from node.pipeline.stage_worker import StageWorker
 from node.pipeline.verifier import Verifier
@@ -112,6 +113,46 @@ def _no_op() -> None:
     pass
 
 
+Handler = Callable[[str, Message], Message]
+
+
+def _witnessing_forwards(handler: Handler, verifier: Verifier | None) -> Handler:
+    """`handler`, and a training microbatch's output from a block-stage peer, once taken, shown to
+    the verifier: this peer is that hop's next peer (node/pipeline/hop_observations.py)."""
+    if verifier is None:
+        return handler
+
+    def handle(sender: str, msg: Message) -> Message:
+        reply = handler(sender, msg)
+        meta = msg.meta
+        order, hop = meta["order"], meta["hop"]
+        if reply.kind == MessageKind.ACK and hop >= 2 and purpose_of(meta) is MicrobatchPurpose.TRAIN:
+            stage = order[hop - 2]  # hop 1 came from the origin; the final hop from the last block stage
+            token = meta.get("token", "")
+            verifier.forward_received(
+                stage, sender, meta["origin"], meta["microbatch_id"], token, msg.tensors["hidden"]
+            )
+        return reply
+
+    return handle
+
+
+def _witnessing_backwards(handler: Handler, verifier: Verifier | None) -> Handler:
+    """`handler`, and the gradient a block-stage peer returns for the input this peer sent it, once
+    taken, shown to the verifier: this peer is that hop's previous peer."""
+    if verifier is None:
+        return handler
+
+    def handle(sender: str, msg: Message) -> Message:
+        reply = handler(sender, msg)
+        path, hop = msg.meta["path"], msg.meta["hop"]
+        if reply.kind == MessageKind.ACK and hop + 1 < len(path):  # from the next peer on the path, not the origin
+            verifier.backward_received(sender, path[0], msg.meta["microbatch_id"], msg.tensors["grad"])
+        return reply
+
+    return handle
+
+
 def _hop_sender(
     training: TrainingConfig,
     transport: Transport,
@@ -164,6 +205,7 @@ class Pipeline:
         is_member: Callable[[str], bool] | None = None,
         unreachable: Callable[[], set[str]] = set,
         verifier: Verifier | None = None,
+        receipts: ReceiptKeeper | None = None,  # a block stage's record of what it computed, for checks
         max_in_flight: int | None = None,  # the window's ceiling here: less than the swarm's where memory is short
     ):
         self.config = config
@@ -182,6 +224,7 @@ class Pipeline:
         self.num_block_stages = config.num_stages - 1
         self.in_flight: dict[int, InFlight] = {}
         self.stats = PipelineStats()
+        self.receipts = receipts
         self.hops = _hop_sender(training, transport, router, self.stats, self.ban_until, unreachable, verifier)
         self._microbatch_ids = itertools.count(self.rng.randrange(1 << 40))
         self._microbatch_index = itertools.count()
@@ -195,8 +238,8 @@ class Pipeline:
     async def start(self) -> None:
         # many small hops to the same few peers: one long-lived stream each (node/p2p/channels.py)
         self.transport.multiplex(FORWARD, BACKWARD, ABORT)
-        await self.transport.serve_requests(FORWARD, self.on_forward)
-        await self.transport.serve_requests(BACKWARD, self.on_backward)
+        await self.transport.serve_requests(FORWARD, _witnessing_forwards(self.on_forward, self.hops.verifier))
+        await self.transport.serve_requests(BACKWARD, _witnessing_backwards(self.on_backward, self.hops.verifier))
         await self.transport.serve_requests(ABORT, self.on_abort)
 
     def _ack(self, request: Message) -> Message:
@@ -215,7 +258,7 @@ class Pipeline:
                 f"this peer serves stage {self.me.stage} ({self.me.state}), not {expected_stage}"
             )
         if hop == len(order) + 1:
-            if msg.meta["origin"] != self.me.peer_id or self._ticket(msg) is None:
+            if msg.meta["origin"] != self.me.peer_id or ticket_named_by(self.in_flight, msg.meta) is None:
                 return self.transport.error("unknown microbatch")
             self._tasks.spawn(self._finish_forward(msg))
             return self._ack(msg)
@@ -240,19 +283,16 @@ class Pipeline:
         expected_sender = path[hop + 1] if hop + 1 < len(path) else path[0]  # the origin starts backward
         if sender != expected_sender:
             raise ProtocolError("backward arrived from a peer that is not the next hop of its path")
-        if hop == 0 and self._ticket(msg) is None:
+        if hop == 0 and ticket_named_by(self.in_flight, msg.meta) is None:
             return self.transport.error("unknown microbatch")
         self._tasks.spawn(self._run_backward(msg))
         return self._ack(msg)
-
-    def _ticket(self, msg: Message) -> InFlight | None:
-        return ticket_named_by(self.in_flight, msg.meta)
 
     def on_abort(self, sender: str, msg: Message) -> Message:
         """A peer on a microbatch's path gave up on it: retry now instead of at the deadline."""
         if msg.kind != MessageKind.ERROR:  # an abort notice is an ERROR naming the microbatch (hops.notify_abort)
             return self.transport.error(f"an abort notice is an error message, not {msg.kind.value}")
-        ticket = self._ticket(msg)
+        ticket = ticket_named_by(self.in_flight, msg.meta)
         if ticket is None:  # finished already, or a stranger without the token: nothing to do
             return self.transport.error("unknown microbatch")
         # the ERROR schema makes "reason" a string (protocol/messages.py); shown, never parsed
@@ -274,6 +314,9 @@ class Pipeline:
             async with self._turns.turn(key[0]):
                 if purpose_of(msg.meta) is MicrobatchPurpose.EVAL:  # forward only: nothing stored, nothing to drop
                     hidden = await self.worker.compute(eval_forward, self.worker, msg.tensors["hidden"])
+                elif self.receipts is not None:  # kept for a while: a check of this microbatch may come
+                    token = msg.meta.get("token", "")
+                    hidden = await self.worker.compute(self.receipts.forward, key, token, msg.tensors["hidden"])
                 else:
                     hidden = await self.worker.compute(self.worker.forward, key, msg.tensors["hidden"])
         except ValueError as e:  # a malformed tensor from a stranger: its origin will retry elsewhere
@@ -322,8 +365,9 @@ class Pipeline:
             ticket.finish(ticket.loss)  # an abort may have settled it while the backward ran
             return
         try:
+            backward = self.worker.backward if self.receipts is None else self.receipts.backward
             async with self._turns.turn(key[0]):
-                grad = await self.worker.compute(self.worker.backward, key, msg.tensors["grad"])
+                grad = await self.worker.compute(backward, key, msg.tensors["grad"])
         except RejectedInput as e:
             logger.info(f"rejected the gradient of microbatch {msg.meta['microbatch_id']}: {e}")
             self._reject(sender, msg, f"backward rejected at stage {self.me.stage}: {e}")

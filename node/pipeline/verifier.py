@@ -1,26 +1,20 @@
-"""Spot-checks on the wire: asking replicas of a block stage for the same computation and acting
-on the verdict (the pure rules are node/pipeline/spot_check.py; docs/verification.md says what a
-check can and cannot catch).
+"""Spot-checks on the wire, the checker's side: which hops this peer checks, asking the replica to
+commit and then to open a layer, and acting on the finding (the pure rules are
+node/pipeline/spot_check.py and node/pipeline/verdict.py, the replica's side is
+node/pipeline/check_server.py; docs/verification.md says what a check can and cannot catch).
 
-After a routed hop to peer A of stage s, with probability `verification.rate` (raised for peers
-under suspicion) the routing peer sends a CHECK with the hop's input and a random probe direction
-to A and to a second replica B of stage s, chosen at random. Each answers with its output and the
-gradient of <output, probe> wrt the input, computed with its current weights and nothing stored or
-accumulated. If the two answers are further apart than the tolerance (scaled by the stage's
-published replica divergence), a third replica C arbitrates: the one C disagrees with gets a
-strike. Without a third replica nobody is struck on one word against another: both are checked
-at the raised rate and a `verification` event says so. Enough strikes ban the peer: its streams
-are refused, routing avoids it and its gossip is refused (all three read the same ban), and a
-signed `verification` event names it with the evidence.
+A peer checks the block-stage hops it takes part in (node/pipeline/hop_observations.py): as the
+hop's previous peer, after the replica's backward reached it; as its next peer, as soon as the
+replica's output arrived. Neither is a message a replica could tell from traffic: the microbatch
+was real, and the replica learns it is checked only once it has sent what it computed. Stage mates
+also audit each other every `verification.audit_seconds` with an input of their own: how a replica
+that computes wrong gets banned by its own stage, whose gossip then refuses it.
 
-Replicas of a stage also audit each other every `verification.audit_seconds`: a peer checks a
-random stage mate against its own answer on a recent input, with another mate as the arbiter. That
-is how a replica that computes wrong is banned by its own stage, whose gossip then refuses it
-(routers see its traffic, not its gossip). A peer that finds itself in the minority strikes nobody
-and says so in its log and in an event: its own computation may be the faulty one.
-
-A replica that does not answer a check (timeout, BUSY, an old release) is not struck: being slow
-or absent is routing's business. Checks run in the background; a hop never waits for one.
+Only a finding that is evidence strikes (every one is something no honest replica produces); a
+replica that leaves a check unanswered is checked more often for a while and struck by nobody.
+Enough strikes ban the peer: its streams are refused, routing avoids it and its gossip is refused
+(all three read the same ban), and a signed `verification` event names it with the evidence.
+Checks run in the background: a hop never waits for one.
 """
 
 from __future__ import annotations
@@ -28,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,65 +33,48 @@ from dht.records import MAX_REPORTED_PEERS, EventKind, VerificationReport, short
 from node.config import VerificationConfig
 from node.p2p.transport import Transport, TransportError
 from node.pipeline.admission import RejectedInput
+from node.pipeline.check_wire import CHECK_SERVICE, CommitmentReply
+from node.pipeline.hop_observations import Observed, PendingChecks
+from node.pipeline.layer_replay import LayerLayout
 from node.pipeline.routing import BanList
-from node.pipeline.spot_check import (
-    Answer,
-    CheckRate,
-    Comparison,
-    Limits,
-    StrikeBook,
-    Tolerance,
-    Verdict,
-    arbitrate,
-    compare,
-    probe_direction,
-)
+from node.pipeline.spot_check import CheckRate, Finding, RecomputeTolerance, StrikeBook, probe_direction
 from node.pipeline.stage_worker import StageWorker
+from node.pipeline.verdict import Judgement, boundaries_to_open, judge
 from node.runtime.events import EventPublisher
 from node.runtime.tasks import BackgroundTasks
-from protocol import Message, MessageKind, ProtocolError
+from protocol import Message, MessageKind
 
 logger = logging.getLogger(__name__)
 
-CHECK_SERVICE = "check"
-MAX_CHECKS_RUNNING = 4  # checks this peer runs as a router at once: a burst of hops queues none more
-
-
-def answer_check(worker: StageWorker, hidden: Tensor, probe: Tensor) -> tuple[Tensor, Tensor]:
-    """What a replica computes for a check: its output on `hidden` and d<output, probe>/d hidden,
-    with the current weights; no activation stored, no parameter gradient, nothing counted. Runs on
-    the worker's compute thread like every other use of its module."""
-    if worker.stage == 0:
-        raise RejectedInput("stage 0 is not spot-checked")
-    x = worker.hidden_from_wire("check input", hidden)
-    direction = worker.hidden_from_wire("check probe", probe, shape=x.shape)
-    leaf = x.requires_grad_(True)
-    with torch.enable_grad(), worker.precision.autocast():
-        out = worker.module(leaf)
-    (grad_in,) = worker.precision.grad(out, [leaf], direction.to(out.dtype))
-    if grad_in is None:
-        raise RuntimeError("the stage's output does not depend on its input")
-    output, grad_input = worker.transfers.to_host([out.detach().float(), grad_in.detach().float()])
-    return output, grad_input
+MAX_CHECKS_RUNNING = 4  # checks this peer runs at once: a burst of drawn hops queues none more
+MAX_PENDING = 256  # hops drawn as a previous peer, waiting for their backward
 
 
 @dataclass
 class CheckStats:
     """What this peer's checks found (published in its record, node status, the dashboard)."""
 
-    checks: int = 0  # hops checked with two answers compared
-    disagreements: int = 0
-    arbitrations: int = 0
-    unanswered: int = 0  # checks abandoned because a replica did not answer
-    served: int = 0  # checks this peer answered for others
-    # in a settled stage, between two answers that agreed: the largest output and gradient measures
-    largest_agreeing: float = 0.0
-    tolerance_then: float = 0.0  # the tolerance that output measure was compared with
-    largest_gradient: float = 0.0
+    checks: int = 0  # checks decided
+    failed: int = 0  # checks that found evidence
+    unanswered: int = 0
+    largest_error: float = 0.0  # among checks that passed: the largest output replay error
+    largest_gradient_error: float = 0.0
+    tolerance: float = 0.0  # what largest_error was held to
+    seconds: float = 0.0  # total time from request to verdict of the checks decided
+
+    @property
+    def mean_seconds(self) -> float:
+        return self.seconds / self.checks if self.checks else 0.0
+
+    def passed(self, judgement: Judgement) -> None:
+        if judgement.forward_error is not None and judgement.forward_error >= self.largest_error:
+            self.largest_error, self.tolerance = judgement.forward_error, judgement.tolerance or 0.0
+        if judgement.backward_error is not None:
+            self.largest_gradient_error = max(self.largest_gradient_error, judgement.backward_error)
 
 
 class Verifier:
-    """Runs spot-checks of the next stages as a router, answers them as a replica."""
+    """Checks the block-stage replicas this peer exchanges hops with and audits its stage mates."""
 
     def __init__(
         self,
@@ -108,162 +86,86 @@ class Verifier:
         *,
         peer_id: str,
         replicas: Callable[[int], list[str]],
-        stage_divergence: Callable[[int], float | None],
-        replica_distance: Callable[[str, str], float | None],
-        stage_steps: Callable[[int], int],
-        is_member: Callable[[str], bool],
         hop_timeout: float,
+        served: Callable[[], int] = lambda: 0,
         rng: random.Random | None = None,
     ):
         """`replicas(stage)`: the live peers of `stage` this peer can reach, itself excluded;
-        `stage_divergence(stage)`: the replica divergence its peers publish (None: unknown);
-        `replica_distance(a, b)`: how far apart the live weights of two replicas are now, from
-        their published fingerprints (None: unknown);
-        `stage_steps(stage)`: how many inner steps its live peers report (their median)."""
+        `served()`: how many checks this peer answered for others (its CheckServer's count)."""
         self.settings, self.transport, self.worker, self.bans = settings, transport, worker, bans
-        self.events, self.peer_id, self.replicas = events, peer_id, replicas
-        self.stage_divergence, self.stage_steps = stage_divergence, stage_steps
-        self.replica_distance = replica_distance
-        self.is_member, self.hop_timeout = is_member, hop_timeout
+        self.events, self.peer_id, self.replicas, self.served = events, peer_id, replicas, served
+        self.hop_timeout = hop_timeout
         self.rng = rng or random.Random()
         self.generator = torch.Generator().manual_seed(self.rng.randrange(1 << 62))
-        self.tolerance = Tolerance(
-            settings.tolerance_floor,
-            settings.tolerance_factor,
-            settings.tolerance_ceiling,
-            settings.gradient_tolerance,
-            settings.gross_direction_tolerance,
-            settings.gross_scale_tolerance,
-        )
+        self.layout = LayerLayout(worker.config.model)
+        self.layers = worker.config.model.layers_per_stage
+        self.tolerance = RecomputeTolerance.from_settings(settings)
         self.strikes = StrikeBook(settings.strikes_to_ban, settings.strike_half_life)
         self.rate = CheckRate(settings.rate, settings.raised_rate, settings.raised_seconds)
+        # a microbatch's backward comes back within its deadline, a hop timeout per stage at most
+        self.pending = PendingChecks(MAX_PENDING, hop_timeout * worker.config.num_stages)
         self.stats = CheckStats()
         self.banned: dict[str, str] = {}  # peers this verifier banned -> the evidence
-        self._serving = 0
         self._tasks = BackgroundTasks()
 
-    # ---- serving: this peer is a replica asked for a check -------------------------------------
+    # ---- what this peer saw of a hop (event loop: draws and bookkeeping only) -------------------
 
-    async def start(self) -> None:
-        await self.transport.serve_requests(CHECK_SERVICE, self.on_check)
+    def forward_sent(self, stage: int, peer: str, origin: str, microbatch_id: int, token: str, hidden: Tensor) -> None:
+        """This peer sent `peer` of block stage `stage` a training microbatch's input."""
+        if self._draw(stage, peer):
+            self.pending.add(Observed(stage, peer, origin, microbatch_id, token, time.monotonic(), sent_input=hidden))
 
-    async def on_check(self, sender: str, msg: Message) -> Message:
-        if msg.kind != MessageKind.CHECK:
-            raise ProtocolError(f"expected a check, got {msg.kind}")
-        if msg.meta["stage"] != self.worker.stage or self.worker.stage == 0:
-            return self.transport.error(f"this peer serves stage {self.worker.stage}", msg.request_id)
-        if not self.is_member(sender) or self._serving >= self.settings.max_concurrent:
-            return self.transport.message(MessageKind.BUSY, request_id=msg.request_id)
-        self._serving += 1
-        try:
-            output, grad_input = await self.worker.compute(
-                answer_check, self.worker, msg.tensors["hidden"], msg.tensors["probe"]
+    def forward_received(
+        self, stage: int, sender: str, origin: str, microbatch_id: int, token: str, output: Tensor
+    ) -> None:
+        """`sender`, of block stage `stage`, sent this peer a training microbatch's output."""
+        pending = self.pending.get((origin, microbatch_id, sender))
+        if pending is not None:  # this peer sent it the input too: one check after its backward
+            pending.received_output = output
+            return
+        if self._draw(stage, sender):
+            self._launch(
+                Observed(stage, sender, origin, microbatch_id, token, time.monotonic(), received_output=output)
             )
-        finally:
-            self._serving -= 1
-        self.stats.served += 1
-        return self.transport.message(
-            MessageKind.CHECK_RESULT,
-            {"stage": self.worker.stage},
-            {"output": output, "grad_input": grad_input},
-            request_id=msg.request_id,
-        )
 
-    # ---- checking: this peer routed a hop ------------------------------------------------------
+    def backward_sent(self, peer: str, origin: str, microbatch_id: int, grad: Tensor) -> None:
+        """This peer sent `peer` the gradient with respect to the output it received from it."""
+        pending = self.pending.get((origin, microbatch_id, peer))
+        if pending is not None:
+            pending.sent_grad_output = grad
 
-    def after_hop(self, stage: int, peer_id: str, hidden: Tensor) -> None:
-        """Called after a hop to `peer_id` of block stage `stage` was accepted: maybe check it."""
-        if stage == 0 or len(self._tasks) >= MAX_CHECKS_RUNNING:
-            return
-        if self.rng.random() >= self.rate.of(peer_id):
-            return
-        self._tasks.spawn(self.check(stage, peer_id, hidden), name=f"check-stage{stage}")
+    def backward_received(self, sender: str, origin: str, microbatch_id: int, grad: Tensor) -> None:
+        """`sender` sent this peer the gradient with respect to the input this peer sent it."""
+        observed = self.pending.pop((origin, microbatch_id, sender))
+        if observed is not None:
+            observed.received_grad_input = grad
+            self._launch(observed)
 
-    def _other_replica(self, stage: int, exclude: set[str]) -> str | None:
-        candidates = [peer for peer in self.replicas(stage) if peer not in exclude and not self.bans.is_banned(peer)]
-        return self.rng.choice(sorted(candidates)) if candidates else None
+    def _draw(self, stage: int, peer: str) -> bool:
+        return stage != 0 and peer != self.peer_id and self.rng.random() < self.rate.of(peer)
 
-    async def _ask(self, stage: int, peer_id: str, hidden: Tensor, probe: Tensor) -> Answer | None:
-        """One replica's answer, or None if it gave none (no strike: absence is not a wrong answer).
-        This peer's own answer, in an audit of its stage, is computed here."""
-        if peer_id == self.peer_id:
-            return Answer(*await self.worker.compute(answer_check, self.worker, hidden, probe))
-        request = self.transport.message(MessageKind.CHECK, {"stage": stage}, {"hidden": hidden, "probe": probe})
-        try:
-            reply = await self.transport.request(peer_id, CHECK_SERVICE, request, self.hop_timeout)
-        except TransportError as e:
-            logger.debug(f"{short_peer_id(peer_id)} did not answer a check: {e}")
-            return None
-        if reply.kind != MessageKind.CHECK_RESULT:
-            return None
-        # a wrong shape is a wrong answer, not a missing one: compare() puts it at infinite distance
-        return Answer(reply.tensors["output"].float(), reply.tensors["grad_input"].float())
+    def _launch(self, observed: Observed) -> None:
+        if len(self._tasks) < MAX_CHECKS_RUNNING:
+            self._tasks.spawn(self.check(observed), name=f"check-stage{observed.stage}")
 
-    async def check(self, stage: int, first: str, hidden: Tensor) -> Verdict | None:
-        """Check `first`'s stage on `hidden` against another replica; None if no verdict was possible."""
-        second = self._other_replica(stage, {first})
-        if second is None:
-            return None  # the stage has one replica: nobody to compare with
-        probe = probe_direction(hidden.shape, self.generator)
-        answers = await asyncio.gather(self._ask(stage, first, hidden, probe), self._ask(stage, second, hidden, probe))
-        if answers[0] is None or answers[1] is None:
-            self.stats.unanswered += 1
-            return None
-        # settled: past the first steps, and no replica far from the others (just rebuilt by CheckFree)
-        divergence = self.stage_divergence(stage)
-        settled = self.stage_steps(stage) >= self.settings.settle_steps and (
-            divergence is None or divergence <= self.settings.settled_divergence
-        )
-        limits = self.tolerance.limits(self._tolerated_divergence(divergence, first, second), settled)
-        first_vs_second = await self._compare(answers[0], answers[1], limits)
-        logger.debug(f"check of {short_peer_id(first)} against {short_peer_id(second)}: {first_vs_second.describe()}")
-        self.stats.checks += 1
-        if first_vs_second.agree:
-            if settled and first_vs_second.distance >= self.stats.largest_agreeing:
-                self.stats.largest_agreeing, self.stats.tolerance_then = first_vs_second.distance, limits.output_scale
-            if settled:
-                self.stats.largest_gradient = max(self.stats.largest_gradient, first_vs_second.gradient_distance)
-            return Verdict.AGREED
-        self.stats.disagreements += 1
-        arbiter = self._other_replica(stage, {first, second})
-        verdict, evidence = Verdict.UNARBITRATED, f"stage {stage}: {first_vs_second.describe()}"
-        if arbiter is not None:
-            third = await self._ask(stage, arbiter, hidden, probe)
-            if third is not None:
-                self.stats.arbitrations += 1
-                verdict = arbitrate(
-                    await self._compare(answers[0], third, limits), await self._compare(answers[1], third, limits)
-                )
-                evidence += f", arbiter {short_peer_id(arbiter)}"
-        self._act(stage, verdict, first, second, evidence)
-        return verdict
+    # ---- checking --------------------------------------------------------------------------------
 
-    async def _compare(self, first: Answer, second: Answer, limits: Limits) -> Comparison:
-        """compare() on this stage's device and compute thread: the answers arrived as host tensors."""
+    async def check(self, observed: Observed) -> Finding | None:
+        """Check `observed.peer` on that microbatch; None when it gave no answer."""
+        meta = {
+            "stage": observed.stage,
+            "origin": observed.origin,
+            "microbatch_id": observed.microbatch_id,
+            "token": observed.token,
+        }
+        return await self._verify(observed, self.transport.message(MessageKind.CHECK, meta))
 
-        def compared() -> Comparison:
-            to_device = self.worker.transfers.to_device_all
-            on_device = [Answer(*to_device([a.output, a.grad_input])) for a in (first, second)]
-            return compare(on_device[0], on_device[1], limits)
-
-        return await self.worker.compute(compared)
-
-    def _tolerated_divergence(self, published: float | None, first: str, second: str) -> float | None:
-        """What the outputs' tolerance scales with: the larger of the stage's published divergence
-        and the live distance of the two replicas compared. The published one is measured between
-        phi at the last gossip round, ~0 right after a catch-up or between two replicas that
-        always pair, while their live weights drift apart within a round (seen in a 3 x 2 swarm
-        near step 200: published 2.5e-08, fingerprints 0.58-0.93 apart, outputs 1 - cos 0.16-0.22
-        against a floor of 0.2). Either can come from a liar; it loosens the tolerance up to its
-        ceiling only, which still catches the mildest fault checked for (Tolerance)."""
-        live = self.replica_distance(first, second)
-        known = [d for d in (published, live) if d is not None]
-        return max(known) if known else None
-
-    async def audit(self) -> Verdict | None:
-        """Check a random mate of this peer's stage against this peer's own answer on its newest
-        input; None when there is nothing to check with (no input in flight, no mate)."""
-        if self.worker.stage == 0:
+    async def audit(self) -> Finding | None:
+        """Check a random mate of this peer's stage on the input of this peer's newest microbatch;
+        None when there is nothing to audit with (no input in flight, no mate) or no answer."""
+        stage = self.worker.stage
+        mates = sorted(peer for peer in self.replicas(stage) if not self.bans.is_banned(peer))
+        if stage == 0 or not mates:
             return None
 
         def newest_input_on_host() -> Tensor | None:
@@ -273,7 +175,40 @@ class Verifier:
         hidden = await self.worker.compute(newest_input_on_host)
         if hidden is None:
             return None
-        return await self.check(self.worker.stage, self.peer_id, hidden)
+        probe = probe_direction(hidden.shape, self.generator)
+        mate = self.rng.choice(mates)
+        observed = Observed(stage, mate, "", 0, "", time.monotonic(), sent_input=hidden, sent_grad_output=probe)
+        request = self.transport.message(MessageKind.AUDIT, {"stage": stage}, {"hidden": hidden, "probe": probe})
+        return await self._verify(observed, request)
+
+    async def _verify(self, observed: Observed, request: Message) -> Finding | None:
+        peer, began = observed.peer, time.monotonic()
+        reply = await self._ask(peer, request, MessageKind.COMMITMENT)
+        if reply is None:
+            return self._unanswered(observed, "no commitment")
+        try:
+            commitment = CommitmentReply.parse(reply, self.layers)
+        except ValueError as e:
+            return self._act(observed, Judgement(Finding.MALFORMED, f"commitment: {e}"), began)
+        layer = self.rng.randrange(self.layers)  # drawn after the commitment: the replica could not know it
+        forward, backward = boundaries_to_open(layer, self.layers, observed, commitment.has_backward)
+        meta = {"stage": observed.stage, "commitment": commitment.commitment, "layer": layer}
+        meta |= {"forward": forward, "backward": backward}
+        opening = await self._ask(peer, self.transport.message(MessageKind.OPEN, meta), MessageKind.OPENING)
+        if opening is None:
+            return self._unanswered(observed, f"layer {layer} not opened")
+        judgement = await self.worker.compute(
+            judge, self.layout, self.tolerance, commitment, layer, opening.tensors, observed, self.worker.transfers
+        )
+        return self._act(observed, judgement, began)
+
+    async def _ask(self, peer: str, request: Message, expected: MessageKind) -> Message | None:
+        try:
+            reply = await self.transport.request(peer, CHECK_SERVICE, request, self.hop_timeout)
+        except TransportError as e:
+            logger.debug(f"{short_peer_id(peer)} did not answer a check: {e}")
+            return None
+        return reply if reply.kind == expected else None
 
     async def run_audits(self) -> None:
         """Audit a stage mate every `audit_seconds` (jittered, so replicas do not audit in step)."""
@@ -286,23 +221,34 @@ class Verifier:
             except (RejectedInput, RuntimeError, ValueError) as e:
                 logger.info(f"audit of stage {self.worker.stage} skipped: {e}")
 
-    def _act(self, stage: int, verdict: Verdict, first: str, second: str, evidence: str) -> None:
-        if verdict == Verdict.UNARBITRATED:
-            logger.info(f"unarbitrated disagreement of {short_peer_id(first)} and {short_peer_id(second)}: {evidence}")
-            self.rate.raise_for(first, second)
-            self._publish(stage, first, f"disagreement with {short_peer_id(second)}, no arbiter: {evidence}")
-            return
-        if verdict == Verdict.INCONCLUSIVE:
-            logger.info(f"inconclusive check of stage {stage}: {evidence}")
-            return
-        wrong, right = (first, second) if verdict == Verdict.FIRST_WRONG else (second, first)
-        if wrong == self.peer_id:
-            logger.warning(f"this peer lost an audit of stage {stage} against {short_peer_id(right)}: {evidence}")
-            self._publish(stage, wrong, f"lost an audit of its own stage against {short_peer_id(right)}: {evidence}")
-            return
-        logger.info(f"strike for {short_peer_id(wrong)} (stage {stage}): against {short_peer_id(right)}, {evidence}")
-        if self.strikes.strike(wrong):
-            self._ban(stage, wrong, f"{self.settings.strikes_to_ban} lost arbitrations; last: {evidence}")
+    # ---- acting on a finding ---------------------------------------------------------------------
+
+    def _unanswered(self, observed: Observed, why: str) -> None:
+        """No answer is not evidence (the replica may be busy, restarting, or past its receipts'
+        window): no strike, but a closer watch on it for a while."""
+        self.stats.unanswered += 1
+        self.rate.raise_for(observed.peer)
+        logger.debug(f"check of {short_peer_id(observed.peer)} (stage {observed.stage}) unanswered: {why}")
+        return None
+
+    def _act(self, observed: Observed, judgement: Judgement, began: float) -> Finding:
+        self.stats.checks += 1
+        self.stats.seconds += time.monotonic() - began
+        peer, stage = observed.peer, observed.stage
+        what = (
+            f"microbatch {observed.microbatch_id} of {short_peer_id(observed.origin)}" if observed.origin else "audit"
+        )
+        if not judgement.finding.is_evidence:
+            self.stats.passed(judgement)
+            logger.debug(f"check of {short_peer_id(peer)} (stage {stage}, {what}) passed: {judgement.detail}")
+            return judgement.finding
+        self.stats.failed += 1
+        evidence = f"stage {stage}, {what}: {judgement.finding}: {judgement.detail}"
+        logger.warning(f"strike for {short_peer_id(peer)}: {evidence}")
+        self._publish(stage, peer, f"strike: {evidence}")
+        if self.strikes.strike(peer):
+            self._ban(stage, peer, f"{self.settings.strikes_to_ban} checks found evidence; last: {evidence}")
+        return judgement.finding
 
     def _ban(self, stage: int, peer_id: str, evidence: str) -> None:
         self.banned[peer_id] = evidence
@@ -321,13 +267,16 @@ class Verifier:
         scores = sorted(self.strikes.scores().items(), key=lambda item: -item[1])[:MAX_REPORTED_PEERS]
         bans = [peer for peer in self.banned if self.bans.is_banned(peer)][:MAX_REPORTED_PEERS]
         self.banned = {peer: why for peer, why in self.banned.items() if peer in bans}
+        stats = self.stats
         return VerificationReport(
-            checks=self.stats.checks,
-            disagreements=self.stats.disagreements,
-            served=self.stats.served,
-            largest_agreeing=self.stats.largest_agreeing,
-            tolerance=self.stats.tolerance_then,
-            largest_gradient=self.stats.largest_gradient,
+            checks=stats.checks,
+            failed=stats.failed,
+            unanswered=stats.unanswered,
+            served=self.served(),
+            largest_error=stats.largest_error,
+            largest_gradient_error=stats.largest_gradient_error,
+            tolerance=stats.tolerance,
+            check_seconds=stats.mean_seconds,
             strikes={peer: round(score, 3) for peer, score in scores},
             bans=bans,
         )

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import logging
 import random
-import statistics
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
@@ -21,7 +20,6 @@ from dht.announcer import PeerAnnouncer, PeerProgress
 from dht.records import PeerState, Reachability
 from dht.registry import SwarmRegistry, swarm_key_of
 from dht.swarm_view import SwarmView
-from node.averaging.fingerprint import fingerprint_distance
 from node.averaging.gossip import Gossip
 from node.averaging.outer_replica import OuterReplica
 from node.config import SwarmConfig
@@ -33,7 +31,9 @@ from node.p2p.network import Network
 from node.p2p.peer_conduct import PeerConduct
 from node.p2p.reachability import carries_training
 from node.p2p.transport import Transport
+from node.pipeline.check_server import CheckServer
 from node.pipeline.evaluation import MicrobatchPurpose
+from node.pipeline.receipts import ReceiptBook, ReceiptKeeper
 from node.pipeline.routing import Router
 from node.pipeline.stage_worker import StageWorker
 from node.pipeline.traffic import Pipeline
@@ -108,6 +108,7 @@ class StageService:
     pipeline: Pipeline
     gossip: Gossip
     verifier: Verifier
+    checks: CheckServer | None = None  # a block stage answering spot-checks of what it computed
     validator: Validator | None = None  # stage 0 with held-out data and validation on
 
     def progress(self) -> PeerProgress:
@@ -189,24 +190,18 @@ async def build_service(
         direct_addresses=lambda peer_id: direct_addresses_of(view.record_of(peer_id)),
     )
 
-    def stage_divergence(stage: int) -> float | None:
-        """The replica divergence the peers of `stage` publish (their median: one faulty replica
-        publishing a huge one cannot loosen its own checks); spot-checks scale with it."""
-        published = [peer.divergence for peer in view.online(stage) if peer.divergence is not None]
-        return statistics.median_low(published) if published else None
-
-    def replica_distance(first: str, second: str) -> float | None:
-        """How far apart two replicas' live weights are now, from the fingerprints their records
-        publish every heartbeat (None: either has none yet)."""
-        a, b = view.record_of(first), view.record_of(second)
-        if a is None or b is None or not a.fingerprint or not b.fingerprint:
-            return None
-        return fingerprint_distance(a.fingerprint, b.fingerprint)
-
     def replicas(stage: int) -> list[str]:
         unreachable = unreachable_peers(me, view)
         return [p.peer_id for p in view.online(stage, exclude=me.peer_id) if p.peer_id not in unreachable]
 
+    def is_member(peer_id: str) -> bool:
+        return view.record_of(peer_id) is not None
+
+    checks, receipts = None, None
+    if me.stage > 0:  # a block stage keeps receipts of what it computed and answers checks of them
+        v = config.verification
+        receipts = ReceiptKeeper(worker, ReceiptBook(v.max_receipts, v.receipt_seconds))
+        checks = CheckServer(v, transport, receipts, is_member)
     verifier = Verifier(
         config.verification,
         transport,
@@ -215,12 +210,8 @@ async def build_service(
         EventPublisher(registry, me.peer_id),
         peer_id=me.peer_id,
         replicas=replicas,
-        stage_divergence=stage_divergence,
-        replica_distance=replica_distance,
-        # the median: one replica that reports few steps cannot keep its stage unsettled (loosely checked)
-        stage_steps=lambda stage: int(statistics.median_low([p.inner_step for p in view.online(stage)] or [0])),
-        is_member=lambda peer_id: view.record_of(peer_id) is not None,
         hop_timeout=config.training.hop_timeout,
+        served=(lambda: checks.served) if checks is not None else (lambda: 0),
         rng=rng,
     )
     pipeline = Pipeline(
@@ -231,14 +222,15 @@ async def build_service(
         me,
         rng=rng,
         ban_until=ban_until,
-        is_member=lambda peer_id: view.record_of(peer_id) is not None,
+        is_member=is_member,
         unreachable=lambda: unreachable_peers(me, view),
         verifier=verifier,
+        receipts=receipts,
         max_in_flight=max_in_flight,
     )
     replica = await worker.compute(OuterReplica, worker.module, config.gossip)
     gossip = Gossip(config, me, worker, transport, view, router.bans, registry, ban_until, rng=rng, replica=replica)
-    return StageService(config, me, worker, transport, router, view, pipeline, gossip, verifier)
+    return StageService(config, me, worker, transport, router, view, pipeline, gossip, verifier, checks)
 
 
 def neighbours(service: StageService) -> list[str]:
@@ -290,7 +282,8 @@ async def running_service(
         # announce a measured speed from the start: routers and stage choice compare these numbers
         await service.worker.executor.run(service.worker.measure_throughput)
         await service.pipeline.start()
-        await service.verifier.start()
+        if service.checks is not None:
+            await service.checks.start()
         await service.gossip.start()
         edge_copies = edge_copies_for(config, me.stage)  # CheckFree+: stage 1 / stage S keep stage 0's edges
         await serve_state(service.transport, state_provider(service.worker, me, edge_copies, service.gossip))

@@ -3,7 +3,7 @@
 The paths (issue: a home GPU and a real-size model): training forward/backward and the host reads
 they cost, evaluation, the weight fingerprint, a NoLoCo exchange (host copies for the wire, the
 partner's tensors on the device, the outer step), outer-state export and import, a state download,
-a CheckFree rebuild, CheckFree+ edge copies, spot-check answers and comparisons, and what a donor
+a CheckFree rebuild, CheckFree+ edge copies, spot-check receipts, openings and replays, and what a donor
 serves for `node export`. Everything computed must be on the worker's device; everything handed to
 the wire must be on the host.
 
@@ -28,10 +28,12 @@ from node.averaging.gossip_codec import PhiDither
 from node.averaging.outer_replica import OuterReplica
 from node.config import GossipConfig, SwarmConfig, VerificationConfig
 from node.model.presets import load_config
+from node.pipeline.check_server import CheckServer
 from node.pipeline.evaluation import eval_forward
-from node.pipeline.spot_check import Answer, Limits
+from node.pipeline.layer_replay import replay_layer
+from node.pipeline.receipts import ReceiptBook, ReceiptKeeper
+from node.pipeline.spot_check import RecomputeTolerance
 from node.pipeline.stage_worker import StageWorker
-from node.pipeline.verifier import Verifier, answer_check
 from node.recovery import edge_copies as edge_copies_module
 from node.recovery import rebuild as rebuild_module
 from node.recovery.edge_copies import EdgeCopies, edge_parts_for, refresh_edge_copies
@@ -294,22 +296,28 @@ def test_edge_copies_are_kept_on_the_device_and_served_from_the_host(monkeypatch
         holder.close()
 
 
-def test_spot_check_answers_go_to_the_host_and_are_compared_on_the_device():
+def test_spot_check_receipts_and_openings_are_host_copies_and_the_replay_runs_on_the_device():
     worker = StageWorker(CONFIG, 1, device=DEVICE)
     try:
-        probe = torch.randn(hidden(CONFIG).shape, device="cpu")
-        output, grad_input = answer_check(worker, hidden(CONFIG), probe)
-        assert on_host([output, grad_input])
-        verifier = Verifier(
-            VerificationConfig(), None, worker, None, None, peer_id="me", replicas=lambda s: [],
-            stage_divergence=lambda s: None, replica_distance=lambda a, b: None, stage_steps=lambda s: 0,
-            is_member=lambda p: True, hop_timeout=1.0,
-        )  # fmt: skip
-        limits = Limits(0.1, 0.1, 0.1, 0.1)
-        same = asyncio.run(verifier._compare(Answer(output, grad_input), Answer(output.clone(), grad_input), limits))
-        assert same.agree
-        scaled = asyncio.run(verifier._compare(Answer(output, grad_input), Answer(1.5 * output, grad_input), limits))
-        assert not scaled.agree
+        keeper = ReceiptKeeper(worker, ReceiptBook(8, 30.0))
+        server = CheckServer(VerificationConfig(), None, keeper, lambda peer: True)  # type: ignore[arg-type]
+        output = keeper.forward("mb", "token", hidden(CONFIG))
+        keeper.backward("mb", 1e-3 * torch.randn(output.shape, device="cpu"))
+        receipt = keeper.book.get("mb")
+        assert receipt is not None and receipt.weights is not None
+        assert on_host([receipt.received, receipt.sent, receipt.grad_received, receipt.grad_sent])
+        assert on_device(receipt.weights.named.values(), worker.device)  # the forward's stash, kept as it was
+        commitment = server._boundaries("checker", receipt)  # two layers: the boundary between them recomputed
+        assert commitment.backward is not None and on_host(commitment.forward + commitment.backward)
+        shown = server.opened_layer(commitment.weights, 1)
+        assert on_host([shown])
+        to_device = worker.transfers.to_device
+        weights = server.layout.unflatten(to_device(shown))
+        assert on_device(weights.values(), worker.device)
+        boundaries = (commitment.forward[1], commitment.forward[2], commitment.backward[2], commitment.backward[1])
+        errors = replay_layer(server.layout, weights, *(to_device(t) for t in boundaries))
+        allowed = RecomputeTolerance.from_settings(VerificationConfig()).of(worker.precision.precision)
+        assert errors[0] < allowed and errors[1] is not None and errors[1] < allowed
     finally:
         worker.close()
 
