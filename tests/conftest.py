@@ -16,4 +16,3 @@ def swarm(tmp_path):
         swarm.close()
         leftovers = [pid for node in swarm.nodes for pid in node.alive_family()]
         assert not leftovers, f"processes left behind: {leftovers}"
-
