@@ -31,9 +31,15 @@ class Observer:
 
 @contextlib.asynccontextmanager
 async def observe(
-    initial_peers: Sequence[str], swarm_id: str | None, find_timeout: float = 20.0, founder: str | None = None
+    initial_peers: Sequence[str],
+    swarm_id: str | None,
+    find_timeout: float = 20.0,
+    founder: str | None = None,
+    swarm_key: bytes | None = None,
 ) -> AsyncIterator[Observer]:
-    network = await start_network(initial_peers=initial_peers, client_mode=True)
+    """Without `swarm_key` a private swarm is still readable, its records' MACs unchecked; with it,
+    records without a MAC under the key (an outsider's) are dropped."""
+    network = await start_network(initial_peers=initial_peers, client_mode=True, swarm_key=swarm_key)
     try:
         record = await find_swarm(network, swarm_id, find_timeout, founder)
         config = check_compatible(record)
@@ -47,12 +53,18 @@ class ReconnectingObserver:
     and connects again on the next call, so a live view can show "reconnecting" and carry on."""
 
     def __init__(
-        self, initial_peers: Sequence[str], swarm_id: str | None, find_timeout: float = 10.0, founder: str | None = None
+        self,
+        initial_peers: Sequence[str],
+        swarm_id: str | None,
+        find_timeout: float = 10.0,
+        founder: str | None = None,
+        swarm_key: bytes | None = None,
     ) -> None:
         self.initial_peers = list(initial_peers)
         self.swarm_id = swarm_id
         self.find_timeout = find_timeout
         self.founder = founder
+        self.swarm_key = swarm_key
         self._stack: contextlib.AsyncExitStack | None = None
         self._observer: Observer | None = None
 
@@ -61,7 +73,7 @@ class ReconnectingObserver:
             stack = contextlib.AsyncExitStack()
             try:
                 self._observer = await stack.enter_async_context(
-                    observe(self.initial_peers, self.swarm_id, self.find_timeout, self.founder)
+                    observe(self.initial_peers, self.swarm_id, self.find_timeout, self.founder, self.swarm_key)
                 )
             except BaseException:
                 await stack.aclose()
@@ -80,8 +92,8 @@ class ReconnectingObserver:
 
 
 async def observe_once(
-    initial_peers: Sequence[str], swarm_id: str | None, founder: str | None = None
+    initial_peers: Sequence[str], swarm_id: str | None, founder: str | None = None, swarm_key: bytes | None = None
 ) -> dict[str, Any]:
     """Connect, read one snapshot, disconnect: `node status`."""
-    async with observe(initial_peers, swarm_id, founder=founder) as observer:
+    async with observe(initial_peers, swarm_id, founder=founder, swarm_key=swarm_key) as observer:
         return await observer.snapshot()
