@@ -1,5 +1,5 @@
 """`node` / `pipeswarm` / `python -m node`: bootstrap, join, doctor, status, dashboard, keygen, prepare-data,
-export, generate."""
+export, generate, simulate."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")  # before hivemind is impo
 
 from node import __version__
 from node.cli.data_commands import add_data_commands, cmd_export, cmd_generate, cmd_prepare_data
-from node.cli.flags import add_initial_peers, add_network_flags
+from node.cli.flags import add_json_output, add_network_flags, add_swarm_access
 from node.cli.simulate_command import add_simulate_parser, cmd_simulate
 from node.config import ConfigError
 from node.model.presets import PresetName, load_config
@@ -32,8 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     boot = commands.add_parser("bootstrap", help="start a new swarm and stay up as its DHT anchor")
     add_network_flags(boot)
+    add_swarm_access(boot, peers_required=False, founder=False)
     boot.add_argument("--config", help="TOML file with the swarm config (sections model, training, gossip, ...)")
-    boot.add_argument("--swarm-id", help="name of the new swarm")
     boot.add_argument("--num-stages", type=int, help="pipeline stages, counting stage 0 (embedding + head)")
     boot.add_argument("--seed", type=int, help="swarm seed: initial weights and synthetic data derive from it")
     boot.add_argument(
@@ -51,11 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     boot.add_argument("--heartbeat-period", type=float, help="seconds between peer record announcements")
     boot.add_argument("--heartbeat-ttl", type=float, help="seconds a peer record lives without a heartbeat")
-    add_initial_peers(boot, required=False, founder=False)
 
     join = commands.add_parser("join", help="join a swarm and serve a stage")
     add_network_flags(join)
-    add_initial_peers(join)
+    add_swarm_access(join)
     join.add_argument("--stage", default="auto", help="'auto' (the stage that needs help most) or a stage number")
     join.add_argument("--name", default="", help="public name shown to other peers")
     join.add_argument("--throughput", type=float, default=1.0, help="initial throughput estimate before measuring")
@@ -92,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor", help="pre-flight before joining: one line per check, exit 0 when a join would work"
     )
     add_network_flags(doctor)
-    add_initial_peers(doctor)
+    add_swarm_access(doctor)
     doctor.add_argument("--stage", default="auto", help="the stage to check the device for (as for join)")
     doctor.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:N")
     doctor.add_argument("--find-timeout", type=float, default=20.0, help="seconds to wait for the swarm config")
@@ -101,11 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("--swarm-key", dest="swarm_key_path", required=True, metavar="FILE", help="where to write it")
 
     status = commands.add_parser("status", help="print a snapshot of the swarm")
-    add_initial_peers(status)
-    status.add_argument("--json", action="store_true", help="machine-readable output")
+    add_swarm_access(status)
+    add_json_output(status)
 
     dashboard = commands.add_parser("dashboard", help="live terminal view of the swarm (an observer: serves nothing)")
-    add_initial_peers(dashboard)
+    add_swarm_access(dashboard)
     dashboard.add_argument("--once", action="store_true", help="print one frame and exit")
     dashboard.add_argument("--width", type=int, help="frame width for --once (default: the terminal's)")
     dashboard.add_argument("--refresh", type=float, default=1.5, help="seconds between refreshes")
@@ -279,12 +278,16 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from node.monitor.observer import observe_once
     from node.monitor.status import format_table
+    from node.p2p.swarm_key import load_swarm_key
     from node.server import daemon
 
+    swarm_key = load_swarm_key(args.swarm_key_path)  # SwarmKeyError: one line in main()
     result: dict[str, Any] = {}
 
     async def collect() -> int:
-        result.update(await observe_once(args.initial_peers, args.swarm_id, founder=args.swarm_founder))
+        result.update(
+            await observe_once(args.initial_peers, args.swarm_id, founder=args.swarm_founder, swarm_key=swarm_key)
+        )
         return 0
 
     code = daemon.run(collect())
@@ -298,9 +301,11 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
     from node.monitor.dashboard import render_once, run_live
     from node.monitor.observer import ReconnectingObserver
+    from node.p2p.swarm_key import load_swarm_key
     from node.server import daemon
 
-    observer = ReconnectingObserver(args.initial_peers, args.swarm_id, founder=args.swarm_founder)
+    swarm_key = load_swarm_key(args.swarm_key_path)  # SwarmKeyError: one line in main()
+    observer = ReconnectingObserver(args.initial_peers, args.swarm_id, founder=args.swarm_founder, swarm_key=swarm_key)
 
     async def once() -> int:
         for attempt in range(3):

@@ -9,7 +9,7 @@ import os
 import time
 from typing import Any
 
-from node.cli.flags import add_initial_peers
+from node.cli.flags import add_swarm_access
 
 logger = logging.getLogger("node")
 
@@ -31,16 +31,10 @@ def add_data_commands(commands: Any) -> None:
     prepare.add_argument("--force", action="store_true", help="replace prepared data already in --out")
 
     export = commands.add_parser("export", help="write the swarm's current model as a Hugging Face checkpoint")
-    add_initial_peers(export)
+    add_swarm_access(export)
     export.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory")
     export.add_argument(
         "--data", dest="data_path", metavar="DIR", help="the swarm's prepared data: its tokenizer goes into the export"
-    )
-    export.add_argument(
-        "--swarm-key",
-        dest="swarm_key_path",
-        metavar="FILE",
-        help="a private swarm's key (default: $PIPESWARM_SWARM_KEY_FILE)",
     )
     export.add_argument("--timeout", type=float, default=60.0, help="seconds any one message of a download may take")
 
@@ -91,6 +85,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     except (MissingExtra, PreparedDataError) as e:
         logger.error(f"cannot export: {e}")
         return 2
+    swarm_key = load_swarm_key(args.swarm_key_path)  # SwarmKeyError: one line in main()
     collected = []
 
     async def collect() -> int:
@@ -102,7 +97,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                         args.initial_peers,
                         args.swarm_id,
                         args.swarm_founder,
-                        load_swarm_key(args.swarm_key_path),
+                        swarm_key,
                         timeout=args.timeout,
                         progress=progress,
                     )
