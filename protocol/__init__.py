@@ -1,5 +1,6 @@
 """pipeswarm wire protocol: versioned msgpack messages, a tensor codec and length-prefixed frames."""
 
+from protocol import subspace
 from protocol.errors import ProtocolError
 from protocol.framing import (
     FRAME_HEADER_BYTES,
@@ -55,6 +56,7 @@ __all__ = [
     "recv_message",
     "seal_message",
     "send_message",
+    "subspace",
     "wire_nbytes",
     "write_frame",
     "write_frame_now",

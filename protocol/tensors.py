@@ -1,9 +1,12 @@
 """Tensor codec: a torch tensor <-> a plain msgpack-able dict of little-endian bytes.
 
 Wire layout (all keys required unless noted):
-    {"dtype": "float32", "codec": "none"|"fp16"|"bf16"|"int8", "shape": [int, ...], "data": bytes,
-     "block": int, "scales": bytes}          # "block" and "scales" only (and always) for int8
-"dtype" is the original dtype the receiver gets back; "codec" says how "data" is stored.
+    {"dtype": "float32", "codec": "none"|"fp16"|"bf16"|"int8"|"subspace8"|"subspace4", "shape": [int, ...],
+     "data": bytes, "block": int, "scales": bytes}
+"block" only (and always) for int8, "scales" for int8 and the subspace codecs. "dtype" is the
+original dtype the receiver gets back; "codec" says how "data" is stored. A subspace codec stores a
+[..., W] tensor's coordinates in a fixed basis (protocol/subspace.py): what the receiver gets back
+is the tensor's projection onto that subspace, which a swarm using it trains through.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from protocol import subspace
 from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS, Limits
 
@@ -44,6 +48,13 @@ class Compression(StrEnum):
     FP16 = "fp16"
     BF16 = "bf16"
     INT8 = "int8"  # blockwise absmax int8 with fp32 scales
+    # a row's coordinates in a fixed rank-W//9 subspace, int8 (protocol/subspace.py); rows outside
+    # the subspace codecs' widths (and 1-d tensors) go in int8
+    SUBSPACE8 = "subspace8"
+    SUBSPACE4 = "subspace4"  # ... rank 2W//9, int4
+
+
+SUBSPACE_BITS = {Compression.SUBSPACE8: 8, Compression.SUBSPACE4: 4}
 
 
 COMPRESSIONS = tuple(Compression)
@@ -57,6 +68,7 @@ _SCALE_ITEMSIZE = 4
 _MAX_BLOCK = 1 << 30
 _NO_SCALES_KEYS = frozenset({"dtype", "codec", "shape", "data"})
 _INT8_KEYS = _NO_SCALES_KEYS | {"block", "scales"}
+_SUBSPACE_KEYS = _NO_SCALES_KEYS | {"scales"}
 
 
 def encode_tensor(t: torch.Tensor, compression: str = "none", block_size: int = 256) -> dict:
@@ -78,6 +90,8 @@ def encode_tensor(t: torch.Tensor, compression: str = "none", block_size: int = 
     codec = compression if t.dtype in FLOAT_DTYPES else "none"
     if (codec == "fp16" and t.dtype == torch.float16) or (codec == "bf16" and t.dtype == torch.bfloat16):
         codec = "none"
+    if codec in SUBSPACE_BITS and not subspace.covers(t.shape):
+        codec = "int8"
     if codec == "fp16" and t.numel() and _beyond_fp16(t):
         # fp16 would turn these finite values into inf, which the receiver must treat as hostile:
         # the tensor goes in its own dtype instead (the codec is per tensor, the receiver decodes both)
@@ -89,6 +103,8 @@ def encode_tensor(t: torch.Tensor, compression: str = "none", block_size: int = 
         out["data"] = _view_of_fresh(t.to(torch.float16))
     elif codec == "bf16":
         out["data"] = _view_of_fresh(t.to(torch.bfloat16))
+    elif codec in SUBSPACE_BITS:
+        out["data"], out["scales"] = subspace.encode_rows(t.to(torch.float32), SUBSPACE_BITS[codec])
     else:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= _MAX_BLOCK:
             raise ProtocolError(f"int8 block_size must be an int in [1, {_MAX_BLOCK}], got {block_size!r}")
@@ -105,8 +121,13 @@ def wire_nbytes(t: torch.Tensor, compression: str = "none", block_size: int = 25
     if (codec == "fp16" and t.dtype == torch.float16) or (codec == "bf16" and t.dtype == torch.bfloat16):
         codec = "none"
     numel = t.numel()
+    if codec in SUBSPACE_BITS and not subspace.covers(t.shape):
+        codec = "int8"
     if codec == "none":
         return numel * t.dtype.itemsize
+    if codec in SUBSPACE_BITS:
+        rows, bits = numel // t.shape[-1], SUBSPACE_BITS[codec]
+        return subspace.code_bytes(rows, subspace.rank_of(t.shape[-1], bits), bits) + rows * subspace.SCALE_BYTES
     if codec == "int8":
         return numel + math.ceil(numel / block_size) * _SCALE_ITEMSIZE
     return numel * _CODEC_ITEMSIZE[codec]
@@ -132,7 +153,7 @@ def decode_tensor(obj: Any, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
     dtype = DTYPES[dtype_name]
     if codec != "none" and dtype not in FLOAT_DTYPES:
         raise ProtocolError(f"codec {codec!r} is only valid for floating tensors, not {dtype_name}")
-    expected_keys = _INT8_KEYS if codec == "int8" else _NO_SCALES_KEYS
+    expected_keys = _INT8_KEYS if codec == "int8" else _SUBSPACE_KEYS if codec in SUBSPACE_BITS else _NO_SCALES_KEYS
     if obj.keys() != expected_keys:
         raise ProtocolError(f"tensor map keys {sorted(map(str, obj))} != {sorted(expected_keys)}")
 
@@ -145,6 +166,8 @@ def decode_tensor(obj: Any, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
             f"> max_tensor_bytes {limits.max_tensor_bytes}"
         )
     data = _check_buffer(obj["data"], "data")
+    if codec in SUBSPACE_BITS:
+        return _decode_subspace(data, obj["scales"], shape, SUBSPACE_BITS[codec]).to(dtype)
     wire_itemsize = itemsize if codec == "none" else _CODEC_ITEMSIZE[codec]
     if len(data) != numel * wire_itemsize:
         raise ProtocolError(
@@ -166,6 +189,26 @@ def decode_tensor(obj: Any, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
     else:
         flat = _dequantize_int8(data, obj["block"], scales, numel)
     return flat.to(dtype).reshape(shape)
+
+
+def _decode_subspace(data: memoryview, scales_obj: Any, shape: list[int], bits: int) -> torch.Tensor:
+    """Sizes first (the rows' width is within the codec's, the codes and scales fill the rows
+    exactly), then the projection back to the rows' width (protocol/subspace.py)."""
+    if not subspace.covers(shape):
+        raise ProtocolError(
+            f"subspace codec needs rows of {subspace.MIN_WIDTH}..{subspace.MAX_WIDTH} values, got shape {shape}"
+        )
+    rows = math.prod(shape[:-1])
+    rank = subspace.rank_of(shape[-1], bits)
+    scales = _check_buffer(scales_obj, "scales")
+    if len(data) != subspace.code_bytes(rows, rank, bits) or len(scales) != rows * subspace.SCALE_BYTES:
+        raise ProtocolError(
+            f"subspace{bits} tensor of shape {shape} needs {subspace.code_bytes(rows, rank, bits)} bytes of codes "
+            f"and {rows * subspace.SCALE_BYTES} of scales, got {len(data)} and {len(scales)}"
+        )
+    if rows == 0:
+        return torch.empty(shape)
+    return subspace.decode_rows(data, scales, shape, bits)
 
 
 def _beyond_fp16(t: torch.Tensor) -> bool:

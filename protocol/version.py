@@ -3,4 +3,5 @@
 # 2: signed DHT envelopes, microbatch tokens, MACed frames in private swarms; 3: gossip rounds carry
 # 4-bit Delta codes and a strided phi sample; 4: phi as residues on a dithered grid (node/averaging/gossip_codec.py)
 # 5: spot-checks replay a real hop at the replica's committed weights (CHECK/AUDIT, COMMITMENT, OPEN, OPENING)
-PROTOCOL_VERSION = 5
+# 6: the subspace hop codecs (protocol/subspace.py); a FORWARD carries the hidden states only (no targets)
+PROTOCOL_VERSION = 6

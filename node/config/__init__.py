@@ -114,7 +114,7 @@ class TrainingConfig:
     grad_clip: float = 1.0
     """Max global gradient norm of a stage before its optimizer step, > 0; 1.0 like the NoLoCo authors (CheckFree weighs by it)."""
     wire_compression: Compression = Compression.FP16
-    """Encoding of activations and gradients between stages (receivers get the original dtype back); fp16 halves fp32 traffic."""
+    """Encoding of activations and gradients between stages (receivers get the original dtype back); fp16 halves fp32 traffic. subspace8/subspace4 send a hop's coordinates in a fixed rank-W/9 (int8) or 2W/9 (int4) subspace, 16x under fp16 at the 15m width: part of the model, so slow_link_compression must be the same (docs/wire.md)."""
     slow_link_compression: Compression = Compression.INT8
     """Encoding of hops while wire_compression would keep this peer's uplink over half busy, link rates measured by TCP (node/pipeline/link_compression.py); int8 halves fp16, as SWARM compresses for slow networks. Equal to wire_compression: never switch."""
     hop_timeout: float = 20.0
@@ -390,6 +390,12 @@ def validate(config: SwarmConfig) -> None:
     need(t.sequence_length <= m.max_position_embeddings, "sequence_length exceeds max_position_embeddings")
     need(t.microbatch_size >= 1 and t.microbatches_per_step >= 1 and t.min_in_flight >= 1, "batch sizes must be >= 1")
     need(t.max_staleness_steps >= 1, "training.max_staleness_steps must be >= 1")
+    subspace = {Compression.SUBSPACE8, Compression.SUBSPACE4}
+    need(
+        t.wire_compression == t.slow_link_compression or not {t.wire_compression, t.slow_link_compression} & subspace,
+        "training: a subspace wire codec is part of the model (every hop must project the same way): "
+        "set wire_compression and slow_link_compression to the same one",
+    )
     need(t.min_in_flight <= t.max_in_flight, "training.max_in_flight must be >= training.min_in_flight")
     need(
         t.hop_timeout > 0 and t.grad_clip > 0 and min(t.max_retries, t.stashed_weights) >= 0,

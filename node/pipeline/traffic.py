@@ -332,7 +332,7 @@ class Pipeline:
         order, hop = msg.meta["order"], msg.meta["hop"]
         next_stage = order[hop] if hop < len(order) else 0
         meta = {**msg.meta, "hop": hop + 1, "path": [*msg.meta["path"], self.me.peer_id]}
-        tensors = {"hidden": hidden, **({"targets": msg.tensors["targets"]} if "targets" in msg.tensors else {})}
+        tensors = {"hidden": hidden}
 
         def lost(received: dict = msg.meta) -> None:  # the meta only: `msg` holds the tensors that came in
             self.worker.drop(key)
@@ -430,7 +430,9 @@ class Pipeline:
                     "token": ticket.token,
                     **({} if training else {PURPOSE_KEY: purpose.value}),
                 }
-                tensors = {"hidden": hidden, "targets": targets}
+                # the targets stay here with the ticket: the head is this stage's, and at a real preset
+                # they would be 8 more bytes a token on every hop (a subspace hop carries 36)
+                tensors = {"hidden": hidden}
                 lost = ticket.on_lost(f"no peer of stage {order[0]} took it")
                 await self.hops.send_routed(order[0], FORWARD, MessageKind.FORWARD, meta, tensors, lost)
                 loss = await within(ticket.done, deadline)
@@ -459,11 +461,6 @@ class Pipeline:
         """At the origin: loss on the final hidden states, then the gradient goes back."""
         ticket = self.in_flight.get(msg.meta["microbatch_id"])
         if ticket is None or ticket.done.done():
-            return
-        targets = msg.tensors.get("targets")
-        if targets is None or not torch.equal(targets, ticket.targets):
-            self.transport.conduct.strike(msg.meta["path"][-1], "targets came back altered")
-            ticket.finish(error=TransportError("targets came back altered"))
             return
         key = (self.me.peer_id, ticket.microbatch_id)
         try:

@@ -38,7 +38,7 @@ from node.simulate.collectives import ring_allreduce_seconds
 from node.simulate.links import LinkModel
 from node.simulate.sources import SecondOrderMarkov
 from node.simulate.timeline import Microbatch, StageCosts, run_iteration
-from protocol.tensors import Compression
+from protocol.tensors import wire_nbytes
 
 MARKOV_BRANCHING = 2  # successors per token pair: a chain the small model learns well below ln V
 HELD_OUT_STREAM = 999
@@ -56,8 +56,6 @@ class SyncMode(StrEnum):
 # data-parallel every step as an outer step: DiLoCo with H = 1, no momentum, lr 1, i.e.
 # phi <- phi - mean(Delta) = mean(theta): the replicas' weights averaged after every inner step
 ALLREDUCE_OUTER = {"inner_steps": 1, "outer_momentum": 0.0, "outer_lr": 1.0}
-
-WIRE_BYTES = {Compression.NONE: 4, Compression.FP16: 2, Compression.BF16: 2, Compression.INT8: 1}
 
 
 def peer_id(stage: int, replica: int) -> str:
@@ -109,7 +107,8 @@ class SimulatedSwarm:
         )
         self.stage_bytes = [4 * sum(p.numel() for p in row[0].module.parameters()) for row in self.workers]
         t, m = config.training, config.model
-        self.activation_bytes = t.microbatch_size * t.sequence_length * m.hidden_size * WIRE_BYTES[t.wire_compression]
+        hop = torch.empty((t.microbatch_size, t.sequence_length, m.hidden_size), device="meta")
+        self.activation_bytes = wire_nbytes(hop, t.wire_compression)
         if compute_seconds is None:  # measured once, on this host, for a block stage and for stage 0
             block = 1.0 / self.workers[1][0].measure_throughput()
             edge = 1.0 / self.workers[0][0].measure_throughput()
