@@ -166,13 +166,19 @@ class PeerConduct:
         self.refused += 1
         return reason
 
-    def release(self, peer_id: str) -> None:
-        count = self._open.get(peer_id, 0) - 1
-        if count > 0:
-            self._open[peer_id] = count
+    def release(self, peer_id: str) -> bool:
+        """Give back a slot `admit` gave `peer_id`; False, and no count changed, when it holds none
+        (a release without its admit would free another peer's share of `total_streams`)."""
+        count = self._open.get(peer_id, 0)
+        if count <= 0:
+            logger.debug(f"release of a stream {short_peer_id(peer_id)} was never admitted for: ignored")
+            return False
+        if count > 1:
+            self._open[peer_id] = count - 1
         else:
-            self._open.pop(peer_id, None)
-        self._open_total = max(0, self._open_total - 1)
+            del self._open[peer_id]
+        self._open_total -= 1
+        return True
 
     def open_streams(self, peer_id: str | None = None) -> int:
         return self._open_total if peer_id is None else self._open.get(peer_id, 0)

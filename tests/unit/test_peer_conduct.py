@@ -31,9 +31,25 @@ def test_streams_per_peer_and_in_total_are_capped_and_released():
     assert c.open_streams() == 8 and c.admit("h") == "too many open streams"
     c.release("a")
     assert c.admit("h") is None and c.refused == 2
+
+
+def test_a_release_without_its_admit_changes_no_count():
+    c, _, _ = conduct(streams_per_peer=2, total_streams=3)
+    assert c.admit("a") is None and c.admit("a") is None and c.admit("b") is None
+    assert (c.open_streams(), c.open_streams("a"), c.open_streams("b")) == (3, 2, 1)
     for _ in range(5):
-        c.release("zzz")  # releasing what was never admitted cannot go negative
-    assert c.open_streams() >= 0
+        assert c.release("stranger") is False  # never admitted: it cannot free a slot of the others
+    assert (c.open_streams(), c.open_streams("a"), c.open_streams("b"), c.open_streams("stranger")) == (3, 2, 1, 0)
+    assert c.admit("c") == "too many open streams"
+    assert c.release("b") is True and c.release("b") is False  # its one slot, once
+    assert (c.open_streams(), c.open_streams("a"), c.open_streams("b")) == (2, 2, 0)
+    assert c.admit("a") == "too many streams from this peer"
+    assert c.admit("c") is None and c.admit("b") == "too many open streams"
+    assert c.release("a") is True and c.release("a") is True and c.release("a") is False
+    assert c.release("c") is True
+    assert (c.open_streams(), c.open_streams("a"), c.open_streams("c")) == (0, 0, 0)
+    assert c.release("a") is False and c.open_streams() == 0
+    assert c.admit("b") is None and c.open_streams() == 1  # the slots freed are usable again
 
 
 def test_request_rate_is_a_token_bucket():
