@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 
 import msgpack
 import pytest
@@ -170,7 +171,7 @@ def nodes():
     origin = loop.run_until_complete(served_node(CONFIG, 0, ORIGIN, members, UNBANNABLE))
     block = loop.run_until_complete(served_node(CONFIG, 1, BLOCK, members, UNBANNABLE, with_checks=True))
     for node in (origin, block):
-        node.bans.ban(BANNED, float("inf"), "banned before the test")
+        node.bans.ban(BANNED, time.time() + 86400, "banned before the test")  # for longer than any run
     yield loop, origin, block
     for node in (origin, block):
         loop.run_until_complete(node.close())
