@@ -104,7 +104,8 @@ class PeerConduct:
 
     # -- bans --------------------------------------------------------------------------------
     def is_banned(self, peer_id: str) -> bool:
-        return self.banlist.is_banned(peer_id)
+        """Whether `peer_id`'s streams are refused: evidence against it (node/p2p/bans.py)."""
+        return self.banlist.refuses(peer_id)
 
     def bans(self) -> dict[str, tuple[float, str]]:
         """{peer: (until, reason)} of the bans in force, whoever imposed them."""

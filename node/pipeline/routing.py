@@ -295,8 +295,9 @@ class Router:
         return self.for_stage(stage).choose(exclude=exclude, bans=self.bans, task_size=task_size)
 
     def ban(self, peer_id: str, until: float, reason: str) -> None:
-        """Ban a peer that errored (until its record's expiration, or the minimum)."""
-        self.bans.ban(peer_id, until, reason)
+        """Avoid a peer that errored (until its record's expiration, or the minimum); its own
+        streams stay admitted (node/p2p/bans.py: an error is no evidence against its input)."""
+        self.bans.ban(peer_id, until, reason, evidence=False)
 
     def loads(self) -> dict[int, list[tuple[str, float, float]]]:
         return {stage: router.loads() for stage, router in enumerate(self._stages)}

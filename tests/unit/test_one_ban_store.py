@@ -1,6 +1,7 @@
-"""One ban store (node/p2p/bans.py): a ban written by gossip, by a hop sender, by a spot-check or
-for bad input refuses that peer everywhere: its next stream at admission (PeerConduct), its next
-routed hop, its next gossip round. Each writer here is the real one, wired as build_service wires
+"""One ban store (node/p2p/bans.py): a ban for evidence (gossip, a spot-check, bad input) refuses
+that peer everywhere: its next stream at admission (PeerConduct), its next routed hop, its next
+gossip round; a hop that failed or was refused makes routing and gossip avoid the peer and leaves
+its own streams admitted. Each writer here is the real one, wired as build_service wires
 them: the Router and the PeerConduct hold the same BanList."""
 
 from __future__ import annotations
@@ -84,7 +85,10 @@ def test_a_peer_banned_by_gossip_is_refused_at_admission_and_by_routing():
     assert conduct.admit(BANNED) is None
 
 
-def test_a_peer_banned_by_a_hop_sender_is_refused_at_admission():
+def test_a_peer_that_refused_a_hop_is_avoided_but_its_own_streams_are_admitted():
+    """An ERROR to a routed hop says the peer could not serve it (it moved stage, it is closing),
+    not that its input is bad: the stage's other peers serve the next hops, and the peer's own
+    forwards and gradients still get in (a moved peer must reach its new neighbours)."""
     clock = Clock()
     bans, router, conduct = wired(clock)
     transport = PostingTransport()
@@ -96,8 +100,22 @@ def test_a_peer_banned_by_a_hop_sender_is_refused_at_admission():
         transport.late_refusals[BANNED](SimpleNamespace(kind=MessageKind.ERROR, meta={"reason": "cannot take it"}))
 
     asyncio.run(refused_with_an_error())
-    assert bans.is_banned(BANNED)
-    assert conduct.admit(BANNED) == "banned for bad input" and conduct.admit(HONEST) is None
+    assert bans.is_banned(BANNED) and not bans.refuses(BANNED)
+    assert all(router.choose(1) == HONEST for _ in range(5))
+    assert conduct.admit(BANNED) is None and conduct.admit(HONEST) is None
+
+
+def test_evidence_outlasts_and_outweighs_a_later_avoidance():
+    clock = Clock()
+    bans = BanList(clock=clock)
+    bans.ban(BANNED, clock.now + 600, "spot-checks: wrong output")
+    bans.ban(BANNED, clock.now + 60, "refused a hop", evidence=False)
+    assert bans.refuses(BANNED) and bans.active()[BANNED][0] == clock.now + 600
+    bans.ban(HONEST, clock.now + 60, "refused a hop", evidence=False)
+    bans.ban(HONEST, clock.now + 30, "non-finite Delta")
+    assert bans.refuses(HONEST) and bans.active()[HONEST][0] == clock.now + 60
+    clock.now += 61
+    assert not bans.is_banned(HONEST) and not bans.refuses(HONEST) and bans.refuses(BANNED)
 
 
 def test_a_peer_banned_for_bad_input_is_avoided_by_routing_and_gossip():
