@@ -37,8 +37,8 @@ from node.averaging.outer_replica import STEPPED, OuterReplica, RoundOutcome
 from node.averaging.round_context import RoundContext
 from node.averaging.round_protocol import PairwiseRound
 from node.config import GossipMode, SwarmConfig
+from node.p2p.bans import BanList
 from node.p2p.transport import Transport
-from node.pipeline.routing import BanList
 from node.pipeline.stage_worker import StageWorker
 from node.runtime.events import EventPublisher
 from node.runtime.timeouts import within

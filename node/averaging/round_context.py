@@ -26,9 +26,9 @@ from node.averaging.noloco import OuterState
 from node.averaging.outer_replica import STEPPED, OuterReplica, RoundOutcome, RoundStart, RoundStatus
 from node.averaging.plausibility import DivergenceMemory, PartnerMeasures, lagging_behind
 from node.config import GossipConfig
+from node.p2p.bans import BanList
 from node.p2p.reachability import carries_training
 from node.p2p.transport import Transport
-from node.pipeline.routing import BanList
 from node.pipeline.stage_worker import StageWorker
 from node.runtime.events import EventPublisher
 

@@ -424,11 +424,10 @@ class _ServedChannel:
         except ProtocolError as e:
             self.refuse(self.strike(e))
             return
-        try:
+        try:  # Transport.answer answers every failure itself: this guards any other `answer`
             reply = self.answer(request)
-        except Exception:
-            logger.exception(f"{self.service} handler failed on a request from {short_peer_id(self.sender)}")
-            reply = owner.error("internal error")
+        except Exception as e:
+            reply = self.failed(e)
         if isinstance(reply, Message):
             self.send_reply(request, reply)
             return
@@ -442,9 +441,8 @@ class _ServedChannel:
         try:
             try:
                 reply = await answer
-            except Exception:
-                logger.exception(f"{self.service} handler failed on a request from {short_peer_id(self.sender)}")
-                reply = self.owner.error("internal error")
+            except Exception as e:
+                reply = self.failed(e)
             self.send_reply(request, reply)
         finally:
             self.answering.discard(asyncio.current_task())  # type: ignore[arg-type]
@@ -468,6 +466,11 @@ class _ServedChannel:
         if self.link.write_backlog() > MAX_REPLY_BACKLOG:  # a client that sends and never reads
             logger.info(f"{self.service} channel from {short_peer_id(self.sender)} reads no replies: closed")
             self.end()
+
+    def failed(self, error: Exception) -> Message:
+        """The ERROR reply to a request whose answer raised, logged on one line (no traceback)."""
+        logger.warning(f"{self.service} handler failed on a request from {short_peer_id(self.sender)}: {error!r:.300}")
+        return self.owner.error(f"request failed: {type(error).__name__}")
 
     def refuse(self, reason: str) -> None:
         """One short ERROR (best effort), then the channel ends."""

@@ -28,6 +28,7 @@ from hivemind.p2p import P2P, P2PContext
 
 from dht.rate_limited_log import RateLimitedLog
 from dht.records import short_peer_id
+from node.p2p.bans import BanList
 from node.p2p.peer_conduct import ConductLimits, PeerConduct
 
 logger = logging.getLogger(__name__)
@@ -44,15 +45,17 @@ class DHTRequestRefused(RuntimeError):
     """A DHT request refused before decoding (the sender gets it as an RPC error)."""
 
 
-def dht_conduct() -> PeerConduct:
-    """The per-peer budget for incoming DHT requests, in tokens of `DHT_COST_UNIT_BYTES`."""
+def dht_conduct(bans: BanList | None = None) -> PeerConduct:
+    """The per-peer budget for incoming DHT requests, in tokens of `DHT_COST_UNIT_BYTES`; `bans`, the
+    node's one ban store, refuses a peer banned for bad input anywhere else."""
     return PeerConduct(
         ConductLimits(
             streams_per_peer=8,
             total_streams=256,
             requests_per_second=DHT_BYTES_PER_SECOND / DHT_COST_UNIT_BYTES,
             request_burst=math.ceil(DHT_BURST_BYTES / DHT_COST_UNIT_BYTES),
-        )
+        ),
+        bans=bans,
     )
 
 

@@ -27,7 +27,8 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr  # hivemind vendors it; PyPI's multiaddr comes only with the test extra
 
 from dht.signing import Identity, SignedRecordValidator
-from node.p2p.dht_guard import DHT_MESSAGE_LIMIT, DHTRequestGuard
+from node.p2p.bans import BanList
+from node.p2p.dht_guard import DHT_MESSAGE_LIMIT, DHTRequestGuard, dht_conduct
 from node.p2p.direct import DirectLinks
 from node.p2p.identity_store import IdentityError
 from node.p2p.reachability import NatReachability, announced_addresses
@@ -50,6 +51,9 @@ class Network:
     initial_peers: list[str] = field(default_factory=list)
     reachability: NatReachability = NatReachability.AUTO
     dht_guard: DHTRequestGuard | None = None
+    # the node's one ban store (node/p2p/bans.py): the DHT guard, and each stage service's stream
+    # admission, routing, gossip and spot-checks read and write it
+    bans: BanList = field(default_factory=BanList)
     # pipeline channels without p2pd where peers reach each other (node/p2p/direct.py); None: off
     direct: DirectLinks | None = None
     loop_watch: LoopWatch = field(default_factory=LoopWatch)
@@ -255,10 +259,10 @@ async def start_network(
             raise
         where = ", ".join(initial_peers) or "(none)"
         raise NetworkError(f"could not join the DHT through initial peers {where}: {e}") from e
-    guard, direct = None, None
+    guard, direct, bans = None, None, BanList()
     if not client_mode:
         try:
-            guard = await DHTRequestGuard.install(dht.protocol, p2p)
+            guard = await DHTRequestGuard.install(dht.protocol, p2p, dht_conduct(bans))
             if direct_port is not None:
                 direct = DirectLinks(identity, swarm_key)
                 await direct.listen(host, direct_port)
@@ -275,5 +279,6 @@ async def start_network(
         initial_peers=list(initial_peers),
         reachability=NatReachability.AUTO if client_mode else reachability,
         dht_guard=guard,
+        bans=bans,
         direct=direct,
     )

@@ -7,10 +7,12 @@ Two separate concerns with one owner per peer:
 - *conduct*: every malformed message, non-finite or absurd tensor, or forged reference to a
   microbatch is a strike. `strikes_to_ban` strikes within `strike_window` seconds ban the peer
   until its DHT record expires (SWARM bans the same way): its streams are refused at the door and
-  routing avoids it (`on_ban`). An honest peer's occasional bad message (a bug, a race) decays away.
+  routing avoids it. An honest peer's occasional bad message (a bug, a race) decays away.
 
-A ban for bad *input* is not a routing ban for an unreachable peer: a peer we could not reach may
-still send us honest work, a peer that sent garbage may not.
+Bans are kept in the node's one `BanList` (node/p2p/bans.py), which routing, gossip and the
+spot-checks read and write too: a peer any of them banned (a hop sender for an ERROR reply, gossip
+for a poisoned tensor, a spot-check for a wrong result) has its streams refused here, and a peer
+banned here is avoided by all of them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dht.records import short_peer_id
+from node.p2p.bans import BanList
 
 logger = logging.getLogger(__name__)
 
@@ -83,35 +86,30 @@ class PeerConduct:
         limits: ConductLimits | None = None,
         *,
         ban_until: Callable[[str], float] | None = None,
-        on_ban: Callable[[str, float, str], None] | None = None,
+        bans: BanList | None = None,
         clock: Callable[[], float] = time.time,
     ):
+        """`bans`: the node's one ban store, shared with routing and gossip; None: a store of this
+        conduct's own (the DHT guard, tests)."""
         self.limits = limits or ConductLimits()
         self.total_streams = self.limits.total_streams or default_total_streams()
         self.ban_until = ban_until or (lambda peer_id: 0.0)
-        self.on_ban = on_ban
+        self.banlist = bans if bans is not None else BanList(clock=clock, min_seconds=self.limits.min_ban_seconds)
         self._clock = clock
         self._open: dict[str, int] = {}
         self._open_total = 0
         self._buckets: dict[str, _Bucket] = {}
         self._strikes: dict[str, deque[float]] = {}
-        self._bans: dict[str, tuple[float, str]] = {}
         self.refused = 0  # streams refused at the door (limits or bans), for status and tests
 
     # -- bans --------------------------------------------------------------------------------
     def is_banned(self, peer_id: str) -> bool:
-        entry = self._bans.get(peer_id)
-        if entry is None:
-            return False
-        if entry[0] <= self._clock():
-            del self._bans[peer_id]
-            return False
-        return True
+        """Whether `peer_id`'s streams are refused: evidence against it (node/p2p/bans.py)."""
+        return self.banlist.refuses(peer_id)
 
     def bans(self) -> dict[str, tuple[float, str]]:
-        """{peer: (until, reason)} of the bans in force."""
-        now = self._clock()
-        return {peer: entry for peer, entry in self._bans.items() if entry[0] > now}
+        """{peer: (until, reason)} of the bans in force, whoever imposed them."""
+        return self.banlist.active()
 
     def strike(self, peer_id: str, reason: str) -> bool:
         """Count one piece of bad input from `peer_id`; True when this strike banned it."""
@@ -132,11 +130,10 @@ class PeerConduct:
         seconds; returns until when. Also how evidence other than bad input bans a peer
         (spot-checks: node/pipeline/verifier.py)."""
         now = self._clock()
-        until = max(self.ban_until(peer_id), now + max(self.limits.min_ban_seconds, at_least))
-        self._bans[peer_id] = (until, reason)
+        until = self.banlist.ban(
+            peer_id, max(self.ban_until(peer_id), now + max(self.limits.min_ban_seconds, at_least)), reason
+        )
         logger.warning(f"banned {short_peer_id(peer_id)} for {until - now:.0f} s: {reason}")
-        if self.on_ban is not None:
-            self.on_ban(peer_id, until, reason)
         return until
 
     # -- admission ---------------------------------------------------------------------------
@@ -170,13 +167,19 @@ class PeerConduct:
         self.refused += 1
         return reason
 
-    def release(self, peer_id: str) -> None:
-        count = self._open.get(peer_id, 0) - 1
-        if count > 0:
-            self._open[peer_id] = count
+    def release(self, peer_id: str) -> bool:
+        """Give back a slot `admit` gave `peer_id`; False, and no count changed, when it holds none
+        (a release without its admit would free another peer's share of `total_streams`)."""
+        count = self._open.get(peer_id, 0)
+        if count <= 0:
+            logger.debug(f"release of a stream {short_peer_id(peer_id)} was never admitted for: ignored")
+            return False
+        if count > 1:
+            self._open[peer_id] = count - 1
         else:
-            self._open.pop(peer_id, None)
-        self._open_total = max(0, self._open_total - 1)
+            del self._open[peer_id]
+        self._open_total -= 1
+        return True
 
     def open_streams(self, peer_id: str | None = None) -> int:
         return self._open_total if peer_id is None else self._open.get(peer_id, 0)

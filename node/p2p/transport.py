@@ -10,6 +10,10 @@ apart by request id (node/p2p/channels.py), which cuts the per-request cost of o
 own instead of through p2pd (node/p2p/direct.py), falling back to p2pd when that fails. Every path
 admits, checks, MACs and strikes alike. Malformed input from a stranger is
 answered with an ERROR message (when the stream still works) and logged; it never takes the node down.
+
+Every request, on a stream or a channel, goes through one dispatcher (node/p2p/dispatch.py): the
+service's contract is checked before its handler runs, and whatever the handler raises is one ERROR
+reply and a strike against the sender, never a traceback in the log.
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ from dht.records import short_peer_id
 from node.p2p.channels import CHANNEL_MAX_PAYLOAD, SERVER_IDLE, Channel, ChannelPool, ChannelServer
 from node.p2p.dialer import PeerDialer
 from node.p2p.direct import DirectLinks
+from node.p2p.dispatch import RequestDispatcher, RequestHandler
 from node.p2p.frame_link import FrameLink, StreamFrameLink
 from node.p2p.metered_stream import metered
 from node.p2p.peer_conduct import PeerConduct
+from node.p2p.request_contract import RequestContract
 from node.p2p.sealed_link import DirectLinkError, SealedLink
 from node.runtime.meter import Meter
 from node.runtime.timeouts import within
@@ -49,9 +55,6 @@ from protocol import (
 
 logger = logging.getLogger(__name__)
 
-# a request's handler answers at once (a Message) or later (an awaitable of one): a pipeline hop's
-# handler only checks and queues, and answering it at once spares a task per hop (node/p2p/channels.py)
-RequestHandler = Callable[[str, Message], Message | Awaitable[Message]]
 SessionHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 # what p2pd reports when the remote peer has no handler for a protocol (e.g. a peer running a
@@ -116,34 +119,6 @@ class _AsTransportError:
         return False
 
 
-def answer_request(
-    transport: Transport, sender: str, service: str, handler: RequestHandler, request: Message
-) -> Message | Awaitable[Message]:
-    """`handler`'s reply to a decoded request, now or as an awaitable; a ProtocolError it raises is
-    a strike against the sender and an ERROR reply."""
-    try:
-        reply = handler(sender, request)
-    except ProtocolError as e:
-        return _struck(transport, sender, service, request, e)
-    if isinstance(reply, Message):
-        return reply
-    return _answer_later(transport, sender, service, request, reply)
-
-
-async def _answer_later(
-    transport: Transport, sender: str, service: str, request: Message, reply: Awaitable[Message]
-) -> Message:
-    try:
-        return await reply
-    except ProtocolError as e:
-        return _struck(transport, sender, service, request, e)
-
-
-def _struck(transport: Transport, sender: str, service: str, request: Message, error: ProtocolError) -> Message:
-    transport.conduct.strike(sender, f"{service}: {error}")
-    return transport.error(str(error), request.request_id)
-
-
 class Transport:
     """Sends and serves messages for one swarm. `stage` is this peer's current stage (it moves)."""
 
@@ -174,6 +149,7 @@ class Transport:
         self.compression = compression
         self._request_ids = itertools.count(1)
         self._handler_names: list[str] = []
+        self.requests = RequestDispatcher(self)  # every request's way to its handler (node/p2p/dispatch.py)
         self._multiplexed: set[str] = set()  # services whose requests share a channel per peer
         self.channels = ChannelPool(self._open_channel_link, limits, swarm_id, swarm_key)  # ours to peers
         self._stream_only: set[tuple[str, str]] = set()  # (peer, service) without a channel handler
@@ -261,15 +237,18 @@ class Transport:
             self.conduct.release(sender)
             writer.close()
 
-    async def serve_requests(self, service: str, handler: RequestHandler, read_timeout: float = 30.0) -> None:
+    async def serve_requests(
+        self, service: str, handler: RequestHandler, contract: RequestContract, read_timeout: float = 30.0
+    ) -> None:
         """One request, one reply per stream (and many on a channel for `multiplex` services). A
         request must arrive within `read_timeout` (a slow sender cannot hold the stream longer);
-        malformed input is a strike against the sender."""
+        malformed input, or a request that breaks `contract`, is a strike against the sender."""
+        self.requests.serve(service, handler, contract)
 
         async def one_request(sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
                 request = await within(recv_message(reader, self.limits, self.swarm_id, self.swarm_key), read_timeout)
-                reply = answer_request(self, sender, service, handler, request)
+                reply = self.requests.answer(sender, service, request)
                 if not isinstance(reply, Message):
                     reply = await reply
                 await send_message(writer, reply, self.compression, self.limits, self.swarm_key)
@@ -283,17 +262,15 @@ class Transport:
                     )
             except (ConnectionError, asyncio.IncompleteReadError) as e:
                 logger.debug(f"{service} stream from {short_peer_id(sender)} broke: {e!r}")
-            except Exception:
-                logger.exception(f"{service} handler failed on a request from {short_peer_id(sender)}")
-                with contextlib.suppress(Exception):
-                    await send_message(writer, self.error("internal error"), "none", self.limits, self.swarm_key)
+            except Exception as e:  # the reply could not be sent (the handler's failures are answered)
+                logger.warning(f"{service} reply to {short_peer_id(sender)} failed: {e!r:.300}")
 
         await self._add_handler(service, self._admitted(service, one_request))
         if service in self._multiplexed:
             channel_timeout = min(read_timeout, SERVER_IDLE)
 
             def answering(sender: str) -> Callable[[Message], Message | Awaitable[Message]]:
-                return lambda request: answer_request(self, sender, service, handler, request)
+                return lambda request: self.requests.answer(sender, service, request)
 
             async def channel(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
                 sender = info.peer_id.to_base58()
@@ -320,8 +297,9 @@ class Transport:
                 self.conduct.strike(sender, f"{service}: {e}")
             except (TimeoutError, EOFError, ConnectionError, asyncio.IncompleteReadError) as e:
                 logger.info(f"{service} session with {short_peer_id(sender)} ended: {e!r}")
-            except Exception:
-                logger.exception(f"{service} session with {short_peer_id(sender)} failed")
+            except Exception as e:  # one line, as a request's handler failure: see the module docstring
+                logger.warning(f"{service} session with {short_peer_id(sender)} failed: {e!r:.300}")
+                self.conduct.strike(sender, f"{service}: session failed: {type(e).__name__}")
 
         await self._add_handler(service, self._admitted(service, session))
 

@@ -31,6 +31,7 @@ from dht.records import short_peer_id
 from node.config import VerificationConfig
 from node.p2p.transport import Transport
 from node.pipeline.check_wire import CHECK_SERVICE, WEIGHTS, backward_name, exact, forward_name
+from node.pipeline.contracts import CHECK_CONTRACT
 from node.pipeline.layer_replay import LayerLayout, stage_boundaries
 from node.pipeline.precision import StagePrecision
 from node.pipeline.receipts import Receipt, ReceiptKeeper, WeightsVersion
@@ -76,11 +77,10 @@ class CheckServer:
         self.served = 0  # openings sent: checks this replica answered in full
 
     async def start(self) -> None:
-        await self.transport.serve_requests(CHECK_SERVICE, self.on_request)
+        await self.transport.serve_requests(CHECK_SERVICE, self.on_request, CHECK_CONTRACT)
 
     async def on_request(self, sender: str, msg: Message) -> Message:
-        if msg.kind not in (MessageKind.CHECK, MessageKind.AUDIT, MessageKind.OPEN):
-            raise ProtocolError(f"expected a check, an audit or an opening request, got {msg.kind}")
+        """A CHECK, AUDIT or OPEN (CHECK_CONTRACT, checked by the transport)."""
         if msg.meta["stage"] != self.worker.stage or self.worker.stage == 0:
             return self.transport.error(f"this peer serves stage {self.worker.stage}", msg.request_id)
         if not self.is_member(sender):

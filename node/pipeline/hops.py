@@ -283,7 +283,8 @@ class HopSender:
 
     def _ban(self, stage: int, peer_id: str, reason: str) -> None:
         self.router.for_stage(stage).release(peer_id, 1.0)
-        self.router.bans.ban(peer_id, self.ban_until(peer_id), reason)
+        # a failed or refused hop is no evidence against the peer's own input: avoid it, admit it
+        self.router.bans.ban(peer_id, self.ban_until(peer_id), reason, evidence=False)
         logger.info(f"banned {short_peer_id(peer_id)} (stage {stage}): {reason}")
 
     async def close(self) -> None:

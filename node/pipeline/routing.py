@@ -50,9 +50,9 @@ permutation exactly; in a swarm every sender deals its own deck.
 Timeouts are not errors: a hop that times out is retried on another peer with `exclude`, and only
 a peer that errors is banned (SWARM's `use_another_expert`; node/pipeline/traffic.py applies it).
 
-Bans: `BanList` keys on DHT time (the record expirations are DHT times: hivemind's
-`get_dht_time()`, i.e. wall-clock `time.time`), while `StageRouter` keeps virtual finish times on
-its own monotonic clock; the two never meet.
+Bans: `BanList` (node/p2p/bans.py, the node's one ban store) keys on DHT time (the record
+expirations are DHT times: hivemind's `get_dht_time()`, i.e. wall-clock `time.time`), while
+`StageRouter` keeps virtual finish times on its own monotonic clock; the two never meet.
 """
 
 from __future__ import annotations
@@ -66,11 +66,11 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from dht.records import PeerRecord
 from node.config import RoutingMode
+from node.p2p.bans import MIN_BAN_SECONDS, BanList
 
 DEFAULT_THROUGHPUT = 1.0  # SWARM's initial_throughput, used when nothing is known about a stage
 TIE_RTOL = 1e-9  # keys within this relative distance of the minimum are ties (drawn at random)
 TIE_ATOL = 1e-12  # seconds: absolute floor of the tie window (keys of ~0)
-MIN_BAN_SECONDS = 10.0  # a ban lasts at least this long, even if the peer's record is about to expire
 
 
 def _usable_throughput(value: float | None) -> float | None:
@@ -81,57 +81,6 @@ def _usable_throughput(value: float | None) -> float | None:
     except (TypeError, ValueError):
         return None
     return value if math.isfinite(value) and value > 0.0 else None
-
-
-class BanList:
-    """Peers that errored, each banned until a DHT time (its record's expiration, or later).
-
-    SWARM bans an expert until the expiration of the DHT record it was found under, so a peer that
-    keeps heartbeating comes back once a fresh record replaces the one it failed under, and a dead
-    one never does. `min_seconds` keeps a ban from being a no-op when the record is about to expire
-    (or its expiration is unknown: 0).
-    """
-
-    def __init__(self, clock: Callable[[], float] = time.time, min_seconds: float = MIN_BAN_SECONDS):
-        self._clock = clock
-        self._min_seconds = float(min_seconds)
-        self._bans: dict[str, tuple[float, str]] = {}
-        self._lock = threading.Lock()
-        self.total = 0  # bans imposed (a ban extended while it runs is not a new one): a metric
-
-    def ban(self, peer_id: str, until: float, reason: str) -> None:
-        """Ban `peer_id` until max(until, now + min_seconds); an existing longer ban is kept."""
-        until = float(until) if until is not None and math.isfinite(float(until)) else 0.0
-        until = max(until, self._clock() + self._min_seconds)
-        with self._lock:
-            previous = self._bans.get(peer_id)
-            if previous is None or previous[0] <= self._clock():
-                self.total += 1
-            elif previous[0] > until:
-                until = previous[0]
-            self._bans[peer_id] = (until, str(reason))
-
-    def is_banned(self, peer_id: str, now: float | None = None) -> bool:
-        now = self._clock() if now is None else now
-        with self._lock:
-            entry = self._bans.get(peer_id)
-            if entry is None:
-                return False
-            if entry[0] <= now:
-                del self._bans[peer_id]
-                return False
-            return True
-
-    def active(self, now: float | None = None) -> dict[str, tuple[float, str]]:
-        """{peer_id: (until, reason)} of the bans still running (expired ones are dropped)."""
-        now = self._clock() if now is None else now
-        with self._lock:
-            for peer_id in [p for p, (until, _) in self._bans.items() if until <= now]:
-                del self._bans[peer_id]
-            return dict(self._bans)
-
-    def __len__(self) -> int:
-        return len(self.active())
 
 
 class _PeerLoad:
@@ -312,11 +261,14 @@ class Router:
         dht_clock: Callable[[], float] = time.time,
         min_ban_seconds: float = MIN_BAN_SECONDS,
         mode: RoutingMode = RoutingMode.LOAD_AWARE,
+        bans: BanList | None = None,
     ):
+        """`bans`: the node's one ban store (node/p2p/bans.py), shared with stream admission and
+        gossip; None: a store of this router's own (tests, the simulator)."""
         if num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {num_stages}")
         self.num_stages = num_stages
-        self.bans = BanList(clock=dht_clock, min_seconds=min_ban_seconds)
+        self.bans = bans if bans is not None else BanList(clock=dht_clock, min_seconds=min_ban_seconds)
         self._dht_clock = dht_clock
         self.mode = RoutingMode(mode)
         self._stages = [StageRouter(rng, clock=clock, mode=self.mode) for _ in range(num_stages)]
@@ -343,8 +295,9 @@ class Router:
         return self.for_stage(stage).choose(exclude=exclude, bans=self.bans, task_size=task_size)
 
     def ban(self, peer_id: str, until: float, reason: str) -> None:
-        """Ban a peer that errored (until its record's expiration, or the minimum)."""
-        self.bans.ban(peer_id, until, reason)
+        """Avoid a peer that errored (until its record's expiration, or the minimum); its own
+        streams stay admitted (node/p2p/bans.py: an error is no evidence against its input)."""
+        self.bans.ban(peer_id, until, reason, evidence=False)
 
     def loads(self) -> dict[int, list[tuple[str, float, float]]]:
         return {stage: router.loads() for stage, router in enumerate(self._stages)}

@@ -44,6 +44,7 @@ from dht.records import PeerState, short_peer_id
 from node.config import SwarmConfig, TrainingConfig
 from node.p2p.transport import Transport, TransportError
 from node.pipeline.admission import RejectedInput
+from node.pipeline.contracts import ABORT_CONTRACT, BACKWARD_CONTRACT, FORWARD_CONTRACT
 from node.pipeline.evaluation import PURPOSE_KEY, MicrobatchPurpose, eval_embed, eval_forward, eval_loss, purpose_of
 from node.pipeline.fair_turns import FairTurns
 from node.pipeline.hops import HopSender, PipelineStats
@@ -238,9 +239,11 @@ class Pipeline:
     async def start(self) -> None:
         # many small hops to the same few peers: one long-lived stream each (node/p2p/channels.py)
         self.transport.multiplex(FORWARD, BACKWARD, ABORT)
-        await self.transport.serve_requests(FORWARD, _witnessing_forwards(self.on_forward, self.hops.verifier))
-        await self.transport.serve_requests(BACKWARD, _witnessing_backwards(self.on_backward, self.hops.verifier))
-        await self.transport.serve_requests(ABORT, self.on_abort)
+        forward = _witnessing_forwards(self.on_forward, self.hops.verifier)
+        await self.transport.serve_requests(FORWARD, forward, FORWARD_CONTRACT)
+        backward = _witnessing_backwards(self.on_backward, self.hops.verifier)
+        await self.transport.serve_requests(BACKWARD, backward, BACKWARD_CONTRACT)
+        await self.transport.serve_requests(ABORT, self.on_abort, ABORT_CONTRACT)
 
     def _ack(self, request: Message) -> Message:
         return self.transport.message(MessageKind.ACK, request_id=request.request_id)
@@ -289,9 +292,8 @@ class Pipeline:
         return self._ack(msg)
 
     def on_abort(self, sender: str, msg: Message) -> Message:
-        """A peer on a microbatch's path gave up on it: retry now instead of at the deadline."""
-        if msg.kind != MessageKind.ERROR:  # an abort notice is an ERROR naming the microbatch (hops.notify_abort)
-            return self.transport.error(f"an abort notice is an error message, not {msg.kind.value}")
+        """A peer on a microbatch's path gave up on it: retry now instead of at the deadline. Only an
+        ERROR naming a microbatch by id and token gets here (ABORT_CONTRACT, checked by the transport)."""
         ticket = ticket_named_by(self.in_flight, msg.meta)
         if ticket is None:  # finished already, or a stranger without the token: nothing to do
             return self.transport.error("unknown microbatch")

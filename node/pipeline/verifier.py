@@ -31,12 +31,12 @@ from torch import Tensor
 
 from dht.records import MAX_REPORTED_PEERS, EventKind, VerificationReport, short_peer_id
 from node.config import VerificationConfig
+from node.p2p.bans import BanList
 from node.p2p.transport import Transport, TransportError
 from node.pipeline.admission import RejectedInput
 from node.pipeline.check_wire import CHECK_SERVICE, CommitmentReply
 from node.pipeline.hop_observations import Observed, PendingChecks
 from node.pipeline.layer_replay import LayerLayout
-from node.pipeline.routing import BanList
 from node.pipeline.spot_check import CheckRate, Finding, RecomputeTolerance, StrikeBook, probe_direction
 from node.pipeline.stage_worker import StageWorker
 from node.pipeline.verdict import Judgement, boundaries_to_open, judge
@@ -252,8 +252,8 @@ class Verifier:
 
     def _ban(self, stage: int, peer_id: str, evidence: str) -> None:
         self.banned[peer_id] = evidence
-        # the transport's ban refuses its streams and (through its on_ban) the router's BanList keeps
-        # routing and gossip away from it, until its record expires
+        # into the node's one ban store: its streams are refused, and routing and gossip avoid it,
+        # until its record expires
         self.transport.conduct.ban(peer_id, f"spot-checks: {evidence}", at_least=self.settings.ban_seconds)
         logger.warning(f"banned {short_peer_id(peer_id)} (stage {stage}) after spot-checks: {evidence}")
         self._publish(stage, peer_id, f"banned: {evidence}")

@@ -153,7 +153,10 @@ async def build_service(
     rng = random.Random()
     registry = SwarmRegistry(network.dht, config.swarm_id)
     view = SwarmView(registry, config.num_stages, period=max(0.5, config.heartbeat.period / 2))
-    router = Router(rng, config.num_stages, mode=config.training.routing)
+    # the node's one ban store, the network's (a ban outlives a move to another stage): stream
+    # admission, routing, gossip and the spot-checks all read and write it
+    bans = network.bans
+    router = Router(rng, config.num_stages, mode=config.training.routing, bans=bans)
     view.on_refresh(router.refresh)
     # the window's ceiling: this device's memory bounds it (check_stage_fits), the swarm's config too.
     # The store of activations is bounded by the same count, the one the memory check admitted: a
@@ -172,10 +175,7 @@ async def build_service(
         record = view.record_of(peer_id)
         return max(record.expires if record else 0.0, time.time() + config.heartbeat.ttl)
 
-    # a peer banned for bad input is refused at the door and avoided by routing alike
-    conduct = PeerConduct(
-        ban_until=ban_until, on_ban=lambda peer_id, until, reason: router.bans.ban(peer_id, until, reason)
-    )
+    conduct = PeerConduct(ban_until=ban_until, bans=bans)
     transport = Transport(
         network.p2p,
         config.swarm_id,

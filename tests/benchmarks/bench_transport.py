@@ -205,6 +205,7 @@ async def run_network_benchmarks(shapes: list[tuple[int, ...]], args: argparse.N
     from node.p2p.network import start_network
     from node.p2p.peer_conduct import ConductLimits, PeerConduct
     from node.p2p.transport import Transport
+    from node.pipeline.contracts import FORWARD_CONTRACT
     from protocol import MessageKind, encode_message
 
     server_net = await start_network(host="127.0.0.1", direct_port=0)
@@ -242,7 +243,7 @@ async def run_network_benchmarks(shapes: list[tuple[int, ...]], args: argparse.N
                 received["pipeswarm"] += 1
                 return server.message(MessageKind.ACK, request_id=msg.request_id)
 
-            await server.serve_requests("forward", on_forward)
+            await server.serve_requests("forward", on_forward, FORWARD_CONTRACT)
             clients[compression] = Transport(client_net.p2p, swarm_id, 0, compression=compression)
             clients[compression].multiplex("forward")
             stream_clients[compression] = Transport(client_net.p2p, swarm_id, 0, compression=compression)

@@ -15,12 +15,12 @@ import torch
 
 from dht.records import EventKind
 from node.config import SwarmConfig, VerificationConfig
+from node.p2p.bans import BanList
 from node.p2p.peer_conduct import PeerConduct
 from node.p2p.transport import TransportError
 from node.pipeline.check_server import CheckServer
 from node.pipeline.hop_observations import Observed
 from node.pipeline.receipts import ReceiptBook, ReceiptKeeper
-from node.pipeline.routing import BanList
 from node.pipeline.spot_check import Finding
 from node.pipeline.stage_worker import StageWorker
 from node.pipeline.verifier import Verifier
@@ -50,9 +50,7 @@ class FakeTransport:
     def __init__(self, wire: Wire, peer_id: str, stage: int):
         self.wire, self.peer_id, self.stage = wire, peer_id, stage
         self.bans = BanList()
-        self.conduct = PeerConduct(
-            ban_until=lambda peer: 0.0, on_ban=lambda p, until, why: self.bans.ban(p, until, why)
-        )
+        self.conduct = PeerConduct(ban_until=lambda peer: 0.0, bans=self.bans)
         self._ids = itertools.count(1)
 
     def message(self, kind, meta=None, tensors=None, request_id=None) -> Message:

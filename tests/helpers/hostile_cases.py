@@ -934,7 +934,6 @@ async def backward_huge_gradient(ctx, res: Result) -> None:
     "abort",
     "an ABORT (ERROR on the abort service) whose microbatch_id is a list",
     "ERROR ('bad request') or ACK; no exception in the handler",
-    known_bug="an ABORT whose microbatch id is a list raises TypeError: unhashable type (traceback in the log)",
 )
 async def abort_list_id(ctx, res: Result) -> None:
     msg = ctx.message(MessageKind.ERROR, {"reason": "hostile", "microbatch_id": [1, 2, 3], "token": token_for(1)})

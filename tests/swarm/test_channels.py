@@ -16,10 +16,12 @@ from hivemind.p2p import PeerID
 from node.p2p.channels import CHANNEL_CONCURRENCY
 from node.p2p.network import Network, start_network
 from node.p2p.peer_conduct import ConductLimits, PeerConduct
+from node.p2p.request_contract import RequestContract
 from node.p2p.transport import Transport, TransportError
 from protocol import Message, MessageKind, recv_message, send_message
 
 SERVICE = "forward"
+PINGS = RequestContract(frozenset({MessageKind.PING}))  # what every test here sends
 SWARM = "channels-test"
 
 
@@ -71,7 +73,7 @@ def pong_handler(server: Transport):
 async def pong_server(network: Network, stage: int, **options) -> Transport:
     """A transport serving SERVICE with a PONG to every request."""
     server = transport(network, stage, **options)
-    await server.serve_requests(SERVICE, pong_handler(server))
+    await server.serve_requests(SERVICE, pong_handler(server), PINGS)
     return server
 
 
@@ -95,7 +97,7 @@ def test_concurrent_requests_share_one_channel_and_get_their_own_replies():
                 # a reply without the request's id: the channel must still route it to its caller
                 return server.message(MessageKind.PONG, {"number": number})
 
-            await server.serve_requests(SERVICE, handler)
+            await server.serve_requests(SERVICE, handler, PINGS)
             client = transport(client_net, 0)
             replies = await asyncio.gather(
                 *(client.request(server_net.peer_id, SERVICE, ping(client, n), 10.0) for n in range(10))
@@ -119,7 +121,7 @@ def test_garbage_on_a_channel_is_a_strike_and_ends_it_and_a_ban_refuses_the_next
                 served.append(sender)
                 return server.message(MessageKind.PONG, request_id=request.request_id)
 
-            await server.serve_requests(SERVICE, handler)
+            await server.serve_requests(SERVICE, handler, PINGS)
             peer = PeerID.from_base58(server_net.peer_id)
             for _ in range(2):  # a hand-made channel: a frame of msgpack garbage
                 _, reader, writer = await client_net.p2p.call_binary_stream_handler(
@@ -153,7 +155,7 @@ def test_a_channel_idle_or_stalled_inside_a_frame_is_closed_after_the_read_timeo
         async with two_peers() as (server_net, client_net):
             server = transport(server_net, 1)
             server.multiplex("idle-test")
-            await server.serve_requests("idle-test", pong_handler(server), read_timeout=1.0)
+            await server.serve_requests("idle-test", pong_handler(server), PINGS, read_timeout=1.0)
             client = transport(client_net, 0)  # makes the hand-made channel's requests
             peer = PeerID.from_base58(server_net.peer_id)
             loop = asyncio.get_running_loop()
@@ -191,7 +193,7 @@ def test_a_channel_without_the_swarm_key_is_refused_before_decoding():
                 handled.append(request)
                 return server.message(MessageKind.PONG, request_id=request.request_id)
 
-            await server.serve_requests(SERVICE, handler)
+            await server.serve_requests(SERVICE, handler, PINGS)
             stranger = transport(client_net, 0, swarm_key=b"x" * 32)
             with pytest.raises(TransportError):
                 await stranger.request(server_net.peer_id, SERVICE, ping(stranger, 0), 10.0)
@@ -215,7 +217,7 @@ def test_a_new_handler_gets_the_requests_after_close_and_a_peer_without_channels
             async def old_handler(sender: str, request: Message) -> Message:
                 return old.message(MessageKind.PONG, {"who": "old"}, request_id=request.request_id)
 
-            await old.serve_requests(SERVICE, old_handler)
+            await old.serve_requests(SERVICE, old_handler, PINGS)
             client = transport(client_net, 0)
             reply = await client.request(server_net.peer_id, SERVICE, ping(client, 0), 10.0)
             assert reply.meta["who"] == "old"
@@ -226,7 +228,7 @@ def test_a_new_handler_gets_the_requests_after_close_and_a_peer_without_channels
             async def new_handler(sender: str, request: Message) -> Message:
                 return new.message(MessageKind.PONG, {"who": "new"}, request_id=request.request_id)
 
-            await new.serve_requests(SERVICE, new_handler)
+            await new.serve_requests(SERVICE, new_handler, PINGS)
             for number in range(1, 4):
                 for _ in range(20):  # the closed channel is noticed as soon as its EOF arrives
                     try:
@@ -255,7 +257,7 @@ def test_on_a_direct_link_channels_keep_every_rule():
                 await asyncio.sleep(0.01 * (10 - number))
                 return server.message(MessageKind.PONG, {"number": number, "sender": sender})
 
-            await server.serve_requests(SERVICE, handler)
+            await server.serve_requests(SERVICE, handler, PINGS)
             client = transport(client_net, 0, swarm_key=b"k" * 32, to=server_net)
             replies = await asyncio.gather(
                 *(client.request(server_net.peer_id, SERVICE, ping(client, n), 10.0) for n in range(10))
@@ -333,7 +335,7 @@ def test_a_posted_request_is_answered_only_when_refused(link: str):
                     return server.message(MessageKind.BUSY, request_id=request.request_id)
                 return server.message(MessageKind.ACK, request_id=request.request_id)
 
-            await server.serve_requests(SERVICE, handler)
+            await server.serve_requests(SERVICE, handler, PINGS)
             client = transport(client_net, 0, to=server_net if link == "direct" else None)
             late: list[tuple[int, MessageKind]] = []
             outcomes = []
@@ -391,7 +393,7 @@ def test_a_channel_answers_at_once_or_later_and_stops_reading_past_its_concurren
                     return server.message(MessageKind.PONG, {"number": number})
                 return answer_later(request)
 
-            await server.serve_requests(SERVICE, handler)
+            await server.serve_requests(SERVICE, handler, PINGS)
             client = transport(client_net, 0, to=server_net if link == "direct" else None)
             total = 2 * CHANNEL_CONCURRENCY + 8  # the even ones fill the channel's concurrency
             requests = [

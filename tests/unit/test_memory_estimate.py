@@ -23,6 +23,7 @@ from node.model.memory import (
 )
 from node.model.memory_tables import HOME_GPU_BUDGET
 from node.model.presets import PRESETS, PresetName, load_config
+from node.p2p.bans import BanList
 
 
 def preset_config(name: PresetName, **overrides) -> SwarmConfig:
@@ -260,7 +261,7 @@ def test_the_store_of_activations_holds_the_window_the_memory_check_admitted(mon
 
     monkeypatch.setattr(stage_service, "StageWorker", worker)
     monkeypatch.setattr(stage_service, "serve_current_stage", build_only)
-    network = SimpleNamespace(dht=None)
+    network = SimpleNamespace(dht=None, bans=BanList())
     me = SimpleNamespace(stage=1)
     with pytest.raises(WorkerBuilt):
         asyncio.run(stage_service.serve_stage(network, config, me, asyncio.Event(), stage_service.ServiceOptions()))  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from node.p2p.bans import BanList
 from node.p2p.peer_conduct import ConductLimits, PeerConduct
 
 
@@ -13,13 +14,12 @@ class Clock:
         return self.now
 
 
-def conduct(**limits: float) -> tuple[PeerConduct, Clock, list]:
-    clock, banned = Clock(), []
+def conduct(**limits: float) -> tuple[PeerConduct, Clock, BanList]:
+    clock = Clock()
     limits = {"total_streams": 8, **limits}
-    c = PeerConduct(
-        ConductLimits(**limits), ban_until=lambda p: clock.now + 100, on_ban=lambda *a: banned.append(a), clock=clock
-    )
-    return c, clock, banned
+    bans = BanList(clock=clock)
+    c = PeerConduct(ConductLimits(**limits), ban_until=lambda p: clock.now + 100, bans=bans, clock=clock)
+    return c, clock, bans
 
 
 def test_streams_per_peer_and_in_total_are_capped_and_released():
@@ -31,9 +31,25 @@ def test_streams_per_peer_and_in_total_are_capped_and_released():
     assert c.open_streams() == 8 and c.admit("h") == "too many open streams"
     c.release("a")
     assert c.admit("h") is None and c.refused == 2
+
+
+def test_a_release_without_its_admit_changes_no_count():
+    c, _, _ = conduct(streams_per_peer=2, total_streams=3)
+    assert c.admit("a") is None and c.admit("a") is None and c.admit("b") is None
+    assert (c.open_streams(), c.open_streams("a"), c.open_streams("b")) == (3, 2, 1)
     for _ in range(5):
-        c.release("zzz")  # releasing what was never admitted cannot go negative
-    assert c.open_streams() >= 0
+        assert c.release("stranger") is False  # never admitted: it cannot free a slot of the others
+    assert (c.open_streams(), c.open_streams("a"), c.open_streams("b"), c.open_streams("stranger")) == (3, 2, 1, 0)
+    assert c.admit("c") == "too many open streams"
+    assert c.release("b") is True and c.release("b") is False  # its one slot, once
+    assert (c.open_streams(), c.open_streams("a"), c.open_streams("b")) == (2, 2, 0)
+    assert c.admit("a") == "too many streams from this peer"
+    assert c.admit("c") is None and c.admit("b") == "too many open streams"
+    assert c.release("a") is True and c.release("a") is True and c.release("a") is False
+    assert c.release("c") is True
+    assert (c.open_streams(), c.open_streams("a"), c.open_streams("c")) == (0, 0, 0)
+    assert c.release("a") is False and c.open_streams() == 0
+    assert c.admit("b") is None and c.open_streams() == 1  # the slots freed are usable again
 
 
 def test_request_rate_is_a_token_bucket():
@@ -48,12 +64,12 @@ def test_request_rate_is_a_token_bucket():
 
 
 def test_repeated_bad_input_bans_until_the_record_expires_and_strikes_decay():
-    c, clock, banned = conduct(strikes_to_ban=3, strike_window=60)
+    c, clock, bans = conduct(strikes_to_ban=3, strike_window=60)
     assert not c.strike("a", "bad frame") and not c.strike("a", "bad frame")
     clock.now += 61  # the first two strikes are forgotten
     assert not c.strike("a", "bad frame") and not c.strike("a", "bad frame")
     assert c.strike("a", "bad frame")
-    assert c.is_banned("a") and banned and banned[0][0] == "a" and banned[0][1] == clock.now + 100
+    assert c.is_banned("a") and bans.active()["a"][0] == clock.now + 100
     assert c.admit("a") == "banned for bad input" and c.admit("b") is None
     clock.now += 101
     assert not c.is_banned("a") and c.admit("a") is None
