@@ -17,6 +17,7 @@ from protocol.framing import (
 )
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import (
+    ANCHOR_IDS,
     KIND_SCHEMAS,
     KIND_TENSORS,
     POSTED_KEY,
@@ -30,6 +31,7 @@ from protocol.tensors import COMPRESSIONS, DTYPES, Compression, decode_tensor, e
 from protocol.version import PROTOCOL_VERSION
 
 __all__ = [
+    "ANCHOR_IDS",
     "COMPRESSIONS",
     "DEFAULT_LIMITS",
     "DTYPES",

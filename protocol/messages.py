@@ -104,6 +104,8 @@ KIND_TENSORS.update(
     }
 )
 
+# a hop's token ids, when it carries them: the anchors of its hidden states in a subspace codec
+ANCHOR_IDS = "tokens"
 # -1 is "no stage yet" (e.g. a joiner asking for state); real stages are 0..2**31-1
 MIN_STAGE, MAX_STAGE = -1, (1 << 31) - 1
 MAX_REQUEST_ID = (1 << 64) - 1
@@ -158,7 +160,10 @@ def encode_message(msg: Message, compression: str = "none", *, limits: Limits = 
         "sender_stage": msg.sender_stage,
         "request_id": msg.request_id,
         "meta": msg.meta,
-        "tensors": {name: encode_tensor(t, compression) for name, t in msg.tensors.items()},
+        "tensors": {
+            name: encode_tensor(t, compression, anchor_ids=_anchor_ids(msg.tensors, t))
+            for name, t in msg.tensors.items()
+        },
     }
     packer = msgpack.Packer(autoreset=False, use_bin_type=True, strict_types=False)
     try:
@@ -203,12 +208,24 @@ def decode_message(
     _check_meta(meta, kind, limits)
     _check_tensor_names(encoded, kind, limits)
     tensors = {}
-    for name, obj in encoded.items():
+    # anchored tensors last: they need the message's token ids decoded first
+    for name, obj in sorted(
+        encoded.items(), key=lambda item: isinstance(item[1], dict) and item[1].get("anchored") is True
+    ):
         try:
-            tensors[name] = decode_tensor(obj, limits)
+            tensors[name] = decode_tensor(obj, limits, anchor_ids=tensors.get(ANCHOR_IDS))
         except ProtocolError as e:
             raise ProtocolError(f"tensor {name!r}: {e}") from None
     return Message(kind, swarm_id, body["sender_stage"], body["request_id"], meta, tensors, version)
+
+
+def _anchor_ids(tensors: dict[str, torch.Tensor], t: torch.Tensor) -> torch.Tensor | None:
+    """The message's token ids when they name `t`'s rows (a hop's hidden states): a subspace codec
+    then sends the rows relative to the tokens' anchors (protocol/subspace.py)."""
+    ids = tensors.get(ANCHOR_IDS)
+    if ids is None or ids is t or ids.is_floating_point() or not t.is_floating_point():
+        return None
+    return ids if tuple(ids.shape) == tuple(t.shape[:-1]) else None
 
 
 def _read_version(view: memoryview) -> tuple[int, int]:

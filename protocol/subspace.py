@@ -15,9 +15,19 @@ Forward, a hop sends c = x P and the receiver uses x_hat = c P^T (P: [W, R]). Th
 gradient with respect to x is then exactly P P^T g for the receiver's gradient g at x_hat, and P^T g
 is all it needs to send: projecting the gradient costs nothing beyond what the forward projection
 already did to the model. Each row's R coordinates are quantized with one fp32 absmax scale (fp16
-would flush a small gradient's scale to zero): `subspace8` at R = W // 9 in int8, `subspace4` at
-R = 2W // 9 in int4, so both carry R + 4 bytes (int8) or R / 2 + 4 bytes (int4) a row against 2W in
-fp16: 16x at W = 288 (the 15m preset), ~17x at W = 576.
+would flush a small gradient's scale to zero, bf16 keeps its range): `subspace8` at R = W // 9 - 1
+in int8, `subspace4` at twice that in int4, so both carry R + 2 bytes (int8) or R / 2 + 2 bytes
+(int4) a row against 2W in fp16: 17.5x at W = 288 (the 15m preset), 17.7x at W = 576.
+
+Token anchors (Protocol Models subtracts a frozen token embedding before sending; MAPL adds
+per-stage anchor embeddings): a rank-W/9 subspace cannot carry which token a position holds, which
+every later layer needs. When the hop carries its token ids (2 bytes a token as int16), the codec
+sends the coordinates of x - a(t) and the receiver adds a(t) back, a(t) a fixed pseudo-random vector
+per token id that both ends compute from the id alone (`anchors`: a hash, no table, no vocabulary
+to agree on). So every stage sees a full-rank token identity beside the subspace part; the
+gradient is unchanged (a(t) does not depend on x). Scales are bf16 rounded up (the range of fp32,
+so a small gradient's scale does not flush to zero, in 2 bytes): an anchored row costs
+R + 2 + 2 bytes, 35 at W = 288, 16.5x under fp16 (16.4x for the whole FORWARD message).
 
 Pure tensor code: no networking, no config. protocol/tensors.py frames the result.
 """
@@ -32,20 +42,25 @@ import torch
 
 from protocol.errors import ProtocolError
 
-# one row's coordinates share one scale, as fp32 (little-endian)
-SCALE_BYTES = 4
+# one row's coordinates share one scale, as bf16 (little-endian), rounded up so no code overflows
+SCALE_BYTES = 2
+ANCHOR_STD = 0.02  # of each anchor value: the model's embedding init (node/model/llama.py INIT_STD)
+# the token ids an anchored hop carries: int16 while they fit (every preset's 32000), else int32
+ANCHOR_ID_BOUND = 1 << 31
 # the widest row a subspace tensor may have: a receiver builds the basis of a width it has not seen
 # (W x R values), so a stranger must not be able to name any width; 4096 covers every preset (1b: 1280)
 MAX_WIDTH = 4096
-# narrower rows would get no coordinates at int8 (R = W // 9)
-MIN_WIDTH = 9
+# narrower rows would get no coordinates at int8 (R = W // 9 - 1)
+MIN_WIDTH = 18
 _BASIS_SEED = 0x5B5  # the basis is part of the protocol: every peer must draw the same one
 _CACHED_BASES = 8
 
 
 def rank_of(width: int, bits: int) -> int:
-    """R for a row of `width` values: W // 9 coordinates in int8, 2W // 9 in int4 (16x under fp16 at W = 288)."""
-    return width // 9 if bits == 8 else 2 * width // 9
+    """R for a row of `width` values: W // 9 - 1 coordinates in int8, 2 (W // 9 - 1) in int4, so that a
+    row with its scale and its token id fits in 1/16 of its fp16 bytes, framing included (35 of 576
+    bytes at W = 288)."""
+    return (width // 9 - 1) * (1 if bits == 8 else 2)
 
 
 def covers(shape: list[int] | torch.Size) -> bool:
@@ -76,9 +91,13 @@ def quantize_rows(c: torch.Tensor, bits: int) -> tuple[bytes, bytes]:
     absmax = c.abs().amax(dim=1)
     if absmax.numel() and not math.isfinite(float(absmax.max())):  # max propagates NaN
         raise ProtocolError("subspace compression needs finite values; use fp16/bf16/none for this tensor")
-    scales = absmax / levels
+    exact = absmax / levels
+    scales = exact.to(torch.bfloat16)
+    low = scales.float() < exact  # rounded down: one bf16 step up, so |c / scale| <= levels holds
+    scales[low] = torch.nextafter(scales[low], torch.full_like(scales[low], math.inf))
     # an all-zero row has scale 0: divide by the smallest subnormal instead, which keeps it zeros
-    q = (c / scales.clamp_min(2.0**-149)[:, None]).round_().clamp_(-levels, levels).to(torch.int8)
+    divisors = scales.float().clamp_min(2.0**-149)[:, None]
+    q = (c / divisors).round_().clamp_(-levels, levels).to(torch.int8)
     if bits == 8:
         codes = q.numpy().tobytes()
     else:
@@ -86,7 +105,7 @@ def quantize_rows(c: torch.Tensor, bits: int) -> tuple[bytes, bytes]:
         if nibbles.size % 2:
             nibbles = np.append(nibbles, np.uint8(0))
         codes = (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()
-    return codes, scales.numpy().astype("<f4").tobytes()
+    return codes, scales.view(torch.int16).numpy().tobytes()
 
 
 def code_bytes(rows: int, rank: int, bits: int) -> int:
@@ -104,18 +123,44 @@ def dequantize_rows(codes: memoryview, scales: memoryview, rows: int, rank: int,
         nibbles[0::2], nibbles[1::2] = packed & 0x0F, packed >> 4
         q = (nibbles[: rows * rank] - ((nibbles[: rows * rank] & 0x8) << 1)).astype(np.float32)  # sign-extend
     c = torch.from_numpy(q).reshape(rows, rank)
-    return c.mul_(torch.from_numpy(np.frombuffer(scales, dtype="<f4").copy())[:, None])
+    row_scales = torch.frombuffer(bytearray(scales), dtype=torch.bfloat16).float()
+    return c.mul_(row_scales[:, None])
 
 
-def encode_rows(x: torch.Tensor, bits: int) -> tuple[bytes, bytes]:
-    """x [..., W] (float32, host) -> the codes and scales of its coordinates c = x P."""
+# splitmix64's multipliers as signed 64-bit ints: torch's int64 arithmetic wraps around like uint64's
+_MIX = [c - (1 << 64) if c >= 1 << 63 else c for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)]
+
+
+def anchors(ids: torch.Tensor, width: int) -> torch.Tensor:
+    """a(t) [len(ids), width] float32: value j of token t uniform in +-sqrt(3) ANCHOR_STD, from a
+    splitmix64-style hash of (t, j) alone: the same on every peer, nothing to store or agree on."""
+    z = ids.reshape(-1, 1).to(torch.int64) * _MIX[0] + torch.arange(width, dtype=torch.int64)[None, :] * _MIX[1]
+    z = z ^ (z >> 31)
+    z = z * _MIX[2]
+    z = z ^ (z >> 29)
+    z = z * _MIX[1]
+    unit = ((z >> 8) & 0xFFFFFF).to(torch.float32) * (2.0 / (1 << 24)) - 1.0  # 24 high-ish bits in [-1, 1)
+    return unit.mul_(math.sqrt(3.0) * ANCHOR_STD)
+
+
+def encode_rows(x: torch.Tensor, bits: int, anchor_ids: torch.Tensor | None = None) -> tuple[bytes, bytes]:
+    """x [..., W] (float32, host) -> the codes and scales of its coordinates c = (x - a(t)) P, a(t)
+    the anchors of `anchor_ids` (one id a row) or none."""
     width = x.shape[-1]
-    return quantize_rows(x.reshape(-1, width) @ basis(width, rank_of(width, bits)), bits)
+    rows = x.reshape(-1, width)
+    if anchor_ids is not None:
+        rows = rows - anchors(anchor_ids, width)
+    return quantize_rows(rows @ basis(width, rank_of(width, bits)), bits)
 
 
-def decode_rows(codes: memoryview, scales: memoryview, shape: list[int], bits: int) -> torch.Tensor:
-    """x_hat = c P^T [*shape] float32 from the codes and scales of `shape`'s rows."""
+def decode_rows(
+    codes: memoryview, scales: memoryview, shape: list[int], bits: int, anchor_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x_hat = a(t) + c P^T [*shape] float32 from the codes and scales of `shape`'s rows."""
     width = shape[-1]
     rank = rank_of(width, bits)
     rows = math.prod(shape[:-1])
-    return (dequantize_rows(codes, scales, rows, rank, bits) @ basis(width, rank).T).reshape(shape)
+    x = dequantize_rows(codes, scales, rows, rank, bits) @ basis(width, rank).T
+    if anchor_ids is not None:
+        x += anchors(anchor_ids, width)
+    return x.reshape(shape)

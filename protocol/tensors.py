@@ -2,8 +2,9 @@
 
 Wire layout (all keys required unless noted):
     {"dtype": "float32", "codec": "none"|"fp16"|"bf16"|"int8"|"subspace8"|"subspace4", "shape": [int, ...],
-     "data": bytes, "block": int, "scales": bytes}
-"block" only (and always) for int8, "scales" for int8 and the subspace codecs. "dtype" is the
+     "data": bytes, "block": int, "scales": bytes, "anchored": bool}
+"block" only (and always) for int8, "scales" for int8 and the subspace codecs, "anchored" for the
+subspace codecs only (whether the rows were sent relative to the message's token ids). "dtype" is the
 original dtype the receiver gets back; "codec" says how "data" is stored. A subspace codec stores a
 [..., W] tensor's coordinates in a fixed basis (protocol/subspace.py): what the receiver gets back
 is the tensor's projection onto that subspace, which a swarm using it trains through.
@@ -34,6 +35,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "int64": torch.int64,
     "int32": torch.int32,
+    "int16": torch.int16,
     "uint8": torch.uint8,
     "bool": torch.bool,
 }
@@ -48,10 +50,10 @@ class Compression(StrEnum):
     FP16 = "fp16"
     BF16 = "bf16"
     INT8 = "int8"  # blockwise absmax int8 with fp32 scales
-    # a row's coordinates in a fixed rank-W//9 subspace, int8 (protocol/subspace.py); rows outside
+    # a row's coordinates in a fixed rank-(W//9 - 1) subspace, int8 (protocol/subspace.py); rows outside
     # the subspace codecs' widths (and 1-d tensors) go in int8
     SUBSPACE8 = "subspace8"
-    SUBSPACE4 = "subspace4"  # ... rank 2W//9, int4
+    SUBSPACE4 = "subspace4"  # ... twice the rank, int4
 
 
 SUBSPACE_BITS = {Compression.SUBSPACE8: 8, Compression.SUBSPACE4: 4}
@@ -68,16 +70,20 @@ _SCALE_ITEMSIZE = 4
 _MAX_BLOCK = 1 << 30
 _NO_SCALES_KEYS = frozenset({"dtype", "codec", "shape", "data"})
 _INT8_KEYS = _NO_SCALES_KEYS | {"block", "scales"}
-_SUBSPACE_KEYS = _NO_SCALES_KEYS | {"scales"}
+_SUBSPACE_KEYS = _NO_SCALES_KEYS | {"scales", "anchored"}
 
 
-def encode_tensor(t: torch.Tensor, compression: str = "none", block_size: int = 256) -> dict:
+def encode_tensor(
+    t: torch.Tensor, compression: str = "none", block_size: int = 256, anchor_ids: torch.Tensor | None = None
+) -> dict:
     """Encode a tensor; compression applies to floating tensors only, others always go as-is.
 
     "data" is a fresh bytes copy, or a view of the fp16/bf16 conversion made for it alone, so the
     caller may keep mutating the tensor (e.g. an optimizer step) while the encoded dict waits in a
     send queue. Raises ProtocolError on an unsupported dtype or compression, or non-finite values
-    with int8 (they have no int8 representation).
+    with int8 (they have no int8 representation). `anchor_ids` (one integer a row of `t`): a
+    subspace codec sends `t` relative to those ids' anchors (protocol/subspace.py); the receiver
+    needs the same ids to decode it.
     """
     if not isinstance(t, torch.Tensor):
         raise ProtocolError(f"expected a torch.Tensor, got {type(t).__name__}")
@@ -104,7 +110,10 @@ def encode_tensor(t: torch.Tensor, compression: str = "none", block_size: int = 
     elif codec == "bf16":
         out["data"] = _view_of_fresh(t.to(torch.bfloat16))
     elif codec in SUBSPACE_BITS:
-        out["data"], out["scales"] = subspace.encode_rows(t.to(torch.float32), SUBSPACE_BITS[codec])
+        if anchor_ids is not None and tuple(anchor_ids.shape) != tuple(t.shape[:-1]):
+            raise ProtocolError(f"anchor ids of shape {list(anchor_ids.shape)} for rows of shape {list(t.shape[:-1])}")
+        out["data"], out["scales"] = subspace.encode_rows(t.to(torch.float32), SUBSPACE_BITS[codec], anchor_ids)
+        out["anchored"] = anchor_ids is not None
     else:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= _MAX_BLOCK:
             raise ProtocolError(f"int8 block_size must be an int in [1, {_MAX_BLOCK}], got {block_size!r}")
@@ -133,7 +142,7 @@ def wire_nbytes(t: torch.Tensor, compression: str = "none", block_size: int = 25
     return numel * _CODEC_ITEMSIZE[codec]
 
 
-def decode_tensor(obj: Any, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
+def decode_tensor(obj: Any, limits: Limits = DEFAULT_LIMITS, anchor_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Validate an encoded tensor dict and rebuild the tensor in its original dtype.
 
     Every size is checked with Python ints before anything is allocated. The result is always
@@ -141,7 +150,9 @@ def decode_tensor(obj: Any, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
     memoryview) with codec "none": then the tensor is a zero-copy view over that buffer. Bytes
     (what msgpack produces) are immutable and CPython shares 1-byte bytes objects process-wide,
     so we copy them once instead of handing out a tensor that could write into them.
-    Values are not checked for finiteness; that is the training layer's call.
+    Values are not checked for finiteness; that is the training layer's call. An anchored
+    subspace tensor needs `anchor_ids`, one integer a row (protocol/messages.py passes the
+    message's token ids); any other tensor ignores them.
     """
     if not isinstance(obj, dict):
         raise ProtocolError(f"tensor must be a map, got {type(obj).__name__}")
@@ -167,7 +178,13 @@ def decode_tensor(obj: Any, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
         )
     data = _check_buffer(obj["data"], "data")
     if codec in SUBSPACE_BITS:
-        return _decode_subspace(data, obj["scales"], shape, SUBSPACE_BITS[codec]).to(dtype)
+        anchored = obj["anchored"]
+        if not isinstance(anchored, bool):
+            raise ProtocolError(f"subspace 'anchored' must be a bool, got {type(anchored).__name__}")
+        if anchored and (anchor_ids is None or list(anchor_ids.shape) != shape[:-1] or anchor_ids.is_floating_point()):
+            raise ProtocolError(f"an anchored subspace tensor of shape {shape} needs integer ids of shape {shape[:-1]}")
+        ids = anchor_ids if anchored else None
+        return _decode_subspace(data, obj["scales"], shape, SUBSPACE_BITS[codec], ids).to(dtype)
     wire_itemsize = itemsize if codec == "none" else _CODEC_ITEMSIZE[codec]
     if len(data) != numel * wire_itemsize:
         raise ProtocolError(
@@ -191,7 +208,9 @@ def decode_tensor(obj: Any, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
     return flat.to(dtype).reshape(shape)
 
 
-def _decode_subspace(data: memoryview, scales_obj: Any, shape: list[int], bits: int) -> torch.Tensor:
+def _decode_subspace(
+    data: memoryview, scales_obj: Any, shape: list[int], bits: int, anchor_ids: torch.Tensor | None
+) -> torch.Tensor:
     """Sizes first (the rows' width is within the codec's, the codes and scales fill the rows
     exactly), then the projection back to the rows' width (protocol/subspace.py)."""
     if not subspace.covers(shape):
@@ -208,7 +227,7 @@ def _decode_subspace(data: memoryview, scales_obj: Any, shape: list[int], bits: 
         )
     if rows == 0:
         return torch.empty(shape)
-    return subspace.decode_rows(data, scales, shape, bits)
+    return subspace.decode_rows(data, scales, shape, bits, anchor_ids)
 
 
 def _beyond_fp16(t: torch.Tensor) -> bool:

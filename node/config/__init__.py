@@ -114,7 +114,7 @@ class TrainingConfig:
     grad_clip: float = 1.0
     """Max global gradient norm of a stage before its optimizer step, > 0; 1.0 like the NoLoCo authors (CheckFree weighs by it)."""
     wire_compression: Compression = Compression.FP16
-    """Encoding of activations and gradients between stages (receivers get the original dtype back); fp16 halves fp32 traffic. subspace8/subspace4 send a hop's coordinates in a fixed rank-W/9 (int8) or 2W/9 (int4) subspace, 16x under fp16 at the 15m width: part of the model, so slow_link_compression must be the same (docs/wire.md)."""
+    """Encoding of activations and gradients between stages (receivers get the original dtype back); fp16 halves fp32 traffic. subspace8/subspace4 send a hop's coordinates in a fixed rank-(W/9 - 1) subspace (int8; int4 at twice the rank) beside its token ids, 16.4x under fp16 at the 15m width: part of the model, so slow_link_compression must be the same (docs/wire.md)."""
     slow_link_compression: Compression = Compression.INT8
     """Encoding of hops while wire_compression would keep this peer's uplink over half busy, link rates measured by TCP (node/pipeline/link_compression.py); int8 halves fp16, as SWARM compresses for slow networks. Equal to wire_compression: never switch."""
     hop_timeout: float = 20.0

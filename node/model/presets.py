@@ -32,6 +32,7 @@ from typing import Any
 
 from node import config as node_config
 from node.config import ConfigError, ModelConfig, SwarmConfig, TrainingConfig, load_toml
+from protocol import Compression
 
 __all__ = [
     "PRESETS",
@@ -64,12 +65,18 @@ class TrainingShape:
     microbatch_size: int
     min_in_flight: int
     max_in_flight: int
+    wire_compression: Compression = TrainingConfig.wire_compression
+    slow_link_compression: Compression = TrainingConfig.slow_link_compression
 
-    def training_values(self) -> dict[str, int]:
+    def training_values(self) -> dict[str, Any]:
         return asdict(self)
 
 
 _DEFAULT_TRAINING = TrainingConfig()
+# every real preset's hops travel in the rank-(W/9 - 1) int8 subspace with token anchors (protocol/subspace.py), on every link:
+# 16.4x under fp16 at the 15m width, where a 50 Mbit/s uplink otherwise sets the pace; its loss cost
+# and the alternatives are measured in docs/wire.md
+SUBSPACE_HOPS = {"wire_compression": Compression.SUBSPACE8, "slow_link_compression": Compression.SUBSPACE8}
 TODAYS_TRAINING = TrainingShape(
     sequence_length=_DEFAULT_TRAINING.sequence_length,
     microbatch_size=_DEFAULT_TRAINING.microbatch_size,
@@ -173,7 +180,9 @@ PRESETS: dict[PresetName, ModelPreset] = {
             published_ties_embeddings=True,
             # its whole context; 8 x 256 = 2048 tokens a microbatch, as the larger presets; a window of
             # 4..16 keeps a peer of any stage near 3 GiB in fp32 on a CPU (a laptop's RAM)
-            training=TrainingShape(sequence_length=256, microbatch_size=8, min_in_flight=4, max_in_flight=16),
+            training=TrainingShape(
+                sequence_length=256, microbatch_size=8, min_in_flight=4, max_in_flight=16, **SUBSPACE_HOPS
+            ),
             num_stages=3,  # 2 block stages x 3 layers
         ),
         ModelPreset(
@@ -195,7 +204,9 @@ PRESETS: dict[PresetName, ModelPreset] = {
             # the 2048-token context MobileLLM trained at (shorter would leave positions it advertises
             # untrained); one sequence a microbatch keeps the unit of memory and of wire traffic small
             # (a 2.4 MB fp16 hop); a window up to 16 fits a 24 GB GPU in bf16 and in fp16
-            training=TrainingShape(sequence_length=2048, microbatch_size=1, min_in_flight=4, max_in_flight=16),
+            training=TrainingShape(
+                sequence_length=2048, microbatch_size=1, min_in_flight=4, max_in_flight=16, **SUBSPACE_HOPS
+            ),
             num_stages=4,  # 3 block stages x 10 layers
         ),
         ModelPreset(
@@ -215,7 +226,9 @@ PRESETS: dict[PresetName, ModelPreset] = {
             published_parameters=345_300_000,
             published_ties_embeddings=True,
             # as 125m; 12 in flight is what a 24 GB GPU holds on a block stage of 8 layers
-            training=TrainingShape(sequence_length=2048, microbatch_size=1, min_in_flight=4, max_in_flight=12),
+            training=TrainingShape(
+                sequence_length=2048, microbatch_size=1, min_in_flight=4, max_in_flight=12, **SUBSPACE_HOPS
+            ),
             num_stages=5,  # 4 block stages x 8 layers
         ),
         ModelPreset(
@@ -235,7 +248,9 @@ PRESETS: dict[PresetName, ModelPreset] = {
             published_parameters=1_010_000_000,
             published_ties_embeddings=True,
             # as 125m; 10 in flight is what a 24 GB GPU holds on a block stage of 6 layers
-            training=TrainingShape(sequence_length=2048, microbatch_size=1, min_in_flight=4, max_in_flight=10),
+            training=TrainingShape(
+                sequence_length=2048, microbatch_size=1, min_in_flight=4, max_in_flight=10, **SUBSPACE_HOPS
+            ),
             num_stages=10,  # 9 block stages x 6 layers
         ),
     )
@@ -270,6 +285,9 @@ def preset_values(name: Any, num_stages: Any, written: Mapping[str, Any]) -> dic
     else:
         model = preset.model_values(num_stages)
     training = preset.training.training_values()
+    if {"training.wire_compression", "training.slow_link_compression"} & written.keys():
+        # the two go together (a subspace codec is part of the model): the user's choice takes both
+        del training["wire_compression"], training["slow_link_compression"]
     context = written.get("model.max_position_embeddings")
     if isinstance(context, int) and not isinstance(context, bool) and context >= 1:
         training["sequence_length"] = min(training["sequence_length"], context)

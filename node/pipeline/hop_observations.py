@@ -38,6 +38,7 @@ class Observed:
     received_grad_input: Tensor | None = None  # its gradient wrt that input, as received (previous peer)
     received_output: Tensor | None = None  # the hop's output, as received (next peer)
     sent_grad_output: Tensor | None = None  # the gradient wrt that output, as sent (next peer)
+    token_ids: Tensor | None = None  # the hop's token ids, which a subspace codec anchors hidden states to
 
     @property
     def key(self) -> HopKey:

@@ -34,7 +34,7 @@ from node.pipeline.link_compression import LinkCompression
 from node.pipeline.routing import Router
 from node.pipeline.verifier import Verifier
 from node.runtime.tasks import BackgroundTasks
-from protocol import Message, MessageKind, ProtocolError
+from protocol import ANCHOR_IDS, Message, MessageKind, ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class _RoutedHop:
     microbatch_id: int
     on_lost: OnLost
     # a training forward's input, origin and token for the verifier, until the first peer takes it
-    checkable: tuple[Tensor, str, str] | None = None
+    checkable: tuple[Tensor, str, str, Tensor | None] | None = None
     tried: set[str] = field(default_factory=set)
     payload: bytes | None = None
 
@@ -165,7 +165,7 @@ class HopSender:
         message = self.transport.message(kind, meta, tensors)
         checkable = None
         if self.verifier is not None and kind == MessageKind.FORWARD and purpose_of(meta) is MicrobatchPurpose.TRAIN:
-            checkable = (tensors["hidden"], meta["origin"], meta.get("token", ""))
+            checkable = (tensors["hidden"], meta["origin"], meta.get("token", ""), tensors.get(ANCHOR_IDS))
         hop = _RoutedHop(stage, service, message.request_id, message, meta["microbatch_id"], on_lost, checkable)
         peer_id = await self._send_routed(hop)
         if peer_id is None:
@@ -214,8 +214,8 @@ class HopSender:
             # no observe(): a send's latency says nothing about the peer's speed; the router
             # follows the throughput the peer measures and announces
             if hop.checkable is not None and self.verifier is not None:
-                hidden, origin, token = hop.checkable
-                self.verifier.forward_sent(hop.stage, peer_id, origin, hop.microbatch_id, token, hidden)
+                hidden, origin, token, token_ids = hop.checkable
+                self.verifier.forward_sent(hop.stage, peer_id, origin, hop.microbatch_id, token, hidden, token_ids)
                 hop.checkable = None
             return peer_id
         logger.info(f"no peer of stage {hop.stage} took microbatch {hop.microbatch_id} (tried {len(hop.tried)})")

@@ -115,15 +115,21 @@ def is_digest(text: str) -> bool:
     return len(text) == 2 * _DIGEST_BYTES and all(c in "0123456789abcdef" for c in text)
 
 
-def arrived_as(sent: Tensor, received: Tensor) -> bool:
+def arrived_as(sent: Tensor, received: Tensor, token_ids: Tensor | None = None) -> bool:
     """Whether `received` is exactly what `sent` becomes on the wire under one of its codecs.
 
     The hop's codec is chosen per link at send time (node/pipeline/link_compression.py) and is
     deterministic on the host, so an honest pair of tensors matches one of them bit for bit: no
-    tolerance is left for a replica to hide a change in."""
+    tolerance is left for a replica to hide a change in. `token_ids`: the hop's, which a subspace
+    codec anchors its hidden states to (protocol/subspace.py)."""
     if sent.shape != received.shape or sent.dtype != received.dtype:
         return False
-    return any(torch.equal(decode_tensor(encode_tensor(sent, codec)), received) for codec in Compression)
+    anchorings = (None,) if token_ids is None else (None, token_ids)
+    return any(
+        torch.equal(decode_tensor(encode_tensor(sent, codec, anchor_ids=ids), anchor_ids=ids), received)
+        for codec in Compression
+        for ids in anchorings
+    )
 
 
 class StrikeBook:

@@ -43,6 +43,7 @@ from dht.announcer import PeerAnnouncer
 from dht.records import PeerState, short_peer_id
 from node.config import SwarmConfig, TrainingConfig
 from node.p2p.transport import Transport, TransportError
+from node.pipeline.activation_store import UnknownMicrobatch
 from node.pipeline.admission import RejectedInput
 from node.pipeline.contracts import ABORT_CONTRACT, BACKWARD_CONTRACT, FORWARD_CONTRACT
 from node.pipeline.evaluation import PURPOSE_KEY, MicrobatchPurpose, eval_embed, eval_forward, eval_loss, purpose_of
@@ -54,10 +55,11 @@ from node.pipeline.order import pipeline_order, visits_every_block_stage
 from node.pipeline.receipts import ReceiptKeeper
 from node.pipeline.routing import Router
 from node.pipeline.stage_worker import StageWorker
+from node.pipeline.token_anchors import carried_token_ids, hop_token_ids
 from node.pipeline.verifier import Verifier
 from node.runtime.tasks import BackgroundTasks
 from node.runtime.timeouts import within
-from protocol import Message, MessageKind, ProtocolError
+from protocol import ANCHOR_IDS, Message, MessageKind, ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +133,13 @@ def _witnessing_forwards(handler: Handler, verifier: Verifier | None) -> Handler
             stage = order[hop - 2]  # hop 1 came from the origin; the final hop from the last block stage
             token = meta.get("token", "")
             verifier.forward_received(
-                stage, sender, meta["origin"], meta["microbatch_id"], token, msg.tensors["hidden"]
+                stage,
+                sender,
+                meta["origin"],
+                meta["microbatch_id"],
+                token,
+                msg.tensors["hidden"],
+                msg.tensors.get(ANCHOR_IDS),
             )
         return reply
 
@@ -334,7 +342,7 @@ class Pipeline:
         order, hop = msg.meta["order"], msg.meta["hop"]
         next_stage = order[hop] if hop < len(order) else 0
         meta = {**msg.meta, "hop": hop + 1, "path": [*msg.meta["path"], self.me.peer_id]}
-        tensors = {"hidden": hidden}
+        tensors = {"hidden": hidden, **carried_token_ids(msg, self.config.training)}
 
         def lost(received: dict = msg.meta) -> None:  # the meta only: `msg` holds the tensors that came in
             self.worker.drop(key)
@@ -433,8 +441,8 @@ class Pipeline:
                     **({} if training else {PURPOSE_KEY: purpose.value}),
                 }
                 # the targets stay here with the ticket: the head is this stage's, and at a real preset
-                # they would be 8 more bytes a token on every hop (a subspace hop carries 36)
-                tensors = {"hidden": hidden}
+                # they would be 8 more bytes a token on every hop (a subspace hop carries 35)
+                tensors = {"hidden": hidden, **hop_token_ids(tokens, self.config.training)}
                 lost = ticket.on_lost(f"no peer of stage {order[0]} took it")
                 await self.hops.send_routed(order[0], FORWARD, MessageKind.FORWARD, meta, tensors, lost)
                 loss = await within(ticket.done, deadline)
@@ -476,7 +484,7 @@ class Pipeline:
             self.transport.conduct.strike(msg.meta["path"][-1], f"final hidden states rejected: {e}")
             ticket.finish(error=TransportError(f"loss computation failed: {e}"))
             return
-        except (ValueError, RuntimeError) as e:
+        except (ValueError, RuntimeError, UnknownMicrobatch) as e:  # UnknownMicrobatch: its activations expired
             ticket.finish(error=TransportError(f"loss computation failed: {e}"))
             return
         ticket.loss = loss

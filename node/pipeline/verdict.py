@@ -86,18 +86,18 @@ def judge(
 
     # (what this peer sent, what the replica says it received), then (what it says it sent, what arrived)
     received = (
-        (observed.sent_input, forward.get(0), "input"),
-        (observed.sent_grad_output, backward.get(layers), "gradient"),
+        (observed.sent_input, forward.get(0), "input", observed.token_ids),
+        (observed.sent_grad_output, backward.get(layers), "gradient", None),
     )
-    for sent, claimed, what in received:
-        if sent is not None and claimed is not None and not arrived_as(sent, claimed):
+    for sent, claimed, what, token_ids in received:
+        if sent is not None and claimed is not None and not arrived_as(sent, claimed, token_ids):
             return Judgement(Finding.NOT_WHAT_IT_RECEIVED, f"the {what} it says it received is not what this peer sent")
     returned = (
-        (forward.get(layers), observed.received_output, "output"),
-        (backward.get(0), observed.received_grad_input, "input gradient"),
+        (forward.get(layers), observed.received_output, "output", observed.token_ids),
+        (backward.get(0), observed.received_grad_input, "input gradient", None),
     )
-    for claimed, arrived, what in returned:
-        if claimed is not None and arrived is not None and not arrived_as(claimed, arrived):
+    for claimed, arrived, what, token_ids in returned:
+        if claimed is not None and arrived is not None and not arrived_as(claimed, arrived, token_ids):
             return Judgement(Finding.NOT_WHAT_IT_SENT, f"the {what} this peer received is not what it says it sent")
 
     to_device = transfers.to_device

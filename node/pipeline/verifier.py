@@ -110,22 +110,51 @@ class Verifier:
 
     # ---- what this peer saw of a hop (event loop: draws and bookkeeping only) -------------------
 
-    def forward_sent(self, stage: int, peer: str, origin: str, microbatch_id: int, token: str, hidden: Tensor) -> None:
-        """This peer sent `peer` of block stage `stage` a training microbatch's input."""
+    def forward_sent(
+        self,
+        stage: int,
+        peer: str,
+        origin: str,
+        microbatch_id: int,
+        token: str,
+        hidden: Tensor,
+        token_ids: Tensor | None,
+    ) -> None:
+        """This peer sent `peer` of block stage `stage` a training microbatch's input (and token ids)."""
         if self._draw(stage, peer):
-            self.pending.add(Observed(stage, peer, origin, microbatch_id, token, time.monotonic(), sent_input=hidden))
+            self.pending.add(
+                Observed(
+                    stage, peer, origin, microbatch_id, token, time.monotonic(), sent_input=hidden, token_ids=token_ids
+                )
+            )
 
     def forward_received(
-        self, stage: int, sender: str, origin: str, microbatch_id: int, token: str, output: Tensor
+        self,
+        stage: int,
+        sender: str,
+        origin: str,
+        microbatch_id: int,
+        token: str,
+        output: Tensor,
+        token_ids: Tensor | None,
     ) -> None:
-        """`sender`, of block stage `stage`, sent this peer a training microbatch's output."""
+        """`sender`, of block stage `stage`, sent this peer a training microbatch's output (and token ids)."""
         pending = self.pending.get((origin, microbatch_id, sender))
         if pending is not None:  # this peer sent it the input too: one check after its backward
             pending.received_output = output
             return
         if self._draw(stage, sender):
             self._launch(
-                Observed(stage, sender, origin, microbatch_id, token, time.monotonic(), received_output=output)
+                Observed(
+                    stage,
+                    sender,
+                    origin,
+                    microbatch_id,
+                    token,
+                    time.monotonic(),
+                    received_output=output,
+                    token_ids=token_ids,
+                )
             )
 
     def backward_sent(self, peer: str, origin: str, microbatch_id: int, grad: Tensor) -> None:

@@ -34,7 +34,7 @@ def tensors(draw, dtypes: tuple[torch.dtype, ...] = ()) -> torch.Tensor:
         return torch.from_numpy(arr).to(dtype)
     if dtype == torch.bool:
         return torch.from_numpy(draw(arrays(np.bool_, shape)))
-    np_dtype = {torch.int64: np.int64, torch.int32: np.int32, torch.uint8: np.uint8}[dtype]
+    np_dtype = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.uint8: np.uint8}[dtype]
     return torch.from_numpy(draw(arrays(np_dtype, shape)))
 
 

@@ -11,13 +11,25 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol import ProtocolError, decode_tensor, encode_tensor, subspace, wire_nbytes
+from protocol import (
+    ANCHOR_IDS,
+    Message,
+    MessageKind,
+    ProtocolError,
+    decode_message,
+    decode_tensor,
+    encode_message,
+    encode_tensor,
+    subspace,
+    wire_nbytes,
+)
 from protocol.tensors import SUBSPACE_BITS, Compression
 
 SUBSPACE_CODECS = tuple(SUBSPACE_BITS)
 # worst relative error of a row's coordinates after per-row absmax quantization: half a step of
-# absmax / levels on each coordinate, measured against the row's norm (>= its absmax)
-QUANTIZATION_ERROR = {8: 0.5 / 127, 4: 0.5 / 7}
+# absmax / levels on each coordinate (the bf16 scale rounded up by at most 2^-8), measured against
+# the row's norm (>= its absmax)
+QUANTIZATION_ERROR = {8: 0.5 / 127 * (1 + 2**-7), 4: 0.5 / 7 * (1 + 2**-7)}
 
 
 def projection(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -26,7 +38,7 @@ def projection(x: torch.Tensor, bits: int) -> torch.Tensor:
     return ((x.double().reshape(-1, width) @ basis) @ basis.T).reshape(x.shape)
 
 
-@pytest.mark.parametrize("width", [9, 64, 288, 576, 4096])
+@pytest.mark.parametrize("width", [18, 64, 288, 576, 4096])
 def test_the_basis_is_orthonormal_and_the_same_on_every_call(width: int) -> None:
     for bits in (8, 4):
         rank = subspace.rank_of(width, bits)
@@ -118,6 +130,9 @@ def _valid(codec: Compression) -> dict:
         (lambda e: e.update(shape=[2, 8, 8]), "rows of"),
         (lambda e: e.update(shape=[1 << 20, 1 << 20, 288]), "max_tensor_bytes"),
         (lambda e: e.pop("scales"), "keys"),
+        (lambda e: e.pop("anchored"), "keys"),
+        (lambda e: e.update(anchored=1), "must be a bool"),
+        (lambda e: e.update(anchored=True), "needs integer ids"),
         (lambda e: e.update(block=32), "keys"),
         (lambda e: e.update(scales="not bytes"), "must be bytes"),
         (lambda e: e.update(dtype="int64"), "only valid for floating"),
@@ -170,9 +185,70 @@ def test_round_trip_is_the_projection_for_any_width_and_scale(
 def test_arbitrary_encodings_decode_or_are_refused(
     codec: Compression, shape: list[int], data: bytes, scales: bytes
 ) -> None:
-    encoded = {"dtype": "float32", "codec": codec.value, "shape": shape, "data": data, "scales": scales}
+    encoded = {
+        "dtype": "float32",
+        "codec": codec.value,
+        "shape": shape,
+        "data": data,
+        "scales": scales,
+        "anchored": False,
+    }
     try:
         decoded = decode_tensor(encoded)
     except ProtocolError:
         return
     assert list(decoded.shape) == shape
+
+
+def forward_message(hidden: torch.Tensor, token_ids: torch.Tensor | None) -> Message:
+    meta = {"microbatch_id": 1, "origin": "o", "path": ["o"], "order": [1], "hop": 1, "token": "t"}
+    tensors = {"hidden": hidden, **({ANCHOR_IDS: token_ids} if token_ids is not None else {})}
+    return Message(MessageKind.FORWARD, "swarm", 0, 1, meta, tensors)
+
+
+@pytest.mark.parametrize("codec", SUBSPACE_CODECS)
+def test_a_hop_with_its_token_ids_comes_back_whole_when_it_is_anchor_plus_subspace(codec: Compression) -> None:
+    """The anchors carry which token each position holds at full rank; only the rest is projected."""
+    bits = SUBSPACE_BITS[codec]
+    rank = subspace.rank_of(288, bits)
+    ids = torch.randint(0, 32000, (2, 16), generator=torch.Generator().manual_seed(3)).to(torch.int16)
+    inside = torch.randn(32, rank, generator=torch.Generator().manual_seed(4)) @ subspace.basis(288, rank).T * 0.05
+    hidden = (subspace.anchors(ids.reshape(-1), 288) + inside).reshape(2, 16, 288)
+    received = decode_message(encode_message(forward_message(hidden, ids), codec))
+    assert torch.equal(received.tensors[ANCHOR_IDS], ids)
+    error = (received.tensors["hidden"] - hidden).reshape(32, 288).norm(dim=1) / inside.norm(dim=1)
+    assert error.max().item() <= math.sqrt(rank) * QUANTIZATION_ERROR[bits]
+    # without the ids the same hidden states lose the anchors' part outside the subspace
+    plain = decode_message(encode_message(forward_message(hidden, None), codec)).tensors["hidden"]
+    assert (plain - hidden).norm() > 0.5 * (hidden - inside.reshape(2, 16, 288)).norm()
+
+
+def test_anchored_hidden_states_with_other_token_ids_decode_to_other_states() -> None:
+    ids = torch.arange(32, dtype=torch.int16).reshape(2, 16)
+    hidden = torch.randn(2, 16, 288)
+    encoded = encode_tensor(hidden, Compression.SUBSPACE8, anchor_ids=ids)
+    assert encoded["anchored"] is True
+    same = decode_tensor(encoded, anchor_ids=ids)
+    other = decode_tensor(encoded, anchor_ids=ids + 1)
+    assert not torch.allclose(same, other)
+    with pytest.raises(ProtocolError, match="needs integer ids"):
+        decode_tensor(encoded, anchor_ids=ids[:, :8])
+    with pytest.raises(ProtocolError, match="needs integer ids"):
+        decode_tensor(encoded, anchor_ids=ids.float())
+
+
+def test_a_hop_is_sixteen_times_smaller_than_fp16_as_a_whole_message_at_the_15m_shape() -> None:
+    ids = torch.randint(0, 32000, (8, 256)).to(torch.int16)
+    hidden = torch.randn(8, 256, 288)
+    subspace_hop = len(encode_message(forward_message(hidden, ids), Compression.SUBSPACE8))
+    fp16_hop = len(encode_message(forward_message(hidden, None), Compression.FP16))
+    assert fp16_hop / subspace_hop >= 16.0
+
+
+def test_the_anchors_are_a_fixed_full_rank_function_of_the_token_id() -> None:
+    ids = torch.arange(1000)
+    table = subspace.anchors(ids, 288)
+    assert torch.equal(table, subspace.anchors(ids, 288))
+    assert torch.equal(table[7], subspace.anchors(torch.tensor([7]), 288)[0])
+    assert torch.linalg.matrix_rank(table).item() == 288
+    assert abs(table.std().item() - subspace.ANCHOR_STD) < 0.1 * subspace.ANCHOR_STD

@@ -195,8 +195,8 @@ def test_hops_seen_in_passing_are_drawn_and_the_origin_checks_its_own_hop_once()
     swarm.add("replica")
     observed = swarm.hop("replica")
     checker, key = swarm.checker, (observed.origin, observed.microbatch_id)
-    checker.forward_sent(1, "replica", *key, observed.token, observed.sent_input)
-    checker.forward_received(1, "replica", *key, observed.token, observed.received_output)  # merged, not launched
+    checker.forward_sent(1, "replica", *key, observed.token, observed.sent_input, None)
+    checker.forward_received(1, "replica", *key, observed.token, observed.received_output, None)  # merged, not launched
     checker.backward_sent("replica", *key, observed.sent_grad_output)
     assert len(checker._tasks) == 0 and len(checker.pending) == 1
 
