@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .PHONY: demo test slow bench lint format hostile test-private internet netns-deps chaos results \
-	podman-deps docker-image docker-test gpu-check memory-table
+	podman-deps docker-image docker-test gpu-check memory-table bench-hop-codec
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ slow: $(STAMP)
 # the wide-area part runs a swarm in network namespaces: root and iproute2 (netns-deps), else it skips
 bench: $(STAMP) netns-deps
 	$(PY) tests/benchmarks/bench_all.py
+
+# the hop codecs' bytes per token and loss at equal tokens, 3 seeds (docs/wire.md; ~20 minutes on 2 CPU cores)
+bench-hop-codec: $(STAMP)
+	$(PY) tests/benchmarks/bench_hop_codec.py --json docs/results/hop_codec.json
 
 # the volunteer's real case end to end on one device (tests/benchmarks/gpu_check.py, docs/benchmarks.md
 # "GPU check"): a 4-stage swarm at PRESET trains, a joiner downloads a stage, two replicas gossip, a

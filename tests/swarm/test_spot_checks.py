@@ -41,11 +41,13 @@ RUN_SECONDS = float(os.environ.get("PIPESWARM_FAULT_RUN_SECONDS", "360"))
 POLL_SECONDS = 2.0
 
 
-def config_text(rate: float, audit_seconds: float) -> str:
+def config_text(rate: float, audit_seconds: float, wire: str, slow_link: str) -> str:
     return f"""
 [training]
 routing = "random"
 microbatches_per_step = 2
+wire_compression = "{wire}"
+slow_link_compression = "{slow_link}"
 [gossip]
 inner_steps = 10
 round_timeout = 10.0
@@ -103,10 +105,14 @@ def tails(nodes: list[NodeProcess]) -> str:
     return "\n".join(f"--- {node.name}\n{node.log()[-2000:]}" for node in nodes)
 
 
-def start(tmp_path: Path, num_stages: int, peers: list[Peer], rate: float, audit_seconds: float) -> Swarm:
-    """Bootstrap, then every peer at once (replicas of a stage start together from the seed)."""
+def start(
+    tmp_path: Path, num_stages: int, peers: list[Peer], rate: float, audit_seconds: float, wire: str = "fp16"
+) -> Swarm:
+    """Bootstrap, then every peer at once (replicas of a stage start together from the seed); every
+    hop in `wire` (fp16, int8 on slow links: today's defaults; or a subspace codec, anchored)."""
     config = tmp_path / "swarm.toml"
-    config.write_text(config_text(rate, audit_seconds))
+    slow_link = "int8" if wire == "fp16" else wire
+    config.write_text(config_text(rate, audit_seconds, wire, slow_link))
     swarm = make_swarm(tmp_path)
     swarm.bootstrap(
         "--config", str(config), "--num-stages", str(num_stages), "--heartbeat-period", "1", "--heartbeat-ttl", "5",
@@ -182,15 +188,17 @@ def print_check_times(watch: Watch, ids: dict[str, str]) -> None:
 
 
 @pytest.mark.timeout(420)
-def test_a_replica_scaling_every_linear_output_from_its_first_step_is_banned_by_stage_0_and_its_mates(tmp_path):
+@pytest.mark.parametrize("wire", ["fp16", "subspace8"])
+def test_a_replica_scaling_every_linear_output_from_its_first_step_is_banned_by_stage_0_and_its_mates(tmp_path, wire):
     """Three replicas of the only block stage start together from the seed; one computes every
     nn.Linear output x1.5 from its first step, when honest replicas still drift apart by more than
     that. Stage 0 (both ends of every hop) and an honest mate (its audits) ban it; nobody strikes
-    an honest peer."""
+    an honest peer. In subspace8 the hops carry their token ids and are anchored to them, which the
+    checks must account for exactly (node/pipeline/spot_check.py, arrived_as)."""
     peers = [Peer("stage0", 0), Peer("honest-a", 1), Peer("honest-b", 1), Peer("faulty", 1, FaultKind.SCALE)]
     swarm = None
     try:
-        swarm = start(tmp_path, 2, peers, rate=0.3, audit_seconds=2.0)
+        swarm = start(tmp_path, 2, peers, rate=0.3, audit_seconds=2.0, wire=wire)
         joined = time.monotonic()  # the peers' processes started (the faulty one computes as soon as it can)
 
         async def run() -> None:
