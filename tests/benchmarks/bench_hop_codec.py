@@ -45,7 +45,7 @@ VARIANTS = {
 HELD_OUT_STREAM = 1 << 20  # a data stream no training microbatch comes from
 
 
-def bench_config(width: int, layers_per_stage: int, seed: int, codec: Compression) -> SwarmConfig:
+def bench_config(width: int, layers_per_stage: int, seed: int, codec: Compression, steps: int) -> SwarmConfig:
     heads = max(1, width // 32)
     return SwarmConfig.from_dict(
         {
@@ -58,7 +58,14 @@ def bench_config(width: int, layers_per_stage: int, seed: int, codec: Compressio
                 "num_key_value_heads": heads,
                 "layers_per_stage": layers_per_stage,
             },
-            "training": {"microbatches_per_step": 1, "wire_compression": codec, "slow_link_compression": codec},
+            # one microbatch a step, the cosine schedule ending with the run: each codec's loss is
+            # read where its training has settled, not in the middle of a high learning rate
+            "training": {
+                "microbatches_per_step": 1,
+                "total_steps": steps,
+                "wire_compression": codec,
+                "slow_link_compression": codec,
+            },
         }
     )
 
@@ -96,7 +103,7 @@ def held_out_loss(workers: list[StageWorker], batches, codec: Compression, ancho
 
 
 def run(codec: Compression, anchored: bool, seed: int, args: argparse.Namespace) -> dict:
-    config = bench_config(args.width, args.layers, seed, codec)
+    config = bench_config(args.width, args.layers, seed, codec, args.microbatches)
     workers = [StageWorker(config, stage, module=build_stage(config, stage)) for stage in range(config.num_stages)]
     try:
         source = markov_source(config, 0)

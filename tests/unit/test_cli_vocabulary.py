@@ -118,13 +118,10 @@ def test_a_missing_swarm_key_is_refused_in_one_line(command, from_env, tmp_path,
     assert "\n" not in message
 
 
-@pytest.mark.parametrize("command", ["status", "dashboard"])
-@pytest.mark.parametrize("from_env", [False, True], ids=["flag", "env"])
-def test_status_and_dashboard_observe_with_the_swarm_key(command, from_env, tmp_path, monkeypatch):
+def keys_of_started_networks(monkeypatch) -> list[bytes | None]:
+    """The swarm key each network the observer starts is given (the start is refused right there)."""
     import node.monitor.observer as observer
 
-    key_path = tmp_path / "swarm.key"
-    key = generate_swarm_key(key_path)
     networks: list[bytes | None] = []
 
     async def fake_start_network(**kwargs):
@@ -133,6 +130,15 @@ def test_status_and_dashboard_observe_with_the_swarm_key(command, from_env, tmp_
 
     monkeypatch.setattr(observer, "start_network", fake_start_network)
     monkeypatch.setattr(cli, "configure_logging", lambda level: None)
+    return networks
+
+
+@pytest.mark.parametrize("command", ["status", "dashboard"])
+@pytest.mark.parametrize("from_env", [False, True], ids=["flag", "env"])
+def test_status_and_dashboard_observe_with_the_swarm_key(command, from_env, tmp_path, monkeypatch):
+    key_path = tmp_path / "swarm.key"
+    key = generate_swarm_key(key_path)
+    networks = keys_of_started_networks(monkeypatch)
     argv = [command, "--initial-peers", PEER, *(["--once"] if command == "dashboard" else [])]
     if from_env:
         monkeypatch.setenv(ENV_VAR, str(key_path))
@@ -144,16 +150,7 @@ def test_status_and_dashboard_observe_with_the_swarm_key(command, from_env, tmp_
 
 
 def test_status_without_a_key_observes_an_open_swarm(monkeypatch):
-    import node.monitor.observer as observer
-
-    networks: list[bytes | None] = []
-
-    async def fake_start_network(**kwargs):
-        networks.append(kwargs["swarm_key"])
-        raise daemon.JoinRefused("stop before any network starts")
-
-    monkeypatch.setattr(observer, "start_network", fake_start_network)
-    monkeypatch.setattr(cli, "configure_logging", lambda level: None)
+    networks = keys_of_started_networks(monkeypatch)
     monkeypatch.delenv(ENV_VAR, raising=False)
     assert cli.main(["status", "--initial-peers", PEER]) == 3
     assert networks == [None]
