@@ -6,19 +6,32 @@ from __future__ import annotations
 
 import torch
 
-from node.config import TrainingConfig
-from protocol import ANCHOR_IDS, Message
+from node.config import ModelConfig, SwarmConfig, TrainingConfig
+from protocol import ANCHOR_IDS, Message, wire_nbytes
 from protocol.tensors import SUBSPACE_BITS
 
 
-def hop_token_ids(tokens: torch.Tensor, training: TrainingConfig) -> dict[str, torch.Tensor]:
+def token_id_dtype(model: ModelConfig) -> torch.dtype:
+    """int16 while the vocabulary fits (2 bytes a token: every preset's 32000), else int32."""
+    return torch.int16 if model.vocab_size <= 1 << 15 else torch.int32
+
+
+def hop_token_ids(tokens: torch.Tensor, config: SwarmConfig) -> dict[str, torch.Tensor]:
     """What a FORWARD carries beside the hidden states from stage 0 on: the microbatch's token ids
     while the hops travel in a subspace codec, which anchors the hidden states to them
-    (protocol/subspace.py), in int16 while they fit (2 bytes a token); nothing otherwise."""
-    if training.wire_compression not in SUBSPACE_BITS:
+    (protocol/subspace.py); nothing otherwise."""
+    if config.training.wire_compression not in SUBSPACE_BITS:
         return {}
-    narrow = tokens.numel() == 0 or int(tokens.max()) < (1 << 15)
-    return {ANCHOR_IDS: tokens.to(torch.int16 if narrow else torch.int32)}
+    return {ANCHOR_IDS: tokens.to(token_id_dtype(config.model))}
+
+
+def forward_hop_nbytes(config: SwarmConfig) -> int:
+    """The tensor bytes of one training FORWARD in the usual codec: the hidden states, and the token
+    ids with them in a subspace codec (what the simulator's links carry, what the benchmarks count)."""
+    t, m = config.training, config.model
+    hidden = torch.empty((t.microbatch_size, t.sequence_length, m.hidden_size), device="meta")
+    ids = torch.empty(hidden.shape[:-1], dtype=token_id_dtype(m), device="meta")
+    return sum(wire_nbytes(x, t.wire_compression) for x in (hidden, *hop_token_ids(ids, config).values()))
 
 
 def carried_token_ids(msg: Message, training: TrainingConfig) -> dict[str, torch.Tensor]:

@@ -33,12 +33,12 @@ from node.config import SwarmConfig
 from node.pipeline.order import pipeline_order
 from node.pipeline.routing import Router
 from node.pipeline.stage_worker import StageWorker
+from node.pipeline.token_anchors import forward_hop_nbytes
 from node.simulate.clock import SimClock
 from node.simulate.collectives import ring_allreduce_seconds
 from node.simulate.links import LinkModel
 from node.simulate.sources import SecondOrderMarkov
 from node.simulate.timeline import Microbatch, StageCosts, run_iteration
-from protocol.tensors import wire_nbytes
 
 MARKOV_BRANCHING = 2  # successors per token pair: a chain the small model learns well below ln V
 HELD_OUT_STREAM = 999
@@ -106,9 +106,7 @@ class SimulatedSwarm:
             random.Random(seed + 1), self.num_stages, clock=self.clock.now, mode=config.training.routing
         )
         self.stage_bytes = [4 * sum(p.numel() for p in row[0].module.parameters()) for row in self.workers]
-        t, m = config.training, config.model
-        hop = torch.empty((t.microbatch_size, t.sequence_length, m.hidden_size), device="meta")
-        self.activation_bytes = wire_nbytes(hop, t.wire_compression)
+        self.activation_bytes = forward_hop_nbytes(config)
         if compute_seconds is None:  # measured once, on this host, for a block stage and for stage 0
             block = 1.0 / self.workers[1][0].measure_throughput()
             edge = 1.0 / self.workers[0][0].measure_throughput()
