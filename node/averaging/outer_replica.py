@@ -63,6 +63,8 @@ class RoundOutcome:
     partners: tuple[str, ...] = ()
     detail: str = ""
     divergence: float | None = None
+    sent_bytes: int | None = None  # framed bytes this replica sent in the exchange (None: no exchange)
+    seconds: float | None = None  # from the exchange's first message to the outer step, on this side
 
 
 @dataclass

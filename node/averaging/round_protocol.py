@@ -83,6 +83,8 @@ class PartnerUpdate:
     phi: list[Tensor]
     delta: list[Tensor]
     divergence: float | None  # relative distance of our phi from the partner's, before the step
+    began: float  # time.monotonic() when this side's first message of the exchange went out or came in
+    sent_bytes: int  # framed bytes this side sent in the exchange
 
 
 class PairwiseRound:
@@ -146,6 +148,7 @@ class PairwiseRound:
 
     async def _initiate(self, peer: str, start: RoundStart, key: PhiDither) -> RoundOutcome:
         ctx = self.ctx
+        began = time.monotonic()
         async with ctx.wire.open(peer, STALL_TIMEOUT) as session:
             with _silence_is_a_stall(peer):
                 steps = start.inner_step - ctx.round_start_step
@@ -166,7 +169,7 @@ class PairwiseRound:
             raise PartnerRejected(reason, implausible=divergence is not None)
         if not theirs.meta.get("accept"):
             raise TransportError(f"{short_peer_id(peer)} declined the round: {theirs.meta.get('reason')}")
-        return await self._step_with(start, PartnerUpdate(peer, phi, delta, divergence))
+        return await self._step_with(start, PartnerUpdate(peer, phi, delta, divergence, began, session.sent_bytes))
 
     # ---- responder -----------------------------------------------------------------------------
 
@@ -197,6 +200,7 @@ class PairwiseRound:
 
     async def _answer(self, sender: str, session: Session, key: PhiDither) -> None:
         ctx = self.ctx
+        began = time.monotonic()
         start = await ctx.capture_start(key)
         if not start.has_progress:
             await session.send(ctx.wire.transport.message(MessageKind.BUSY))
@@ -212,7 +216,7 @@ class PairwiseRound:
             raise PartnerRejected(reason, implausible=divergence is not None)
         if not theirs.meta.get("accept"):
             raise TransportError(f"{short_peer_id(sender)} declined the round: {theirs.meta.get('reason')}")
-        await self._step_with(start, PartnerUpdate(sender, phi, delta, divergence))
+        await self._step_with(start, PartnerUpdate(sender, phi, delta, divergence, began, session.sent_bytes))
 
     # ---- both ----------------------------------------------------------------------------------
 
@@ -237,8 +241,12 @@ class PairwiseRound:
             new_state = await ctx.worker.compute(ctx.replica.pairwise_step, start, [], [])
             return await ctx.finish(start, new_state, RoundOutcome(RoundStatus.LONE, start.state.round))
         new_state = await ctx.worker.compute(ctx.replica.pairwise_step, start, [partner.phi], [partner.delta])
-        return await ctx.finish(
-            start,
-            new_state,
-            RoundOutcome(RoundStatus.APPLIED, start.state.round, (partner.peer,), divergence=partner.divergence),
+        outcome = RoundOutcome(
+            RoundStatus.APPLIED,
+            start.state.round,
+            (partner.peer,),
+            divergence=partner.divergence,
+            sent_bytes=partner.sent_bytes,
+            seconds=time.monotonic() - partner.began,
         )
+        return await ctx.finish(start, new_state, outcome)

@@ -18,7 +18,17 @@ from torch import Tensor
 
 from node.p2p.transport import Transport, TransportError
 from node.runtime.timeouts import within
-from protocol import Compression, Message, MessageKind, MetaValue, ProtocolError, recv_message, send_message
+from protocol import (
+    FRAME_HEADER_BYTES,
+    Compression,
+    Message,
+    MessageKind,
+    MetaValue,
+    ProtocolError,
+    recv_message,
+    seal_message,
+    write_frame,
+)
 
 __all__ = ["ChunkIndex", "Session", "TensorStream"]
 
@@ -41,12 +51,13 @@ class Session:
         self.writer = writer
         self.timeout = timeout
         self.compression = compression
+        self.sent_bytes = 0  # framed bytes this side has written: what a round reports it moved
 
     async def send(self, message: Message) -> None:
-        await within(
-            send_message(self.writer, message, self.compression, self.transport.limits, self.transport.swarm_key),
-            self.timeout,
-        )
+        limits = self.transport.limits
+        payload = seal_message(message, self.compression, limits, self.transport.swarm_key)
+        self.sent_bytes += FRAME_HEADER_BYTES + len(payload)
+        await within(write_frame(self.writer, payload, limits), self.timeout)
 
     async def recv(self) -> Message:
         return await within(

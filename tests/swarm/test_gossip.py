@@ -125,6 +125,12 @@ def test_exchange_applies_exactly_the_outer_step_on_both_sides():
             outcome = await a.run_round(partner=b.me.peer_id)
             assert outcome.status == "applied", outcome
             await wait_until(lambda: b.outer_state.round == 4)
+            # what each side reports it moved: its codec's payload, plus a frame and meta per message
+            # (request or accept, one chunk per wire tensor at this size, done)
+            layout = a.rounds.replica.wire_layout(True)
+            for reported in (outcome, b.rounds.history[-1]):
+                assert reported.status == "applied" and reported.seconds > 0, reported
+                assert layout.nbytes < reported.sent_bytes < layout.nbytes + 512 * (len(layout.shapes) + 2), reported
 
             step = (g.outer_momentum, g.outer_lr, g.pull_coefficient)
             phi_b, sent_b = as_received(state_b, delta_b, state_a)
