@@ -14,6 +14,14 @@ most double (rate <= W / RTT), so it grows while more in flight means more compl
 where the slowest stage saturates: past that, more in flight would only queue. `floor` keeps the
 one-host behaviour, `ceiling` bounds stored activations and queues on the stages.
 
+A microbatch that is not back within its deadline (hop_timeout x num_stages) is retried, and its
+late gradient is thrown away. Where a stage takes seconds a microbatch (a real preset on a CPU or a
+small GPU) a window the ceiling allows can queue past that deadline: every microbatch times out,
+is retried, queues again, and the pipeline delivers nothing (seen: the 15m preset on 2 CPU cores,
+round trips of 30 s at 4 in flight, a window of 8, no microbatch back in the next two minutes). So
+the window never exceeds what Little's law says comes back in DEADLINE_SHARE of the deadline at the
+rate the swarm delivers: size <= DEADLINE_SHARE x delivery rate x deadline, and never below the floor.
+
 The rule assumes each stage is a server whose speed does not depend on how much waits for it. Where
 stages share cores (several peers on one host, or a GPU that batches better with a queue), more in
 flight can deliver more although the minimum RTT says the pipeline is full: on this repository's
@@ -50,6 +58,7 @@ DRAIN_SAMPLES = 1  # round trips measured one at a time while draining (the lowe
 PROBE_QUIET = 3  # rate spans of quiet (no drain, no probe) before the next probe: probes take ~1/4 of the time
 PROBE_GROWTH = 1.5  # a probe's window over the size it starts from
 PROBE_GAIN = 1.05  # what a probe must deliver over the span before it to be kept: above a shared host's noise
+DEADLINE_SHARE = 0.5  # the expected round trip at the window's size stays within this share of the deadline
 
 
 @dataclass
@@ -76,11 +85,15 @@ class InFlightWindow:
     ceiling (the size can no longer move: it is never below `learned`) the window stops draining.
     """
 
-    def __init__(self, floor: int, ceiling: int, *, gain: float = BBR_WINDOW_GAIN) -> None:
+    def __init__(
+        self, floor: int, ceiling: int, deadline: float | None = None, *, gain: float = BBR_WINDOW_GAIN
+    ) -> None:
+        """`deadline`: seconds after which a microbatch in flight is given up and retried (None: none)."""
         if not 1 <= floor <= ceiling:
             raise ValueError(f"need 1 <= floor <= ceiling, got floor={floor} ceiling={ceiling}")
         self.floor = floor
         self.ceiling = ceiling
+        self.deadline = deadline
         self.gain = gain
         self.min_rtt: float | None = None
         self._min_rtt_at = 0.0
@@ -122,7 +135,7 @@ class InFlightWindow:
         if self.draining:
             self.size = 1
         else:
-            self.size = self._probed(now, round_trip, max(self._target(now), self.learned))
+            self.size = min(self._probed(now, round_trip, max(self._target(now), self.learned)), self._in_time(now))
         self._log_if_changed(now)
         return self.size
 
@@ -201,6 +214,12 @@ class InFlightWindow:
         # a young window has not seen a whole span yet: divide by what it has seen
         observed = max(now - self._completions[0], self.min_rtt) if self._completions else span
         return len(self._completions) / observed
+
+    def _in_time(self, now: float) -> int:
+        """The largest size whose expected round trip (Little's law) stays within DEADLINE_SHARE of the deadline."""
+        if self.deadline is None:
+            return self.ceiling
+        return max(self.floor, math.floor(DEADLINE_SHARE * self.delivery_rate(now) * self.deadline))
 
     def _target(self, now: float) -> int:
         if self.min_rtt is None:

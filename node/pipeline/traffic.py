@@ -227,7 +227,8 @@ class Pipeline:
         # whether a peer has a live record in this swarm: compute is spent only on members' microbatches
         self.is_member = is_member or (lambda peer_id: True)
         training = config.training
-        self.window = InFlightWindow(training.min_in_flight, max_in_flight or training.max_in_flight)
+        deadline = training.hop_timeout * config.num_stages  # a microbatch's: through every stage, back to us
+        self.window = InFlightWindow(training.min_in_flight, max_in_flight or training.max_in_flight, deadline)
         self.max_queue = max_queue or self.window.ceiling
         self.hop_timeout = training.hop_timeout
         self.num_block_stages = config.num_stages - 1
@@ -417,7 +418,7 @@ class Pipeline:
         """One microbatch through the swarm with bounded retries; its loss, or None if dropped. An
         EVAL microbatch is forward only, in the normal stage order, and counts in no training statistic."""
         retries = self.config.training.max_retries
-        deadline = self.hop_timeout * (self.num_block_stages + 1)
+        deadline = self.window.deadline
         training = purpose is MicrobatchPurpose.TRAIN
         index = next(self._microbatch_index) if training else 0
         order = pipeline_order(self.config.num_stages, index, self.config.recovery.checkfree_plus, training)

@@ -175,3 +175,40 @@ def test_keep_in_flight_never_runs_more_than_the_window_and_stops() -> None:
 
     peak, launched = asyncio.run(scenario())
     assert peak == 3 and launched == 30
+
+
+def test_the_window_stays_where_its_microbatches_come_back_before_their_deadline() -> None:
+    # a long pipeline (10 s round trip) whose slowest stage does 2 microbatches/s: BBR alone wants
+    # 2 x 2/s x 10.5 s = 42 in flight; with a 30 s deadline, Little's law brings back 30 within half of
+    # it (15 s), which still saturates the stage (21 fill the pipe): it delivers what the unbounded one
+    # does (both lose the same to the drains that re-measure a 10 s round trip)
+    unbounded = InFlightWindow(4, 64)
+    sizes_unbounded, throughput_unbounded = simulate(unbounded, delay=10.0, service_time=0.5, duration=900)
+    window = InFlightWindow(4, 64, deadline=30.0)
+    sizes, throughput = simulate(window, delay=10.0, service_time=0.5, duration=900)
+    assert max(sizes_unbounded[len(sizes_unbounded) // 2 :]) >= 42
+    assert max(sizes) == 30
+    assert throughput >= 0.95 * throughput_unbounded
+    # a round trip over half the deadline at the floor already: the window stays at the floor (but for
+    # the delivery rate's overestimate while few completions are counted), where BBR alone grows it
+    window = InFlightWindow(4, 32, deadline=20.0)
+    sizes, _ = simulate(window, delay=11.0, service_time=0.5, duration=600)
+    assert collections.Counter(sizes).most_common(1)[0][0] == 4 and max(sizes) <= 6
+    sizes_unbounded, _ = simulate(InFlightWindow(4, 32), delay=11.0, service_time=0.5, duration=600)
+    assert max(sizes_unbounded) == 32
+
+
+def test_a_stalled_pipeline_shrinks_the_window_to_its_floor() -> None:
+    # 1 microbatch/s back after 40 s each: BBR wants 2 x 1/s x 40 s = 80 in flight, the ceiling 64, and
+    # a 60 s deadline 30 (Little's law within half of it); when completions stop coming, the delivery
+    # rate falls and with it the size, down to the floor (never below)
+    window = InFlightWindow(4, 64, deadline=60.0)
+    now = 0.0
+    for _ in range(120):
+        now += 1.0
+        window.on_completed(now, round_trip=40.0)
+    assert window.size == 30
+    for _ in range(20):  # then one every 10 s: 0.1/s brings 3 back within half the deadline
+        now += 10.0
+        window.on_completed(now, round_trip=40.0)
+    assert window.size == 4
