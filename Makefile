@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .PHONY: demo test slow bench lint format hostile test-private internet netns-deps chaos results \
-	podman-deps docker-image docker-test gpu-check memory-table bench-hop-codec
+	podman-deps docker-image docker-test gpu-check memory-table bench-hop-codec bench-wire
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,12 @@ slow: $(STAMP)
 # the wide-area part runs a swarm in network namespaces: root and iproute2 (netns-deps), else it skips
 bench: $(STAMP) netns-deps
 	$(PY) tests/benchmarks/bench_all.py
+
+# the wire at real size alone (tests/benchmarks/bench_wire.py, docs/benchmarks.md): the 15m preset per hop
+# codec over 100 ms RTT / 50 Mbit/s namespace links, against its compute and link bounds, and its NoLoCo
+# rounds; ends with the `wire:` line (about 14 minutes on 2 CPU cores; root and iproute2 for the swarms)
+bench-wire: $(STAMP) netns-deps
+	$(PY) tests/benchmarks/bench_wire.py
 
 # the hop codecs' bytes per token and loss at equal tokens, 3 seeds (docs/wire.md; ~20 minutes on 2 CPU cores)
 bench-hop-codec: $(STAMP)

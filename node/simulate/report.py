@@ -40,6 +40,10 @@ def _image(directory: Path, docs: Path, name: str) -> str:
     return f"![{name}]({path.relative_to(docs.parent)})" if path.exists() else f"({name}: plots skipped)"
 
 
+def _met(holds: bool) -> str:
+    return "met" if holds else "**not met**"
+
+
 def _verdict(holds: bool) -> str:
     return "reproduced" if holds else "**not reproduced here**"
 
@@ -295,6 +299,46 @@ def gossip_section(s: dict[str, Any], directory: Path, docs: Path) -> list[str]:
     return lines
 
 
+def hop_codec_section(s: dict[str, Any], directory: Path, docs: Path) -> list[str]:
+    """The hop codecs' loss at equal tokens against fp16 (tests/benchmarks/bench_hop_codec.py)."""
+    a = s["args"]
+    lines = [
+        "## Hop codecs: the loss at equal tokens",
+        "",
+        f"`make bench-hop-codec` (tests/benchmarks/bench_hop_codec.py, design in docs/wire.md): one pipeline of "
+        f"the project's stage workers per codec, every hop through the codec's encode and decode; width "
+        f"{a['width']}, {a['layers']} layers a block stage, {a['microbatches']} microbatches on the order-2 Markov "
+        f"source, held-out loss over {a['eval_batches']} batches, seeds {', '.join(map(str, a['seeds']))}. "
+        "Claim (issue: the wire at real size): the default codec, `subspace8` with token anchors, costs "
+        "<= 2 % of loss at >= 16x fewer bytes than fp16.",
+        "",
+        "| codec | bytes a token a hop (15m, 125m) | fewer than fp16 at 15m | held-out loss, mean +- spread "
+        "| cost vs fp16, mean (per seed) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in s["results"].items():
+        costs = r["cost_percent"]
+        mean_cost = sum(costs) / len(costs)
+        per_seed = ", ".join(f"{c:+.2f}" for c in costs)
+        lines.append(
+            f"| `{name}` | {r['bytes_per_token']['15m']:g}, {r['bytes_per_token']['125m']:g} "
+            f"| {r['fewer_bytes_than_fp16']['15m']:.1f}x | {r['mean']:.4f} +- {r['spread']:.4f} "
+            f"| {mean_cost:+.2f} % ({per_seed}) |"
+        )
+    default = s["results"].get("subspace8")
+    if default is not None:
+        mean_cost = sum(default["cost_percent"]) / len(default["cost_percent"])
+        worst = max(default["cost_percent"])
+        lines += [
+            "",
+            f"- Default codec: mean cost {mean_cost:+.2f} % (the 2 % target {_met(mean_cost <= 2.0)} on the mean), "
+            f"worst seed {worst:+.2f} % ({_met(worst <= 2.0)} on every seed); measured at width {a['width']} on the "
+            "chain, not at a preset's width or on real text.",
+        ]
+    lines.append("")
+    return lines
+
+
 def render(directory: Path, docs: Path) -> str:
     lines = [
         "# Results: the papers' claims, reproduced by `node simulate`",
@@ -306,7 +350,13 @@ def render(directory: Path, docs: Path) -> str:
         '"What the authors report".',
         "",
     ]
-    for name, section in (("sync_scaling", sync_section), ("recovery", recovery_section), ("gossip", gossip_section)):
+    sections = (
+        ("sync_scaling", sync_section),
+        ("recovery", recovery_section),
+        ("gossip", gossip_section),
+        ("hop_codec", hop_codec_section),
+    )
+    for name, section in sections:
         summary = _load(directory, name)
         if summary is None:
             lines += [f"## {name}", "", f"Not run: no {name}.json in {directory}.", ""]

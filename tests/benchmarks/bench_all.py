@@ -7,7 +7,8 @@ Runs the transport benchmark first (two peers in this process), then the swarm b
 process, then the multi-process swarms), then the floor of any three-process pipeline here (the same
 workers on raw loopback TCP, bench_floor.py), then the wide-area one (a 3 x 1 swarm in network
 namespaces, unshaped then over 100 ms RTT / 50 Mbit/s links; it needs root and iproute2 and says
-why it skipped without them); nothing runs concurrently with anything else started here.
+why it skipped without them), and last the wire at real size (bench_wire.py: the 15m preset per hop
+codec over the same links, its last line the `wire:` summary); nothing runs concurrently with anything else started here.
 --quick shortens every timing (a smoke run: the figures are noisier).
 """
 
@@ -22,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests.benchmarks import bench_floor, bench_swarm, bench_transport, bench_wide_area  # noqa: E402
+from tests.benchmarks import bench_floor, bench_swarm, bench_transport, bench_wide_area, bench_wire  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,11 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     bench_swarm.add_arguments(parser)
     bench_floor.add_arguments(parser)
     bench_wide_area.add_arguments(parser)
+    bench_wire.add_arguments(parser)
     parser.add_argument(
         "--quick",
         action="store_true",
         help="short timings: 2 s per transport case, 10 s single process, 3x1 swarm only, 30 s window; "
-        "the floor 15 s per run; wide-area 15 s windows after a 35 s settle",
+        "the floor 15 s per run; wide-area 15 s windows after a 35 s settle; the wire: subspace8 alone, 30 s",
     )
     parser.add_argument("--json", help="also write the raw results here")
     args = parser.parse_args(argv)
@@ -50,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     swarm = bench_swarm.run(args)
     floor = bench_floor.run(args)
     wide_area = bench_wide_area.run(args)  # applies its own --quick timings
-    m0, m1 = transport["machine_before"], wide_area["machine_after"]
+    wire = bench_wire.run(args)  # and this one too
+    m0, m1 = transport["machine_before"], wire["machine_after"]
     print("# pipeswarm benchmarks")
     print()
     print(f"machine: {m0['nproc']} CPUs, {m0['cpu']}; python {m0['python']}, torch {m0['torch']}; started {m0['time']}")
@@ -66,10 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     print(bench_transport.format_report(transport))
     print()
     print(bench_wide_area.format_report(wide_area))
+    print()
+    print(bench_wire.format_report(wire))
     if args.json:
-        Path(args.json).write_text(
-            json.dumps({"transport": transport, "swarm": swarm, "floor": floor, "wide_area": wide_area}, indent=1)
-        )
+        results = {"transport": transport, "swarm": swarm, "floor": floor, "wide_area": wide_area, "wire": wire}
+        Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
 
 
