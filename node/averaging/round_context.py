@@ -44,9 +44,9 @@ CATCH_UP_LEAD_ROUNDS = 2
 # Exchanges this replica answers per minute (node/p2p/budgets.py): each identity at least
 # ANSWERS_PER_PEER, or as many as move ANSWER_BYTES_PER_PEER of our tensors; everyone together at
 # least ANSWERS_TOTAL, or ANSWER_BYTES_TOTAL's worth. A partner asks once per H of its inner steps,
-# and a replica answers at most once per H/2 of its own (`ripe`): at the 125m preset (a ~20 MB
-# round) that is a few a minute against 13 and 26 allowed; a small model's rounds are cheap, and
-# its many rounds a minute (every few seconds at H = 5) stay far below the byte bounds.
+# and a replica answers at most once per H/2 of its own (`ripe`): at the 125m preset (~33 MB a
+# round, 0.94 byte a parameter) that is a few a minute against 8 and 16 allowed; a small model's
+# round is tens of KB, and its many rounds a minute stay far below the byte bounds.
 ANSWERS_PER_PEER, ANSWER_BYTES_PER_PEER = 6, 256 << 20
 ANSWERS_TOTAL, ANSWER_BYTES_TOTAL = 24, 512 << 20
 
