@@ -17,27 +17,14 @@ one-host behaviour, `ceiling` bounds stored activations and queues on the stages
 A microbatch that is not back within its deadline (hop_timeout x num_stages) is retried, and its
 late gradient is thrown away. Where a stage takes seconds a microbatch (a real preset on a CPU or a
 small GPU) a window the ceiling allows can queue past that deadline: every microbatch times out,
-is retried, queues again, and the pipeline delivers nothing (seen: the 15m preset on 2 CPU cores,
-round trips of 30 s at 4 in flight, a window of 8, no microbatch back in the next two minutes). So
-the window never exceeds what Little's law says comes back in DEADLINE_SHARE of the deadline at the
-rate the swarm delivers: size <= DEADLINE_SHARE x delivery rate x deadline, and never below the floor.
-
-The rule assumes each stage is a server whose speed does not depend on how much waits for it. Where
-stages share cores (several peers on one host, or a GPU that batches better with a queue), more in
-flight can deliver more although the minimum RTT says the pipeline is full: on this repository's
-2-core test host a window of 16 delivered ~74 microbatches/s against ~65 at BBR's 4. So, like
-BBR's ProbeBW, the window probes: after PROBE_QUIET rate spans without a drain or a probe, and
-below the ceiling, it runs at PROBE_GROWTH times its size for one rate span (after one round trip
-to fill), and keeps that size as a learned floor when the probe delivered PROBE_GAIN more than the
-span before it. A kept probe is followed at once by the next, larger one (no quiet spans between:
-a window that pays keeps climbing, as TCP's slow start does, instead of taking a minute to come back
-after each drain). And a drain is judged as a probe down: when the size BBR's rule gives after it
-is smaller than the one that ran before and delivers PROBE_GAIN less over a rate span, the size
-from before the drain is learned. A probe that gains nothing changes nothing and ends the climb; the learned size
-never exceeds the ceiling, and staleness does not grow with it (a stage's step grows with what it
-holds, node/pipeline/stage_worker.py).
-
-The window has no clock or networking of its own: the caller reports completions with their times.
+is retried, queues again behind the abandoned work, and the pipeline delivers nothing (seen: the
+15m preset on 2 CPU cores, a window of 14 at stage 0's 2.9 s a microbatch, nothing back for two
+minutes). The minimum RTT cannot see it coming, and the delivery rate, counted over bursts, does
+not either. So the window also keeps the round trips it measures within DEADLINE_SHARE of the
+deadline, as delay-based congestion control does: a microbatch back later than that came back from
+about `size` in flight, so the size is cut to what would have fit, size x budget / round trip
+(at most once per round trip, never below the floor); while round trips fit, the cut is lifted
+again by one microbatch per completion.
 """
 
 from __future__ import annotations
@@ -58,7 +45,7 @@ DRAIN_SAMPLES = 1  # round trips measured one at a time while draining (the lowe
 PROBE_QUIET = 3  # rate spans of quiet (no drain, no probe) before the next probe: probes take ~1/4 of the time
 PROBE_GROWTH = 1.5  # a probe's window over the size it starts from
 PROBE_GAIN = 1.05  # what a probe must deliver over the span before it to be kept: above a shared host's noise
-DEADLINE_SHARE = 0.5  # the expected round trip at the window's size stays within this share of the deadline
+DEADLINE_SHARE = 0.5  # round trips are kept within this share of the microbatch deadline
 
 
 @dataclass
@@ -94,6 +81,8 @@ class InFlightWindow:
         self.floor = floor
         self.ceiling = ceiling
         self.deadline = deadline
+        self.in_time = ceiling  # the largest size whose round trips fit DEADLINE_SHARE of the deadline
+        self._cut_at = -math.inf  # when `in_time` was last cut
         self.gain = gain
         self.min_rtt: float | None = None
         self._min_rtt_at = 0.0
@@ -135,7 +124,8 @@ class InFlightWindow:
         if self.draining:
             self.size = 1
         else:
-            self.size = min(self._probed(now, round_trip, max(self._target(now), self.learned)), self._in_time(now))
+            self._fit_deadline(now, round_trip)
+            self.size = min(self._probed(now, round_trip, max(self._target(now), self.learned)), self.in_time)
         self._log_if_changed(now)
         return self.size
 
@@ -215,11 +205,20 @@ class InFlightWindow:
         observed = max(now - self._completions[0], self.min_rtt) if self._completions else span
         return len(self._completions) / observed
 
-    def _in_time(self, now: float) -> int:
-        """The largest size whose expected round trip (Little's law) stays within DEADLINE_SHARE of the deadline."""
+    def _fit_deadline(self, now: float, round_trip: float) -> None:
+        """Cut `in_time` when a round trip took more than DEADLINE_SHARE of the deadline (once per
+        round trip: the microbatches that left before a cut come back as late), else lift it by one."""
         if self.deadline is None:
-            return self.ceiling
-        return max(self.floor, math.floor(DEADLINE_SHARE * self.delivery_rate(now) * self.deadline))
+            return
+        budget = DEADLINE_SHARE * self.deadline
+        if round_trip <= budget:
+            self.in_time = min(self.ceiling, self.in_time + 1)
+        elif now - round_trip >= self._cut_at:
+            self.in_time = max(self.floor, math.floor(self.size * budget / round_trip))
+            self._cut_at = now
+            logger.info(
+                f"in-flight window cut to {self.in_time}: a round trip took {round_trip:.1f} s of a {self.deadline:.0f} s deadline"
+            )
 
     def _target(self, now: float) -> int:
         if self.min_rtt is None:

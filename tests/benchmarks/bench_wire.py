@@ -48,6 +48,7 @@ The summary's last line, for scripts:
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -138,7 +139,10 @@ def hop_table(preset: str, rate_mbit: float) -> list[dict]:
                 "tokens_per_hop": config.training.microbatch_size * config.training.sequence_length,
                 "width": config.model.hidden_size,
                 **{f"{kind}_bytes_per_token": value for kind, value in per_token.items()},
-                "link_bound_tokens_per_s": rate_mbit * 1e6 / 8 / (per_token["forward"] + per_token["backward"]),
+                # an unshaped link (rate 0 here) binds nothing
+                "link_bound_tokens_per_s": rate_mbit * 1e6 / 8 / (per_token["forward"] + per_token["backward"])
+                if rate_mbit
+                else math.inf,
             }
         )
     fp16 = rows[0]
@@ -248,7 +252,7 @@ def swarm_run(codec: Compression, args: argparse.Namespace, workdir: Path, param
     table = {
         "model": {"preset": PRESET},
         "training": {"wire_compression": str(codec), "slow_link_compression": str(codec)},
-        "gossip": {"inner_steps": BENCH_INNER_STEPS},
+        "gossip": {"inner_steps": args.wire_inner_steps},
         "validation": {"interval": 0},  # held-out passes are stage 0's work but not training's
     }
     config_path = write_config(workdir / "swarm.toml", table)
@@ -442,6 +446,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=50.0,
         help="rate of every host's link, up and down (0 and 0 ms: unshaped)",
+    )
+    parser.add_argument(
+        "--wire-inner-steps", type=int, default=BENCH_INNER_STEPS, help="gossip.inner_steps (H) of the swarms"
     )
     parser.add_argument("--wire-workdir", help="where swarm logs go (default: a temporary directory)")
 

@@ -399,8 +399,11 @@ def test_a_replica_far_behind_its_stage_catches_up_instead_of_banning(caplog):
             # the round was declined, nothing applied on either side
             assert ahead.outer_state.round == 7 and not ahead.bans.is_banned(behind_id)
             # the catch-up downloads the leader's state: weights, outer state, counters
-            await wait_until(lambda: behind.worker.inner_step == ahead.worker.inner_step, timeout=30.0)
-            assert behind.outer_state.round == 7
+            # (the adoption sets the step, then the outer state, in one compute call: wait for both)
+            await wait_until(
+                lambda: behind.worker.inner_step == ahead.worker.inner_step and behind.outer_state.round == 7,
+                timeout=30.0,
+            )
             assert_same(behind.outer_state.phi, ahead.outer_state.phi)
             assert_same(await on_executor(behind, weights, behind), await on_executor(ahead, weights, ahead))
             assert not behind.behind.is_set()
