@@ -113,11 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# a node's log lines, which tools read back (tests/benchmarks/bench_wire.py's round lines)
+LOG_FORMAT, LOG_DATE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"
+
+
 def configure_logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
+        format=LOG_FORMAT,
+        datefmt=LOG_DATE_FORMAT,
         stream=sys.stderr,
     )
 

@@ -3,7 +3,7 @@
 Not a test: a script that prints a report (docs/benchmarks.md, "The wire at real size", holds a
 recorded run). `make bench-wire` runs it alone; `make bench` runs it after the other benchmarks.
 
-    python tests/benchmarks/bench_wire.py [--wire-codecs fp16 int8 subspace8] [--wire-warmup 45] [--wire-window 100] \
+    python tests/benchmarks/bench_wire.py [--wire-codecs fp16 subspace8] [--no-wire-reference] [--wire-warmup 45] [--wire-window 100] \
         [--wire-round-wait 240] [--wire-rtt-ms 100] [--wire-rate-mbit 50] [--quick] [--json out.json]
 
 Hop bytes   For the 15m preset's hop (8 x 256 tokens x 288) and 125m's (8 x 2048 x 576), each codec's
@@ -23,9 +23,9 @@ bound       run: forward+backward of one microbatch (node/pipeline/inner_optimiz
             the pipeline cannot beat tokens / max(stage 0, the slowest block-stage replica, the
             block stages' sum over the other cores). The hop codecs' own arithmetic, outer steps,
             p2pd and the delay line are not in it: the ratio shows what they cost.
-Swarm       Per codec (fp16, int8 and subspace8 unless --wire-codecs says: subspace4 moves exactly
-            subspace8's bytes, at twice the rank in half the bits, so its swarm would measure the same
-            link; it runs when asked), a fresh swarm in network namespaces (tests/helpers/netns.py):
+Swarm       Per codec (fp16 and subspace8 unless --wire-codecs says, to stay within 15 minutes on 2
+            cores: int8 sits between them, and subspace4 moves exactly subspace8's bytes, at twice the
+            rank in half the bits, so its swarm would measure the same link), a fresh swarm in network namespaces (tests/helpers/netns.py):
             the bootstrap on `boot`, stage 0 on `s0`, two replicas of stage 1 on `s1a` and `s1b`,
             stage 2 on `s2`, each `node join --stage s --threads 1`. Every host is shaped before the
             bootstrap: RTT / 4 one way (a path between two hosts adds both ends: 100 ms round trip)
@@ -33,9 +33,13 @@ Swarm       Per codec (fp16, int8 and subspace8 unless --wire-codecs says: subsp
             slow-link compression), gossip.inner_steps = 4, so the two stage-1 replicas meet for
             NoLoCo rounds within minutes on CPU (the payload of a round does not depend on H), and
             no validation passes (stage 0's work, but not training's).
+Reference   Then the default codec's swarm once more with no shaping at all (--no-wire-reference
+            skips it): shaped / unshaped is what 100 ms and 50 Mbit/s cost this pipeline, apart from
+            how well the pipeline keeps its stages busy on this machine.
 tokens/s    As bench_wide_area.py: two `node status --json` snapshots a window apart, after every peer
             is online, stage 0 reported a loss and --wire-warmup seconds passed; ratio = tokens/s over
-            min(compute bound, link bound).
+            min(compute bound, link bound). The swarm runs the product's heartbeat (a record every
+            5 s), so the time between the two announcements read is known to within a period.
 NoLoCo      Each replica logs an applied round as "outer round R -> R+1 with P, ..., sent N bytes in
 round       T s" (node/averaging/round_context.py): N = the framed bytes it sent (its Delta codes and
             scales, phi residues, requests), T = from its first message to its outer step. Bytes a
@@ -65,12 +69,12 @@ import torch  # noqa: E402
 
 from node.config import SwarmConfig  # noqa: E402
 from protocol import FRAME_HEADER_BYTES, Compression, Message, MessageKind, encode_message  # noqa: E402
-from tests.benchmarks.bench_swarm import HEARTBEAT_PERIOD, HEARTBEAT_TTL, log, online  # noqa: E402
+from tests.benchmarks.bench_swarm import log, online  # noqa: E402
 from tests.benchmarks.bench_transport import machine_info, script_main  # noqa: E402
 from tests.benchmarks.bench_wide_area import measure, write_config  # noqa: E402
 
 CODECS = (Compression.FP16, Compression.INT8, Compression.SUBSPACE8, Compression.SUBSPACE4)
-SWARM_CODECS = CODECS[:3]
+SWARM_CODECS = (Compression.FP16, Compression.SUBSPACE8)
 PRESET, HOP_SHAPE_ONLY = "15m", "125m"
 PLACEMENT = {"s0": 0, "s1a": 1, "s1b": 1, "s2": 2}
 HOSTS = ("boot", *PLACEMENT)
@@ -79,7 +83,11 @@ TARGET_RATIO = 0.8  # issue 38: stage-0 tokens/s >= 0.8 x min(compute bound, lin
 TARGET_FEWER = 16.0  # and the default codec >= 16x fewer bytes a token a hop than fp16
 TARGET_ROUND_BYTES = 2.0  # and a NoLoCo round <= 2 bytes a parameter
 STATUS_TIMEOUT = 120.0
-ROUND_LINE = re.compile(r"outer round (\d+) -> \d+ with (\w+)(?:, divergence [^,]+)?, sent (\d+) bytes in ([\d.]+) s")
+ROUND_LINE = re.compile(
+    r"^(\d\d:\d\d:\d\d) .*outer round (\d+) -> \d+ with (\w+)(?:, divergence [^,]+)?, sent (\d+) bytes in ([\d.]+) s",
+    re.MULTILINE,
+)
+PAIR_SECONDS = 5  # the two sides of one exchange log their lines this close together
 # what a peer id and a microbatch token look like on the wire (their real lengths)
 PEER_ID = "12D3KooW" + "A" * 44
 TOKEN = "0" * 32
@@ -223,19 +231,34 @@ def stage_parameters(config: SwarmConfig, stage: int) -> int:
     return sum(p.numel() for p in build_stage(config, stage, config.seed).parameters())
 
 
+def _clock_seconds(stamp: str) -> int:
+    hours, minutes, seconds = map(int, stamp.split(":"))
+    return 3600 * hours + 60 * minutes + seconds
+
+
 def rounds_of(logs: dict[str, str], parameters: int) -> list[dict]:
-    """The applied NoLoCo rounds the stage-1 replicas logged: each side's bytes and seconds, and the
-    round's bytes a parameter (both sides' bytes when both logged it, else twice the one side's)."""
-    sides: dict[int, list[dict]] = {}
-    for host, text in logs.items():
-        for round_, _partner, sent, seconds in ROUND_LINE.findall(text):
-            sides.setdefault(int(round_), []).append({"host": host, "sent_bytes": int(sent), "seconds": float(seconds)})
-    rounds = []
-    for round_, logged in sorted(sides.items()):
-        total = sum(s["sent_bytes"] for s in logged) if len(logged) >= 2 else 2 * logged[0]["sent_bytes"]
+    """The applied NoLoCo rounds the stage-1 replicas logged, each side's bytes and seconds, and the
+    round's bytes a parameter: both sides' bytes when both logged it (the two lines of one exchange,
+    from two hosts within PAIR_SECONDS: their round counters may differ), else twice the one side's."""
+    sides = sorted(
+        (
+            {"host": host, "round": int(r), "sent_bytes": int(sent), "seconds": float(secs), "at": _clock_seconds(at)}
+            for host, text in logs.items()
+            for at, r, _partner, sent, secs in ROUND_LINE.findall(text)
+        ),
+        key=lambda side: side["at"],
+    )
+    rounds: list[dict] = []
+    while sides:
+        first = sides.pop(0)
+        other = next((s for s in sides if s["host"] != first["host"] and s["at"] - first["at"] <= PAIR_SECONDS), None)
+        if other is not None:
+            sides.remove(other)
+        logged = [first] if other is None else [first, other]
+        total = sum(s["sent_bytes"] for s in logged) if other is not None else 2 * first["sent_bytes"]
         rounds.append(
             {
-                "round": round_,
+                "round": first["round"],
                 "sides": logged,
                 "bytes_per_parameter": total / parameters,
                 "seconds": max(s["seconds"] for s in logged),
@@ -273,8 +296,8 @@ def swarm_run(codec: Compression, args: argparse.Namespace, workdir: Path, param
         try:
             t0 = time.monotonic()
             swarm.bootstrap(
-                *("--heartbeat-period", str(HEARTBEAT_PERIOD), "--heartbeat-ttl", str(HEARTBEAT_TTL)),
-                *("--config", str(config_path)),
+                "--config",
+                str(config_path),
                 host=bed.address("boot"),
                 launcher=launcher("boot"),
                 timeout=120,
@@ -407,6 +430,22 @@ def format_report(result: dict) -> str:
                 f"| {r['link_bound_tokens_per_s']:,.0f} | {r['ratio']:.2f}x | {verdict} | {_fmt_round(r['rounds'])} "
                 f"| {w['swarm_cpu_cores']:.2f} / {w['machine_cpu_cores']:.2f} | {r['startup_seconds']:.0f} s |"
             )
+        reference = result.get("reference")
+        if reference is not None:
+            default = next((r for r in result["runs"] if r["codec"] == reference["codec"]), None)
+            w = reference["window"]
+            lines.append(
+                f"| {reference['codec']}, unshaped links | {reference['tokens_per_s']:.0f} in {w['seconds']:.0f} s "
+                f"| {bound['tokens_per_s']:.0f} | - | {reference['ratio']:.2f}x | - | {_fmt_round(reference['rounds'])} "
+                f"| {w['swarm_cpu_cores']:.2f} / {w['machine_cpu_cores']:.2f} | {reference['startup_seconds']:.0f} s |"
+            )
+            if default is not None and reference["tokens_per_s"]:
+                lines += [
+                    "",
+                    f"What the shaped links cost the default codec: {default['tokens_per_s']:.0f} against "
+                    f"{reference['tokens_per_s']:.0f} tokens/s unshaped, "
+                    f"{default['tokens_per_s'] / reference['tokens_per_s']:.2f}x.",
+                ]
         lines.append("")
         for r in result["runs"]:
             described = "; ".join(
@@ -448,14 +487,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="rate of every host's link, up and down (0 and 0 ms: unshaped)",
     )
     parser.add_argument(
+        "--no-wire-reference",
+        dest="wire_reference",
+        action="store_false",
+        help="skip the default codec's swarm on unshaped links (what the wire itself costs)",
+    )
+    parser.add_argument(
         "--wire-inner-steps", type=int, default=BENCH_INNER_STEPS, help="gossip.inner_steps (H) of the swarms"
     )
     parser.add_argument("--wire-workdir", help="where swarm logs go (default: a temporary directory)")
 
 
 def apply_quick(args: argparse.Namespace) -> None:
-    """A smoke run's timings: the default codec's swarm alone, a short warm-up and window."""
+    """A smoke run's timings: the default codec's swarm alone (no unshaped reference), a short warm-up
+    and window."""
     args.wire_codecs, args.wire_warmup, args.wire_window, args.wire_round_wait = ["subspace8"], 10.0, 30.0, 120.0
+    args.wire_reference = False
 
 
 def _standalone_arguments(parser: argparse.ArgumentParser) -> None:
@@ -495,6 +542,14 @@ def run(args: argparse.Namespace) -> dict:
         limit = min(result["compute"]["tokens_per_s"], link_bounds[name])
         run_["ratio"] = run_["tokens_per_s"] / limit if limit else None
         result["runs"].append(run_)
+    if args.wire_reference:  # the default codec's swarm again on unshaped links: what the wire itself costs
+        default = result["default_codec"]
+        log(f"wire benchmark: {PRESET} swarm, codec {default}, unshaped ... (logs in {workdir / 'unshaped'})")
+        (workdir / "unshaped").mkdir(parents=True, exist_ok=True)
+        unshaped = argparse.Namespace(**{**vars(args), "wire_rtt_ms": 0.0, "wire_rate_mbit": 0.0})
+        reference = swarm_run(Compression(default), unshaped, workdir / "unshaped", parameters)
+        reference["ratio"] = reference["tokens_per_s"] / result["compute"]["tokens_per_s"]
+        result["reference"] = reference
     result["machine_after"] = machine_info()
     return result
 

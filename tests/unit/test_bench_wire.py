@@ -15,6 +15,7 @@ import pytest
 
 from node.averaging.outer_replica import RoundOutcome, RoundStatus
 from node.averaging.round_context import RoundContext
+from node.cli import LOG_DATE_FORMAT, LOG_FORMAT
 from tests.benchmarks import bench_wire
 
 SUMMARY = re.compile(
@@ -44,11 +45,13 @@ def test_the_hop_bytes_are_those_of_the_framed_message_not_of_the_tensor_alone()
 
 
 def logged_round(caplog: pytest.LogCaptureFixture, outcome: RoundOutcome) -> str:
-    """The line RoundContext.record logs for `outcome` (the recording state is all it touches)."""
+    """The line RoundContext.record logs for `outcome` (the recording state is all it touches), in
+    the format a node writes its log in."""
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="node.averaging.round_context"):
         RoundContext.record(SimpleNamespace(history=[], outcomes=Counter()), outcome)  # type: ignore[arg-type]
-    return caplog.text
+    formatter = logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT)
+    return "".join(formatter.format(record) + "\n" for record in caplog.records)
 
 
 def test_the_bench_reads_the_round_line_replicas_log(caplog: pytest.LogCaptureFixture) -> None:
