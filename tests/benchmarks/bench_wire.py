@@ -3,10 +3,11 @@
 Not a test: a script that prints a report (docs/benchmarks.md, "The wire at real size", holds a
 recorded run). `make bench-wire` runs it alone; `make bench` runs it after the other benchmarks.
 
-    python tests/benchmarks/bench_wire.py [--wire-codecs fp16 subspace8] [--no-wire-reference] [--wire-warmup 45] [--wire-window 100] \
-        [--wire-round-wait 240] [--wire-rtt-ms 100] [--wire-rate-mbit 50] [--quick] [--json out.json]
+    python tests/benchmarks/bench_wire.py [--wire-codecs fp16 subspace8] [--no-wire-reference] \
+        [--wire-warmup 45] [--wire-window 100] [--wire-round-wait 240] [--wire-rtt-ms 100] \
+        [--wire-rate-mbit 50] [--wire-inner-steps 4] [--quick] [--json out.json]
 
-Hop bytes   For the 15m preset's hop (8 x 256 tokens x 288) and 125m's (8 x 2048 x 576), each codec's
+Hop bytes   For the 15m preset's hop (8 x 256 tokens x 288) and 125m's (1 x 2048 x 576), each codec's
             training FORWARD and BACKWARD framed exactly as a peer sends them (encode_message of the
             message the pipeline builds, with peer ids, a 3-peer path and the microbatch token of
             their real lengths, plus the frame header): bytes per token per hop, and the ratio to fp16.
