@@ -61,6 +61,23 @@ SessionHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awa
 # version without channels): its requests then take a stream each
 _UNSUPPORTED_PROTOCOL = "protocols not supported"
 
+# A refused stream is half-closed and left open this long (reading and dropping at most
+# REFUSAL_DRAIN_BYTES) for its opener to read the ERROR: closed at once, p2pd resets the stream when
+# the opener's request arrives after the close, and a reset drops the ERROR unread (the opener saw
+# "stream closed" instead of the refusal). Past MAX_LINGERING_REFUSALS at once, streams close at once.
+REFUSAL_LINGER = 2.0
+REFUSAL_DRAIN_BYTES = 256 * 1024
+MAX_LINGERING_REFUSALS = 64
+
+
+async def _drop_until_eof(reader: asyncio.StreamReader, budget: int) -> None:
+    """Read and drop what the peer sends until it closes its side or `budget` bytes went by."""
+    while budget > 0:
+        chunk = await reader.read(min(budget, 64 * 1024))
+        if not chunk:
+            return
+        budget -= len(chunk)
+
 
 class _NoChannelHandler(Exception):
     """The peer serves a service but not its channel protocol."""
@@ -148,6 +165,7 @@ class Transport:
         self.limits = limits
         self.compression = compression
         self._request_ids = itertools.count(1)
+        self._lingering_refusals = 0
         self._handler_names: list[str] = []
         self.requests = RequestDispatcher(self)  # every request's way to its handler (node/p2p/dispatch.py)
         self._multiplexed: set[str] = set()  # services whose requests share a channel per peer
@@ -202,11 +220,21 @@ class Transport:
     def error(self, reason: str, request_id: int = 0) -> Message:
         return self.message(MessageKind.ERROR, {"reason": reason[:500]}, request_id=request_id)
 
-    async def _refuse(self, sender: str, service: str, writer: asyncio.StreamWriter, reason: str) -> None:
-        """Answer a refused stream with one short ERROR (bounded: a refused peer gets no time)."""
+    async def _refuse(
+        self, sender: str, service: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reason: str
+    ) -> None:
+        """Answer a refused stream with one short ERROR, then linger (bounded in time, bytes and
+        count) until the opener has read it and closed its side."""
         logger.debug(f"refused a {service} stream from {short_peer_id(sender)}: {reason}")
         with contextlib.suppress(Exception):
             await within(send_message(writer, self.error(reason), "none", self.limits, self.swarm_key), 1.0)
+            if self._lingering_refusals < MAX_LINGERING_REFUSALS and writer.can_write_eof():
+                self._lingering_refusals += 1
+                try:
+                    writer.write_eof()
+                    await within(_drop_until_eof(reader, REFUSAL_DRAIN_BYTES), REFUSAL_LINGER)
+                finally:
+                    self._lingering_refusals -= 1
         writer.close()
 
     def _admitted(self, service: str, body: SessionHandler):
@@ -229,7 +257,7 @@ class Transport:
         reader, writer = metered(reader, writer, self.meter, service)
         refusal = self.conduct.admit(sender)
         if refusal is not None:
-            await self._refuse(sender, service, writer, refusal)
+            await self._refuse(sender, service, reader, writer, refusal)
             return
         try:
             await body(sender, reader, writer)
