@@ -70,6 +70,26 @@ REFUSAL_DRAIN_BYTES = 256 * 1024
 MAX_LINGERING_REFUSALS = 64
 
 
+class _StreamRefusals:
+    """Refused streams, each half-closed after its ERROR and left open for at most REFUSAL_LINGER
+    (reading and dropping at most REFUSAL_DRAIN_BYTES) until its opener closes its side."""
+
+    def __init__(self) -> None:
+        self.lingering = 0
+
+    async def answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, send: Awaitable[None]) -> None:
+        with contextlib.suppress(Exception):
+            await within(send, 1.0)  # bounded: a refused peer gets no time
+            if self.lingering < MAX_LINGERING_REFUSALS and writer.can_write_eof():
+                self.lingering += 1
+                try:
+                    writer.write_eof()
+                    await within(_drop_until_eof(reader, REFUSAL_DRAIN_BYTES), REFUSAL_LINGER)
+                finally:
+                    self.lingering -= 1
+        writer.close()
+
+
 async def _drop_until_eof(reader: asyncio.StreamReader, budget: int) -> None:
     """Read and drop what the peer sends until it closes its side or `budget` bytes went by."""
     while budget > 0:
@@ -165,7 +185,7 @@ class Transport:
         self.limits = limits
         self.compression = compression
         self._request_ids = itertools.count(1)
-        self._lingering_refusals = 0
+        self._refusals = _StreamRefusals()
         self._handler_names: list[str] = []
         self.requests = RequestDispatcher(self)  # every request's way to its handler (node/p2p/dispatch.py)
         self._multiplexed: set[str] = set()  # services whose requests share a channel per peer
@@ -220,23 +240,6 @@ class Transport:
     def error(self, reason: str, request_id: int = 0) -> Message:
         return self.message(MessageKind.ERROR, {"reason": reason[:500]}, request_id=request_id)
 
-    async def _refuse(
-        self, sender: str, service: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reason: str
-    ) -> None:
-        """Answer a refused stream with one short ERROR, then linger (bounded in time, bytes and
-        count) until the opener has read it and closed its side."""
-        logger.debug(f"refused a {service} stream from {short_peer_id(sender)}: {reason}")
-        with contextlib.suppress(Exception):
-            await within(send_message(writer, self.error(reason), "none", self.limits, self.swarm_key), 1.0)
-            if self._lingering_refusals < MAX_LINGERING_REFUSALS and writer.can_write_eof():
-                self._lingering_refusals += 1
-                try:
-                    writer.write_eof()
-                    await within(_drop_until_eof(reader, REFUSAL_DRAIN_BYTES), REFUSAL_LINGER)
-                finally:
-                    self._lingering_refusals -= 1
-        writer.close()
-
     def _admitted(self, service: str, body: SessionHandler):
         """A p2pd stream handler that admits the sender (node/p2p/peer_conduct.py) before `body`
         reads anything, and releases its slot and closes the stream however `body` ends."""
@@ -257,7 +260,9 @@ class Transport:
         reader, writer = metered(reader, writer, self.meter, service)
         refusal = self.conduct.admit(sender)
         if refusal is not None:
-            await self._refuse(sender, service, reader, writer, refusal)
+            logger.debug(f"refused a {service} stream from {short_peer_id(sender)}: {refusal}")
+            error = send_message(writer, self.error(refusal), "none", self.limits, self.swarm_key)
+            await self._refusals.answer(reader, writer, error)  # closes it once the opener has read it
             return
         try:
             await body(sender, reader, writer)
