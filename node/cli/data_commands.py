@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from node.cli.flags import add_swarm_access
@@ -17,9 +18,23 @@ logger = logging.getLogger("node")
 def add_data_commands(commands: Any) -> None:
     """prepare-data, export, generate: a corpus in, a Hugging Face model out (docs/model.md)."""
     from node.model.corpus import DEFAULT_VAL_FRACTION, MAX_VAL_FRACTION
+    from node.model.corpus_inputs import DEFAULT_SUFFIXES
 
-    prepare = commands.add_parser("prepare-data", help="train a BPE tokenizer on text files and write token files")
-    prepare.add_argument("files", nargs="+", metavar="TEXT_FILE", help="UTF-8 text files")
+    prepare = commands.add_parser("prepare-data", help="train a BPE tokenizer on a corpus and write token files")
+    prepare.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="UTF-8 text files, source trees (their files with --suffix, tests left out) or wheels' text "
+        "modules (WHEEL.whl, or WHEEL.whl:MODULE for one): node/model/corpus_inputs.py",
+    )
+    prepare.add_argument(
+        "--suffix",
+        dest="suffixes",
+        action="append",
+        metavar="SUFFIX",
+        help=f"file suffix read from a source tree, repeatable (default: {' '.join(DEFAULT_SUFFIXES)})",
+    )
     prepare.add_argument("--out", required=True, metavar="DIR", help="directory for tokenizer.json, train.bin, val.bin")
     prepare.add_argument("--vocab-size", type=int, required=True, help="tokens of the byte-level BPE (>= 257)")
     prepare.add_argument(
@@ -49,10 +64,14 @@ def add_data_commands(commands: Any) -> None:
 
 def cmd_prepare_data(args: argparse.Namespace) -> int:
     from node.model.corpus import PreparedDataError, prepare_corpus
+    from node.model.corpus_inputs import DEFAULT_SUFFIXES, expand_inputs
 
     start = time.monotonic()
     try:
-        prepared = prepare_corpus(args.files, args.out, args.vocab_size, args.val_fraction, force=args.force)
+        with tempfile.TemporaryDirectory(prefix="pipeswarm-corpus-") as staging:
+            inputs = expand_inputs(args.inputs, Path(staging), tuple(args.suffixes or DEFAULT_SUFFIXES))
+            size = sum(f.stat().st_size for f in inputs.files if f.is_file())
+            prepared = prepare_corpus(inputs.files, args.out, args.vocab_size, args.val_fraction, force=args.force)
     except (PreparedDataError, OSError) as e:  # OSError: --out cannot be written
         logger.error(f"cannot prepare data: {e}")
         return 2
@@ -60,11 +79,12 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
         logger.error(f"interrupted: {args.out} holds no usable prepared data")
         return 130
     seconds = time.monotonic() - start
-    size = sum(os.path.getsize(f) for f in args.files)
+    skipped = f" ({inputs.skipped} empty or non-UTF-8 files of the trees left out)" if inputs.skipped else ""
     print(
         f"wrote {prepared.directory}: {prepared.train_tokens:,} train + {prepared.val_tokens:,} val tokens "
         f"({prepared.dtype}), vocabulary {prepared.vocab_size:,}, tokenizer {prepared.tokenizer_hash}; "
-        f"{size / 1e6:.1f} MB in {seconds:.1f} s ({size / 1e6 / max(seconds, 1e-9):.2f} MB/s)",
+        f"{len(inputs.files):,} files, {size / 1e6:.1f} MB in {seconds:.1f} s "
+        f"({size / 1e6 / max(seconds, 1e-9):.2f} MB/s){skipped}",
         flush=True,
     )
     print(f"start a swarm on it with: node bootstrap --data {prepared.directory} (stage-0 peers: node join --data DIR)")
