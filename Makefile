@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .PHONY: demo test slow bench lint format hostile test-private internet netns-deps chaos results \
-	podman-deps docker-image docker-test gpu-check memory-table bench-hop-codec bench-wire
+	podman-deps docker-image docker-test gpu-check memory-table bench-hop-codec bench-wire experiments
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +68,13 @@ results: $(STAMP)
 	$(PY) -m node simulate recovery --failing blocks --out docs/results/edges
 	$(PY) -m node simulate gossip --out docs/results
 	$(PY) -m node.simulate.report docs/results docs/results.md
+
+# the papers' claims on real text, 3 seeds (node/simulate/real_text.py, docs/results.md "Real text"): the CPython
+# standard library prepared into build/corpus/, every recovery strategy and outer step on it, then the page
+# rendered; about an hour on 2 CPU cores. QUICK=1: the short version `make test` runs, into build/ (a minute)
+experiments: $(STAMP)
+	$(PY) -m node.simulate.real_text $(if $(QUICK),--quick --seeds 0 1 --out build/experiments-quick,--out docs/results/real_text)
+	$(if $(QUICK),,$(PY) -m node.simulate.report docs/results docs/results.md)
 
 # docs/model.md's preset and memory tables from the code, and the estimate against a real StageWorker's
 # measured peak per preset and stage (about 15 minutes and 8 GB on 2 CPU cores; `--device cuda` on a GPU);

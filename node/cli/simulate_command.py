@@ -22,6 +22,9 @@ def add_simulate_parser(commands: Any) -> None:
         "--stages": (int, "pipeline stages counting stage 0"),
         "--replicas": (int, "replicas per stage"),
         "--seed": (int, "seed of the model, data and failure schedule"),
+        "--hidden": (int, "model width"),
+        "--sequence": (int, "tokens per sequence"),
+        "--microbatch": (int, "sequences per microbatch"),
         "--latency-ms": (float, "one-way link latency (default 50)"),
         "--bandwidth-mbit": (float, "link bandwidth (default 100)"),
         "--compute-ms": (float, "clock charge of one microbatch-stage (default: measured)"),
@@ -42,6 +45,9 @@ def add_simulate_parser(commands: Any) -> None:
         "--failing",
         choices=[f.value for f in FailingStages],
         help="recovery: which stages fail (middle: 2..S-1, the default; blocks: 1..S, edge stages too)",
+    )
+    sim.add_argument(
+        "--data", metavar="DIR", help="train on a `node prepare-data` directory (its vocabulary) instead of the chain"
     )
     sim.add_argument("--model-preset", choices=[p.value for p in PresetName], help="sync-scaling: the payload model")
 

@@ -1,7 +1,7 @@
 """What every simulated run shares: the model and pipeline shape, the link, the clock's costs.
 
 The model is the project's LLaMA stage model at a small width on a 32-token second-order chain
-(sources.py), so a preset trains in minutes on a CPU; the clock can still be charged as a larger
+(sources.py) or on real text (`data`: a prepared directory), so a preset trains in minutes on a CPU; the clock can still be charged as a larger
 model would be, through `compute_ms` (seconds per microbatch-stage) and the link flags.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from node.config import RoutingMode, SwarmConfig, load_config
+from node.model.corpus import load_prepared
 from node.simulate.links import DEFAULT_BANDWIDTH_MBIT, DEFAULT_LATENCY_MS, LinkModel
 
 
@@ -33,6 +34,7 @@ class SimSettings:
     compute_ms: float | None = None  # per microbatch-stage (forward + backward); None: measured once
     eval_every: int = 10
     eval_batches: int = 4
+    data: str | None = None  # a `node prepare-data` directory: real text, its tokenizer's vocabulary (not `vocab`)
 
     @property
     def link(self) -> LinkModel:
@@ -63,5 +65,14 @@ class SimSettings:
             "gossip.inner_steps": self.inner_steps,
             "recovery.checkfree_plus": False,
         }
+        if self.data is not None:
+            prepared = load_prepared(self.data)  # PreparedDataError: not a prepared directory
+            values.update(
+                {
+                    "model.vocab_size": prepared.vocab_size,
+                    "data.source": str(self.data),
+                    "data.tokenizer_hash": prepared.tokenizer_hash,
+                }
+            )
         values.update(overrides)
         return load_config(None, swarm_id="simulate", seed=self.seed, num_stages=self.stages, **values)

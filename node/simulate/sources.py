@@ -1,4 +1,5 @@
-"""The simulator's training data: a second-order Markov chain, where the block stages matter.
+"""The simulator's training data: a second-order Markov chain, where the block stages matter, or
+real text prepared by `node prepare-data` (SimSettings.data), read as a stage-0 peer reads it.
 
 Moved here from tests/unit/test_checkfree_experiment.py, which imports it from this module. The
 project's synthetic source (node/model/data.py) is first order: any function of the current token is
@@ -10,8 +11,42 @@ nats, so recovery strategies can be told apart.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Protocol
+
 import numpy as np
 import torch
+
+from node.config import SwarmConfig
+from node.model.data import open_heldout, open_source
+
+MARKOV_BRANCHING = 2  # successors per token pair: a chain the small model learns well below ln V
+HELD_OUT_STREAM = 999
+
+
+class BatchSource(Protocol):
+    def next_batch(self, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def uses_prepared_data(config: SwarmConfig) -> bool:
+    """Whether the run trains on a `node prepare-data` directory (SimSettings.data) instead of the chain."""
+    return bool(config.data.tokenizer_hash) and Path(config.data.source).is_dir()
+
+
+def training_source(config: SwarmConfig, replica: int) -> BatchSource:
+    """Stage-0 replica `replica`'s data: its own stream of the chain, or of train.bin through
+    node/model/data.py's open_source (what a stage-0 peer with --data reads)."""
+    if uses_prepared_data(config):
+        return open_source(config, None, stream_id=1 + replica)
+    return SecondOrderMarkov(config.model.vocab_size, MARKOV_BRANCHING, config.seed, stream=1 + replica)
+
+
+def held_out_source(config: SwarmConfig) -> BatchSource:
+    """The held-out batches every variant of a run is measured on: val.bin (open_heldout, which no
+    replica trains on) or another stream of the chain."""
+    if uses_prepared_data(config):
+        return open_heldout(config, None)
+    return SecondOrderMarkov(config.model.vocab_size, MARKOV_BRANCHING, config.seed, HELD_OUT_STREAM)
 
 
 class SecondOrderMarkov:

@@ -37,11 +37,8 @@ from node.pipeline.token_anchors import forward_hop_nbytes
 from node.simulate.clock import SimClock
 from node.simulate.collectives import ring_allreduce_seconds
 from node.simulate.links import LinkModel
-from node.simulate.sources import SecondOrderMarkov
+from node.simulate.sources import held_out_source, training_source
 from node.simulate.timeline import Microbatch, StageCosts, run_iteration
-
-MARKOV_BRANCHING = 2  # successors per token pair: a chain the small model learns well below ln V
-HELD_OUT_STREAM = 999
 
 
 class SyncMode(StrEnum):
@@ -121,8 +118,7 @@ class SimulatedSwarm:
             }
         )
         self.replica_of = {peer_id(s, r): r for s in range(self.num_stages) for r in range(replicas)}
-        vocab = config.model.vocab_size
-        self.sources = [SecondOrderMarkov(vocab, MARKOV_BRANCHING, config.seed, stream=1 + r) for r in range(replicas)]
+        self.sources = [training_source(config, r) for r in range(replicas)]
         self.sent = [0] * replicas  # microbatches issued per stage-0 replica (CheckFree+ swaps odd ones)
         self.iteration = 0
 
@@ -238,7 +234,7 @@ class SimulatedSwarm:
     # ---- measuring ------------------------------------------------------------------------------
 
     def held_out(self, batches: int, batch_size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        source = SecondOrderMarkov(self.config.model.vocab_size, MARKOV_BRANCHING, self.config.seed, HELD_OUT_STREAM)
+        source = held_out_source(self.config)
         return [source.next_batch(batch_size, self.config.training.sequence_length) for _ in range(batches)]
 
     @torch.no_grad()

@@ -1,0 +1,184 @@
+"""`make experiments`: the papers' claims on real text, over several seeds.
+
+The corpus is the CPython standard library's source (node/model/corpus_inputs.py), prepared once
+into `--corpus-dir` at vocabulary 2,048: it is on every machine that runs this, so the figures are
+reproducible offline with no download. Each seed runs `node simulate recovery` and `node simulate
+gossip` (the project's stage workers, routers, outer steps and rebuild plans on a simulated clock)
+with `SimSettings.data` set, so stage-0 replicas read train.bin as a stage-0 peer does and every
+variant is measured on the same val.bin batches. The text's own bounds are measured beside them:
+the unigram cross-entropy (a model that ignores its input) and the bigram one (the best stage 0
+alone can do: it sees only the current token). Writes real_text.json under `--out`; the page is
+rendered by node/simulate/report.py.
+
+    python -m node.simulate.real_text --out docs/results/real_text [--quick] [--seeds 0 1 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from node.config import RoutingMode
+from node.model.corpus import PreparedData, load_prepared, prepare_corpus
+from node.model.corpus_inputs import expand_inputs
+from node.simulate.experiments import run_experiment
+from node.simulate.names import ExperimentName, SimPreset
+from node.simulate.seeds import gossip_claims, recovery_claims, variant_spread
+
+
+@dataclass(frozen=True)
+class Scale:
+    """What one run trains: the model, the corpus slice, and how long."""
+
+    corpus: tuple[str, ...]  # subtrees of the standard library ("" = all of it)
+    vocab: int
+    hidden: int
+    sequence: int
+    recovery_steps: int
+    gossip_steps: int
+    failures_from: int
+    eval_every: int
+    preset: SimPreset  # the simulator preset whose other settings apply
+
+
+# FULL: the size that trains meaningfully on 2 CPU cores within about an hour for 3 seeds (0.27 s an
+# iteration of 2 replicas x 5 stages at this size, measured here); QUICK: what `make test` runs.
+FULL = Scale(("",), 2048, 128, 64, 240, 150, 60, 20, SimPreset.DEFAULT)
+QUICK = Scale(("json", "email"), 320, 32, 32, 10, 8, 3, 3, SimPreset.TINY)
+GOSSIP_ROUTINGS = (RoutingMode.RANDOM, RoutingMode.LOAD_AWARE)
+
+
+def prepare_stdlib(directory: Path, scale: Scale) -> PreparedData:
+    """The standard library's source prepared into `directory` (kept: later runs reuse it)."""
+    if (directory / "meta.json").exists():
+        prepared = load_prepared(directory)
+        if prepared.vocab_size <= scale.vocab:
+            return prepared
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    with tempfile.TemporaryDirectory(prefix="pipeswarm-corpus-") as staging:
+        inputs = expand_inputs([stdlib / part for part in scale.corpus], Path(staging), (".py",))
+        return prepare_corpus(inputs.files, directory, scale.vocab, force=True, progress=False)
+
+
+def text_bounds(prepared: PreparedData) -> dict[str, float]:
+    """Cross-entropy (nats) of val.bin under train.bin's unigram and bigram counts (add-one), the
+    floors of a model that ignores its input and of stage 0 without blocks."""
+    train = np.fromfile(prepared.train_path, dtype=prepared.dtype.numpy).astype(np.int64)
+    val = np.fromfile(prepared.val_path, dtype=prepared.dtype.numpy).astype(np.int64)
+    v = prepared.vocab_size
+    unigram = np.bincount(train, minlength=v) + 1.0
+    unigram_nats = -np.log(unigram[val] / unigram.sum()).mean()
+    pairs = np.bincount(train[:-1] * v + train[1:], minlength=v * v).reshape(v, v) + 1.0
+    conditional = pairs[val[:-1], val[1:]] / pairs.sum(axis=1)[val[:-1]]
+    return {"unigram_nats": float(unigram_nats), "bigram_nats": float(-np.log(conditional).mean())}
+
+
+def run_seeds(prepared: PreparedData, scale: Scale, seeds: list[int], out: Path, progress: bool) -> dict[str, Any]:
+    common = {"data": str(prepared.directory), "hidden": scale.hidden, "sequence": scale.sequence}
+    common["eval_every"] = scale.eval_every
+    recovery, gossip = [], []
+    started = time.monotonic()
+    for seed in seeds:
+        recovery.append(
+            run_experiment(
+                ExperimentName.RECOVERY,
+                out / f"seed{seed}" / "recovery",
+                scale.preset,
+                {**common, "seed": seed, "steps": scale.recovery_steps, "failures_from": scale.failures_from},
+                progress,
+            )
+        )
+        gossip.append(
+            run_experiment(
+                ExperimentName.GOSSIP,
+                out / f"seed{seed}" / "gossip",
+                scale.preset,
+                {**common, "seed": seed, "steps": scale.gossip_steps, "routings": GOSSIP_ROUTINGS},
+                progress,
+            )
+        )
+        print(f"seed {seed} done at {time.monotonic() - started:.0f} s", flush=True)
+    return {"recovery": recovery, "gossip": gossip, "seconds": time.monotonic() - started}
+
+
+def summarise(prepared: PreparedData, scale: Scale, seeds: list[int], runs: dict[str, Any]) -> dict[str, Any]:
+    recovery, gossip = runs["recovery"], runs["gossip"]
+    variants = {
+        name: {
+            field: asdict(spread)
+            for field in ("final_loss", "seconds_to_target", "iterations_to_target")
+            if (spread := variant_spread(recovery, name, field))
+        }
+        for name in recovery[0]["variants"]
+    }
+    gossip_variants = {
+        name: {
+            field: asdict(spread)
+            for field in ("final_loss", "mean_divergence")
+            if (spread := variant_spread(gossip, name, field))
+        }
+        for name in gossip[0]["variants"]
+    }
+    claims = recovery_claims(recovery) + [c for r in GOSSIP_ROUTINGS for c in gossip_claims(gossip, r.value)]
+    return {
+        "corpus": {
+            "source": "CPython standard library (.py, tests left out)"
+            + (f": {', '.join(scale.corpus)}" if scale.corpus != ("",) else ""),
+            "vocab_size": prepared.vocab_size,
+            "train_tokens": prepared.train_tokens,
+            "val_tokens": prepared.val_tokens,
+            **text_bounds(prepared),
+        },
+        "scale": {**asdict(scale), "preset": scale.preset.value},
+        "seeds": seeds,
+        "seconds": runs["seconds"],
+        "recovery_settings": recovery[0]["settings"],
+        "failures": {seed: len(s["schedule"]) for seed, s in zip(seeds, recovery)},
+        "recovery": variants,
+        "gossip_settings": gossip[0]["settings"],
+        "gossip": gossip_variants,
+        "claims": [c.to_json() for c in claims],
+    }
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("docs/results/real_text"))
+    parser.add_argument("--corpus-dir", type=Path, default=Path("build/corpus/stdlib"))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--quick", action="store_true", help="the short version `make test` runs")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    scale = QUICK if args.quick else FULL
+    corpus_dir = args.corpus_dir.with_name(args.corpus_dir.name + "-quick") if args.quick else args.corpus_dir
+    prepared = prepare_stdlib(corpus_dir, scale)
+    print(
+        f"corpus {prepared.directory}: {prepared.train_tokens:,} train + {prepared.val_tokens:,} val tokens", flush=True
+    )
+    runs = run_seeds(prepared, scale, args.seeds, args.out, not args.no_progress)
+    summary = summarise(prepared, scale, args.seeds, runs)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "real_text.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    for claim in summary["claims"]:
+        verdict = "holds" if claim["holds"] else "does not hold"
+        print(f"- {claim['claim']}: {claim['measured']}; {verdict} on {claim['holding']} of {claim['seeds']} seeds")
+    bounds = summary["corpus"]
+    print(
+        f"real text: bounds unigram {bounds['unigram_nats']:.3f}, bigram {bounds['bigram_nats']:.3f} nats "
+        f"(ppl {math.exp(bounds['bigram_nats']):.1f}); {len(args.seeds)} seeds in {runs['seconds']:.0f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,82 @@
+"""`make experiments QUICK=1`: the real-text experiments end to end at their short size
+(node/simulate/real_text.py), and the claims over seeds (node/simulate/seeds.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from node.simulate import real_text
+from node.simulate.report import render
+from node.simulate.seeds import Spread, recovery_claims
+
+RECOVERY_VARIANTS = {"no_failures", "checkfree", "checkfree_plus", "copy", "random", "zero", "checkpoint", "redundant"}
+
+
+def test_quick_experiments_run_on_real_text_and_every_claim_gets_its_seeds(tmp_path) -> None:
+    out = tmp_path / "results" / "real_text"
+    assert (
+        real_text.main(
+            [
+                "--quick",
+                "--out",
+                str(out),
+                "--corpus-dir",
+                str(tmp_path / "corpus"),
+                "--seeds",
+                "0",
+                "1",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    summary = json.loads((out / "real_text.json").read_text())
+    corpus = summary["corpus"]
+    assert corpus["train_tokens"] > 100_000 and corpus["val_tokens"] > 1_000
+    # the text has structure a bigram sees: its bound is well below the unigram one, which is below ln V
+    assert 0 < corpus["bigram_nats"] < corpus["unigram_nats"] - 0.5 < math.log(corpus["vocab_size"])
+    assert set(summary["recovery"]) == RECOVERY_VARIANTS
+    assert all(v["final_loss"]["seeds"] == 2 for v in summary["recovery"].values())
+    assert {
+        f"{mode}/{routing}" for mode in ("noloco", "diloco", "allreduce") for routing in ("random", "load_aware")
+    } == set(summary["gossip"])
+    # every run trained: below ln V on held-out text, and the seeds differ (their data and model do)
+    losses = [v["final_loss"] for v in summary["recovery"].values()]
+    assert all(loss["high"] < math.log(corpus["vocab_size"]) for loss in losses)
+    assert any(loss["high"] > loss["low"] for loss in losses)
+    claims = summary["claims"]
+    assert len(claims) == 11 and all(c["seeds"] in (1, 2) for c in claims[:4])
+    page = render(tmp_path / "results", tmp_path / "results.md")
+    assert "## Real text: the claims over seeds" in page and page.count("| final perplexity:") == 4
+
+
+def recovery_summary(checkfree: float, copy: float, seconds: tuple[float | None, float | None]) -> dict:
+    variant = {"seconds_to_target": None, "iterations_to_target": None}
+    return {
+        "variants": {
+            "checkfree": {**variant, "final_loss": checkfree},
+            "copy": {**variant, "final_loss": copy},
+            "checkfree_plus": {**variant, "final_loss": checkfree, "seconds_to_target": seconds[0]},
+            "checkpoint": {**variant, "final_loss": copy, "seconds_to_target": seconds[1]},
+        }
+    }
+
+
+def test_a_claim_holds_only_on_the_seeds_where_its_ordering_does() -> None:
+    summaries = [recovery_summary(2.0, 2.5, (100.0, 160.0)), recovery_summary(2.6, 2.5, (100.0, None))]
+    checks = recovery_claims(summaries)
+    against_copy = next(c for c in checks if "below copying a neighbour" in c.claim)
+    assert (against_copy.holding, against_copy.seeds, against_copy.holds) == (1, 2, False)
+    faster = next(c for c in checks if "faster than checkpointing" in c.claim)
+    # a checkpoint run that never reached the target is slower; the ratio is over the seeds where both did
+    assert (faster.holding, faster.seeds, faster.holds) == (2, 2, True)
+    assert "1.60" in faster.measured and "never reached the target on 1" in faster.measured
+
+
+@pytest.mark.parametrize("values, expected", [([1.0, 3.0], (2.0, 1.0, 3.0, 2)), ([None, math.inf], None)])
+def test_a_spread_is_the_mean_and_range_of_the_finite_values(values, expected) -> None:
+    spread = Spread.of(values)
+    assert (spread and (spread.mean, spread.low, spread.high, spread.seeds)) == expected
