@@ -74,7 +74,8 @@ def run_experiment(
             summary = run_recovery(sim, settings, out, advance)
     else:
         sim, settings = _override(GOSSIP_PRESETS[preset], values), _override(GossipSettings(), values)
-        with progress_bar(sim.steps * len(settings.modes) * len(settings.routings), progress) as advance:
+        pipelines = len(settings.routings) + settings.fixed_pipelines
+        with progress_bar(sim.steps * len(settings.modes) * pipelines, progress) as advance:
             summary = run_gossip(sim, settings, out, advance)
     if not have_matplotlib():
         print(f"plots skipped: matplotlib is not installed (pip install 'pipeswarm[plots]'); CSV and JSON are in {out}")

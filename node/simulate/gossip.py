@@ -28,15 +28,23 @@ COMPARED = (SyncMode.NOLOCO, SyncMode.DILOCO, SyncMode.ALLREDUCE)
 class GossipSettings:
     modes: tuple[SyncMode, ...] = COMPARED
     routings: tuple[RoutingMode, ...] = (RoutingMode.RANDOM, RoutingMode.SHUFFLED, RoutingMode.LOAD_AWARE)
+    fixed_pipelines: bool = False  # also each mode without routing: replica r's pipeline is replica r of every stage
+
+
+FIXED = "fixed"  # the variant name's routing part for fixed pipelines
 
 
 def run_gossip(sim: SimSettings, settings: GossipSettings, out: Path, advance: Callable[[str], None]) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     variants: dict[str, dict[str, Any]] = {}
+    pipelines = [(routing.value, routing) for routing in settings.routings]
+    pipelines += [(FIXED, None)] if settings.fixed_pipelines else []
     for mode in settings.modes:
-        for routing in settings.routings:
-            name = f"{mode.value}/{routing.value}"
-            run_rows = run_one(dataclasses.replace(sim, routing=routing), mode, name, advance)
+        for label, routing in pipelines:
+            name = f"{mode.value}/{label}"
+            run_rows = run_one(
+                dataclasses.replace(sim, routing=routing or sim.routing), mode, name, advance, routing is None
+            )
             rows += run_rows
             last = run_rows[-1]
             variants[name] = {
@@ -77,8 +85,12 @@ def run_gossip(sim: SimSettings, settings: GossipSettings, out: Path, advance: C
     return summary
 
 
-def run_one(sim: SimSettings, mode: SyncMode, name: str, advance: Callable[[str], None]) -> list[dict[str, Any]]:
-    swarm = SimulatedSwarm(sim.config(), sim.replicas, sim.link, sim.compute_seconds, mode, sim.seed)
+def run_one(
+    sim: SimSettings, mode: SyncMode, name: str, advance: Callable[[str], None], fixed_pipelines: bool = False
+) -> list[dict[str, Any]]:
+    swarm = SimulatedSwarm(
+        sim.config(), sim.replicas, sim.link, sim.compute_seconds, mode, sim.seed, fixed_pipelines=fixed_pipelines
+    )
     held_out = swarm.held_out(sim.eval_batches)
     rows, synced = [], 0.0
     try:

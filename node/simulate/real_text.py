@@ -32,6 +32,7 @@ from node.config import RoutingMode
 from node.model.corpus import PreparedData, load_prepared, prepare_corpus
 from node.model.corpus_inputs import expand_inputs
 from node.simulate.experiments import run_experiment
+from node.simulate.gossip import FIXED
 from node.simulate.names import ExperimentName, SimPreset
 from node.simulate.seeds import gossip_claims, recovery_claims, variant_spread
 
@@ -103,7 +104,13 @@ def run_seeds(prepared: PreparedData, scale: Scale, seeds: list[int], out: Path,
                 ExperimentName.GOSSIP,
                 out / f"seed{seed}" / "gossip",
                 scale.preset,
-                {**common, "seed": seed, "steps": scale.gossip_steps, "routings": GOSSIP_ROUTINGS},
+                {
+                    **common,
+                    "seed": seed,
+                    "steps": scale.gossip_steps,
+                    "routings": GOSSIP_ROUTINGS,
+                    "fixed_pipelines": True,
+                },
                 progress,
             )
         )
@@ -129,7 +136,8 @@ def summarise(prepared: PreparedData, scale: Scale, seeds: list[int], runs: dict
         }
         for name in gossip[0]["variants"]
     }
-    claims = recovery_claims(recovery) + [c for r in GOSSIP_ROUTINGS for c in gossip_claims(gossip, r.value)]
+    routings = [r.value for r in GOSSIP_ROUTINGS] + [FIXED]
+    claims = recovery_claims(recovery) + [c for r in routings for c in gossip_claims(gossip, r)]
     return {
         "corpus": {
             "source": "CPython standard library (.py, tests left out)"

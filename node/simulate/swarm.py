@@ -78,13 +78,16 @@ class SimulatedSwarm:
         seed: int,
         extra_forward: float = 0.0,
         exact_gossip: bool = False,
+        fixed_pipelines: bool = False,
     ) -> None:
         """`exact_gossip`: NoLoCo and DiLoCo rounds exchange every phi coordinate and Delta in fp32
-        (what a round moved before its codec), the baseline the codec's loss cost is measured against."""
+        (what a round moved before its codec), the baseline the codec's loss cost is measured against.
+        `fixed_pipelines`: every microbatch of stage-0 replica r goes through replica r of each stage."""
         if replicas < 1:
             raise ValueError(f"need at least one replica per stage, got {replicas}")
         self.config, self.replicas, self.link, self.sync = config, replicas, link, SyncMode(sync)
         self.exact_gossip = exact_gossip
+        self.fixed_pipelines = fixed_pipelines  # no routing: the data-parallel pipelines DiLoCo assumes
         self.phi_edge_shares: list[
             float
         ] = []  # per NoLoCo round and side: phi's values at the edge of the codec's reach
@@ -124,7 +127,9 @@ class SimulatedSwarm:
 
     # ---- training ------------------------------------------------------------------------------
 
-    def _choose(self, stage: int, now: float) -> int:
+    def _choose(self, stage: int, now: float, source: int) -> int:
+        if self.fixed_pipelines:  # replica r of stage 0 always through replica r of every stage
+            return source
         self.clock.advance_to(now)
         chosen = self.router.choose(stage)
         if chosen is None:  # every replica is always online here; a None would be a routing bug
@@ -273,4 +278,4 @@ def estimate_iteration_seconds(
     does over equally fast peers), without running any model: the base of the failure rate."""
     turns = [itertools.cycle(range(replicas)) for _ in range(num_stages)]
     batches = [Microbatch(r, list(range(1, num_stages))) for r in range(replicas) for _ in range(microbatches)]
-    return run_iteration(batches, 0.0, costs, link, lambda stage, now: next(turns[stage]))
+    return run_iteration(batches, 0.0, costs, link, lambda stage, now, source: next(turns[stage]))

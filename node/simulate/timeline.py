@@ -8,7 +8,8 @@ microbatch's block-stage forward costs `forward_share` of its compute, backward 
 pays its embedding forward and, at the end, the head + loss + backward.
 
 The next peer of every forward hop is chosen when the hop leaves, at that simulated time, by
-`choose(stage, now)`: the project's router driven by the simulated clock (swarm.py).
+`choose(stage, now, source)`: the project's router driven by the simulated clock, or the source
+replica's own pipeline (swarm.py).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def run_iteration(
     start: float,
     costs: StageCosts,
     link: LinkModel,
-    choose: Callable[[int, float], int],
+    choose: Callable[[int, float, int], int],
 ) -> float:
     """Schedule every microbatch (fills `replicas` and `finished`); returns when the last one is done.
 
@@ -70,7 +71,7 @@ def run_iteration(
             peer, seconds = (0, mb.source), costs.edge_seconds * FORWARD_SHARE / 2
         elif task <= hops:
             stage = mb.order[task - 1]
-            mb.replicas.append(choose(stage, when))
+            mb.replicas.append(choose(stage, when, mb.source))
             peer, seconds = (stage, mb.replicas[-1]), fwd
         elif task == hops + 1:
             peer, seconds = (0, mb.source), costs.edge_seconds * (1.0 - FORWARD_SHARE)

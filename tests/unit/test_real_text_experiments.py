@@ -41,14 +41,14 @@ def test_quick_experiments_run_on_real_text_and_every_claim_gets_its_seeds(tmp_p
     assert set(summary["recovery"]) == RECOVERY_VARIANTS
     assert all(v["final_loss"]["seeds"] == 2 for v in summary["recovery"].values())
     assert {
-        f"{mode}/{routing}" for mode in ("noloco", "diloco", "allreduce") for routing in ("random", "load_aware")
+        f"{mode}/{routing}" for mode in ("noloco", "diloco", "allreduce") for routing in ("random", "load_aware", "fixed")
     } == set(summary["gossip"])
     # every run trained: below ln V on held-out text, and the seeds differ (their data and model do)
     losses = [v["final_loss"] for v in summary["recovery"].values()]
     assert all(loss["high"] < math.log(corpus["vocab_size"]) for loss in losses)
     assert any(loss["high"] > loss["low"] for loss in losses)
     claims = summary["claims"]
-    assert len(claims) == 11 and all(c["seeds"] in (1, 2) for c in claims[:4])
+    assert len(claims) == 13 and all(c["seeds"] in (1, 2) for c in claims[:4])
     page = render(tmp_path / "results", tmp_path / "results.md")
     assert "## Real text: the claims over seeds" in page and page.count("| final perplexity:") == 4
 

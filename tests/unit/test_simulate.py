@@ -21,6 +21,7 @@ from node.simulate.collectives import (
 from node.simulate.failures import draw_failures, per_iteration_probability
 from node.simulate.links import LinkModel
 from node.simulate.settings import SimSettings
+from node.simulate.sources import training_source
 from node.simulate.swarm import SimulatedSwarm, SyncMode, estimate_iteration_seconds
 from node.simulate.timeline import FORWARD_SHARE, Microbatch, StageCosts, run_iteration
 
@@ -82,7 +83,7 @@ def test_timeline_one_microbatch_is_its_computes_plus_its_hops():
     link = LinkModel.from_flags(latency_ms=10, bandwidth_mbit=8)  # 1 MB/s
     costs = StageCosts(compute_seconds=1.0, edge_seconds=0.5, activation_bytes=1e5)
     mb = Microbatch(source=0, order=[1, 2, 3])
-    end = run_iteration([mb], 0.0, costs, link, lambda stage, now: 0)
+    end = run_iteration([mb], 0.0, costs, link, lambda stage, now, source: 0)
     hops = 2 * (len(mb.order) + 1)  # 0 -> 1 -> 2 -> 3 -> 0 and back
     assert end == pytest.approx(3 * 1.0 + 0.5 + hops * (0.01 + 0.1))
     assert mb.replicas == [0, 0, 0] and mb.finished == end
@@ -91,13 +92,13 @@ def test_timeline_one_microbatch_is_its_computes_plus_its_hops():
 def test_timeline_serialises_one_peer_and_spreads_over_replicas():
     link = LinkModel(latency_s=0.0)
     costs = StageCosts(compute_seconds=1.0, edge_seconds=0.0, activation_bytes=0.0)
-    one = run_iteration([Microbatch(0, [1]), Microbatch(0, [1])], 0.0, costs, link, lambda s, now: 0)
+    one = run_iteration([Microbatch(0, [1]), Microbatch(0, [1])], 0.0, costs, link, lambda s, now, source: 0)
     turns = iter([0, 1])
-    two = run_iteration([Microbatch(0, [1]), Microbatch(0, [1])], 0.0, costs, link, lambda s, now: next(turns))
+    two = run_iteration([Microbatch(0, [1]), Microbatch(0, [1])], 0.0, costs, link, lambda s, now, source: next(turns))
     assert one == pytest.approx(2.0)  # both microbatches on the same stage-1 peer
     assert two == pytest.approx(1.0)  # one each: in parallel
     redundant = StageCosts(1.0, 0.0, 0.0, extra_forward=FORWARD_SHARE)
-    assert run_iteration([Microbatch(0, [1])], 0.0, redundant, link, lambda s, now: 0) == pytest.approx(
+    assert run_iteration([Microbatch(0, [1])], 0.0, redundant, link, lambda s, now, source: 0) == pytest.approx(
         1.0 + FORWARD_SHARE
     )
 
@@ -151,6 +152,31 @@ def test_swarm_routes_with_the_projects_router(routing):
             assert min(min(row) for row in done) > 0
     finally:
         swarm.close()
+
+
+def test_fixed_pipelines_keep_each_replicas_data_in_its_own_pipeline():
+    """Without routing, replica 0's pipeline never sees replica 1's microbatches: changing replica 1's
+    data leaves every stage of replica 0 as it was; with routing it does not."""
+
+    def weights_after(fixed: bool, other_stream: bool) -> list[torch.Tensor]:
+        sim = small(routing=RoutingMode.RANDOM, steps=4)
+        swarm = SimulatedSwarm(
+            sim.config(), sim.replicas, sim.link, sim.compute_seconds, SyncMode.NONE, sim.seed, fixed_pipelines=fixed
+        )
+        try:
+            if other_stream:
+                swarm.sources[1] = training_source(swarm.config, 7)
+            for _ in range(sim.steps):
+                swarm.train_iteration()
+            return [p.detach().clone() for s in range(sim.stages) for p in swarm.workers[s][0].module.parameters()]
+        finally:
+            swarm.close()
+
+    def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+        return all(torch.equal(x, y) for x, y in zip(a, b))
+
+    assert same(weights_after(True, False), weights_after(True, True))
+    assert not same(weights_after(False, False), weights_after(False, True))
 
 
 def test_diloco_makes_replicas_identical_and_no_sync_lets_them_drift():
