@@ -41,7 +41,9 @@ def test_quick_experiments_run_on_real_text_and_every_claim_gets_its_seeds(tmp_p
     assert set(summary["recovery"]) == RECOVERY_VARIANTS
     assert all(v["final_loss"]["seeds"] == 2 for v in summary["recovery"].values())
     assert {
-        f"{mode}/{routing}" for mode in ("noloco", "diloco", "allreduce") for routing in ("random", "load_aware", "fixed")
+        f"{mode}/{routing}"
+        for mode in ("noloco", "diloco", "allreduce")
+        for routing in ("random", "load_aware", "fixed")
     } == set(summary["gossip"])
     # every run trained: below ln V on held-out text, and the seeds differ (their data and model do)
     losses = [v["final_loss"] for v in summary["recovery"].values()]
