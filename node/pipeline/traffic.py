@@ -29,10 +29,8 @@ import asyncio
 import itertools
 import logging
 import random
-import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from enum import StrEnum
 from functools import partial
 from typing import Protocol
@@ -43,12 +41,14 @@ from dht.announcer import PeerAnnouncer
 from dht.records import PeerState, short_peer_id
 from node.config import SwarmConfig, TrainingConfig
 from node.p2p.transport import Transport, TransportError
+from node.pipeline.abort_notices import AbortNotices
 from node.pipeline.activation_store import UnknownMicrobatch
 from node.pipeline.admission import RejectedInput
 from node.pipeline.contracts import ABORT_CONTRACT, BACKWARD_CONTRACT, FORWARD_CONTRACT
 from node.pipeline.evaluation import PURPOSE_KEY, MicrobatchPurpose, eval_embed, eval_forward, eval_loss, purpose_of
 from node.pipeline.fair_turns import FairTurns
 from node.pipeline.hops import HopSender, PipelineStats
+from node.pipeline.in_flight import InFlight, ticket_named_by
 from node.pipeline.in_flight_window import InFlightWindow, keep_in_flight
 from node.pipeline.link_compression import LinkCompression
 from node.pipeline.order import pipeline_order, visits_every_block_stage
@@ -77,39 +77,6 @@ FORWARD, BACKWARD, ABORT = PipelineService.FORWARD, PipelineService.BACKWARD, Pi
 
 class TokenBatches(Protocol):
     def next_batch(self, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-@dataclass
-class InFlight:
-    """Stage-0 bookkeeping for one microbatch attempt."""
-
-    microbatch_id: int
-    targets: torch.Tensor
-    order: list[int]
-    started: float
-    done: asyncio.Future
-    token: str  # shared only with the peers on this attempt's path
-    loss: float | None = None
-    purpose: MicrobatchPurpose = MicrobatchPurpose.TRAIN
-
-    @classmethod
-    def start(cls, microbatch_id: int, targets: torch.Tensor, order: list[int], purpose: MicrobatchPurpose) -> InFlight:
-        """A new attempt, started now, with a fresh random token (call it on the event loop)."""
-        future = asyncio.get_running_loop().create_future()
-        return cls(microbatch_id, targets, order, time.monotonic(), future, secrets.token_hex(8), purpose=purpose)
-
-    def on_lost(self, reason: str) -> Callable[[], None]:
-        """What a hop of this attempt does when it is lost (node/pipeline/hops.py): fail the attempt."""
-        return lambda: self.finish(error=TransportError(reason))
-
-    def finish(self, loss: float | None = None, error: BaseException | None = None) -> None:
-        """Settle the attempt once: an abort can race a backward that just completed."""
-        if self.done.done():
-            return
-        if error is not None:
-            self.done.set_exception(error)
-        else:
-            self.done.set_result(loss)
 
 
 def _no_op() -> None:
@@ -187,18 +154,6 @@ def _hop_sender(
     )
 
 
-def ticket_named_by(in_flight: dict[int, InFlight], meta: dict) -> InFlight | None:
-    """The origin's attempt a message refers to, if its id and token match one in flight."""
-    microbatch_id, token = meta.get("microbatch_id"), meta.get("token")
-    if isinstance(microbatch_id, bool) or not isinstance(microbatch_id, int) or not isinstance(token, str):
-        raise ProtocolError("a microbatch reference needs an integer microbatch_id and a token")
-    ticket = in_flight.get(microbatch_id)
-    # compared as bytes: compare_digest refuses a str that is not ASCII (a TypeError, not a mismatch)
-    if ticket is None or not secrets.compare_digest(ticket.token.encode(), token.encode()):
-        return None
-    return ticket
-
-
 class Pipeline:
     def __init__(
         self,
@@ -242,6 +197,8 @@ class Pipeline:
         # a block stage's compute, shared fairly among the origins whose microbatches wait for it
         self._turns = FairTurns()
         self._tasks = BackgroundTasks()
+        notify = self.hops.notify_abort  # who may be told is AbortNotices' to decide (no reflection)
+        self.aborts = AbortNotices(lambda *notice: notify(notice[0], ABORT, *notice[1:]), self._tasks.spawn)
 
     # ---- serving -------------------------------------------------------------------------------
 
@@ -304,20 +261,17 @@ class Pipeline:
         """A peer on a microbatch's path gave up on it: retry now instead of at the deadline. Only an
         ERROR naming a microbatch by id and token gets here (ABORT_CONTRACT, checked by the transport)."""
         ticket = ticket_named_by(self.in_flight, msg.meta)
-        if ticket is None:  # finished already, or a stranger without the token: nothing to do
-            return self.transport.error("unknown microbatch")
         # the ERROR schema makes "reason" a string (protocol/messages.py); shown, never parsed
-        ticket.finish(error=TransportError(f"{short_peer_id(sender)} gave up: {msg.meta['reason'][:200]}"))
+        reason = f"{short_peer_id(sender)} gave up: {msg.meta['reason'][:200]}"
+        if ticket is None:  # a block stage passes on a notice for a microbatch it handled; else nothing
+            return self._ack(msg) if self.aborts.relay(msg.meta, reason) else self.transport.error("unknown microbatch")
+        ticket.finish(error=TransportError(reason))
         return self._ack(msg)
 
     def _reject(self, sender: str, msg: Message, reason: str) -> None:
         """A tensor from `sender` was unusable: a strike against it, and the origin retries elsewhere."""
         self.transport.conduct.strike(sender, reason)
-        self._abort(msg.meta["path"][0], msg.meta, reason)
-
-    def _abort(self, origin: str, meta: dict, reason: str) -> None:
-        """Tell a microbatch's origin it is lost here (best effort); `meta` has no tensor to keep alive."""
-        self._tasks.spawn(self.hops.notify_abort(origin, ABORT, meta["microbatch_id"], meta.get("token", ""), reason))
+        self.aborts.tell_origin(msg.meta["path"][0], msg.meta, reason, sender)
 
     async def _run_block_forward(self, msg: Message) -> None:
         key = (msg.meta["origin"], msg.meta["microbatch_id"])
@@ -336,10 +290,11 @@ class Pipeline:
             return
         except Exception:
             logger.exception(f"forward of microbatch {msg.meta['microbatch_id']} failed")
-            self._abort(msg.meta["origin"], msg.meta, "forward failed")
+            self.aborts.tell_origin(msg.meta["origin"], msg.meta, "forward failed", msg.meta["path"][-1])
             return
         finally:
             self._queued -= 1
+        self.aborts.handled(*key, msg.meta.get("token", ""))
         order, hop = msg.meta["order"], msg.meta["hop"]
         next_stage = order[hop] if hop < len(order) else 0
         meta = {**msg.meta, "hop": hop + 1, "path": [*msg.meta["path"], self.me.peer_id]}
@@ -348,7 +303,7 @@ class Pipeline:
         def lost(received: dict = msg.meta) -> None:  # the meta only: `msg` holds the tensors that came in
             self.worker.drop(key)
             if next_stage != 0:
-                self._abort(received["origin"], received, f"no peer of stage {next_stage} took it")
+                self.aborts.tell_origin(received["origin"], received, f"no peer of stage {next_stage} took it")
 
         if next_stage == 0:
             sent = await self.hops.send_to(msg.meta["origin"], FORWARD, MessageKind.FORWARD, meta, tensors, lost)
@@ -385,16 +340,18 @@ class Pipeline:
             return
         except (ValueError, KeyError) as e:  # activations already expired or dropped here
             logger.info(f"backward of microbatch {msg.meta['microbatch_id']} failed here: {e}")
-            self._abort(path[0], msg.meta, f"backward failed at stage {self.me.stage}")
+            self.aborts.tell_origin(path[0], msg.meta, f"backward failed at stage {self.me.stage}")
             return
         except Exception:
             logger.exception(f"backward of microbatch {msg.meta['microbatch_id']} failed")
-            self._abort(path[0], msg.meta, f"backward failed at stage {self.me.stage}")
+            self.aborts.tell_origin(path[0], msg.meta, f"backward failed at stage {self.me.stage}")
             return
         meta = {**msg.meta, "hop": hop - 1}
         # lost before the origin: tell it; lost on the way to the origin: the origin's deadline sees it
         lost = (
-            partial(self._abort, path[0], msg.meta, "backward could not reach the previous hop") if hop > 1 else _no_op
+            partial(self.aborts.tell_origin, path[0], msg.meta, "backward could not reach the previous hop")
+            if hop > 1
+            else _no_op
         )
         sent = await self.hops.send_to(path[hop - 1], BACKWARD, MessageKind.BACKWARD, meta, {"grad": grad}, lost)
         self.stats.backwarded += sent is not None

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from node.p2p.transport import TransportError
-from node.pipeline.traffic import InFlight
+from node.pipeline.in_flight import InFlight
 
 
 def ticket(loop: asyncio.AbstractEventLoop) -> InFlight:
