@@ -366,7 +366,8 @@ def execute_rebuild(
             for stage in plan.sources:
                 state, _ = _source(fetched, stage, plan)
                 for key, value in _clone_state(state, f"stage {stage}'s edge copy").items():
-                    result.setdefault(key, value)
+                    # copies are kept in bfloat16 (protocol/stage_state.py EDGE_COPY_DTYPE); weights train in fp32
+                    result.setdefault(key, value.float() if value.is_floating_point() else value)
             if not result:
                 raise ValueError("the fetched edge copies are empty")
         else:  # pragma: no cover - every other RebuildAction returned or raised above

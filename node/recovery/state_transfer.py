@@ -45,6 +45,7 @@ from node.runtime.meter import Tally
 from protocol import MessageKind, ProtocolError
 from protocol.stage_state import (
     CHUNK_BYTES,
+    EDGE_COPY_DTYPE,
     MAX_STATE_BYTES,
     PART_KEYS,
     PARTS,
@@ -395,7 +396,7 @@ def state_provider(
             weights = dict(worker.module.state_dict())
             return StageState(
                 stage=0,
-                weights=worker.transfers.state_to_host({k: weights[k] for k in keys}),
+                weights=worker.transfers.state_to_host({k: weights[k].to(EDGE_COPY_DTYPE) for k in keys}),
                 inner_step=worker.inner_step,
                 grad_norm=worker.last_grad_norm,
             )

@@ -317,9 +317,9 @@ def test_edge_copies_refresh_from_stage0_and_are_served_back():
     head = copies.copies["head"]
     assert head.inner_step == 3 and set(head.weights) == {"norm.weight", "lm_head.weight"}
     assert not torch.equal(first["lm_head.weight"], head.weights["lm_head.weight"])  # it did refresh
-    for name in ("norm.weight", "lm_head.weight"):
-        assert torch.equal(head.weights[name], current[name])
-        assert torch.equal(served.weights[name], current[name])
+    for name in ("norm.weight", "lm_head.weight"):  # kept and served in bfloat16: half of fp32's bytes
+        assert torch.equal(head.weights[name], current[name].to(torch.bfloat16))
+        assert torch.equal(served.weights[name], current[name].to(torch.bfloat16))
     assert served.inner_step == 3 and "embed_tokens.weight" not in served.weights
 
 
@@ -459,5 +459,6 @@ def test_stage_service_joiner_downloads_before_going_online_and_keeps_edge_copie
     from node.model.llama import build_stage
 
     assert copy_state.inner_step == 0
-    assert torch.equal(copy_state.weights["embed_tokens.weight"], build_stage(config, 0).embed_tokens.weight)
-    assert not torch.equal(copy_state.weights["embed_tokens.weight"], embed["embed_tokens.weight"])
+    initial = build_stage(config, 0).embed_tokens.weight.detach().to(torch.bfloat16)  # copies are kept in bfloat16
+    assert torch.equal(copy_state.weights["embed_tokens.weight"], initial)
+    assert not torch.equal(copy_state.weights["embed_tokens.weight"], embed["embed_tokens.weight"].to(torch.bfloat16))

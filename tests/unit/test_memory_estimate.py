@@ -64,16 +64,16 @@ def test_the_memory_estimate_of_tiny_equals_a_hand_computation():
     # a block stage keeps per token its output and, per layer, 10 H + 4 I fp32 values (its input included)
     block_activations = 32 * tokens * ((10 * 64 + 4 * 176) * 4 + 64 * 4)
     first = estimate_stage_memory(config, 1)
-    assert (first.parameters, first.activations, first.edge_copies) == (p1, block_activations, 256 * 64 * 4)
+    assert (first.parameters, first.activations, first.edge_copies) == (p1, block_activations, 256 * 64 * 2)
     assert first.stashed_weights == 4 * p1 * 4  # training.stashed_weights fp32 copies
     assert first.allocator_slack == block_activations // 4
-    # 80 x 50,304 + 65,536 + 16,384 x 5,632 x 1.25
-    assert first.total == 80 * p1 + 256 * 64 * 4 + block_activations * 5 // 4 == 119_433_216
+    # 80 x 50,304 + 32,768 (the edge copy in bfloat16) + 16,384 x 5,632 x 1.25
+    assert first.total == 80 * p1 + 256 * 64 * 2 + block_activations * 5 // 4 == 119_400_448
     last = estimate_stage_memory(config, 2)
-    assert last.edge_copies == (256 * 64 + 64) * 4  # the LM head and the final norm
+    assert last.edge_copies == (256 * 64 + 64) * 2  # the LM head and the final norm, in bfloat16
     # on a GPU: no heap slack; the edge copies are kept on the stage's device there too
     gpu = estimate_stage_memory(config, 1, device="cuda:0")
-    edge_copy = 256 * 64 * 4
+    edge_copy = 256 * 64 * 2
     assert (gpu.allocator_slack, gpu.edge_copies, gpu.total) == (0, edge_copy, 80 * p1 + edge_copy + block_activations)
     # bf16 autocast: the residual stream stays fp32 (4 H), 9 H + 4 I values are bf16, and every stored
     # forward keeps bf16 copies of the weights its matmuls used
