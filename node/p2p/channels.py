@@ -2,7 +2,7 @@
 
 Opening a libp2p stream per request costs a unix-socket connection to p2pd, a stream-open round
 trip, protocol negotiation and a second connection from the remote daemon to its Python process.
-Measured on this repository's 2-core machine (docs/benchmarks.md, "Profile"): ~1.6 ms of Python
+Measured on this repository's 2-core machine (docs/changes.md, 49e685b): ~1.6 ms of Python
 and ~2.4 ms of p2pd CPU per 64 KiB pipeline hop, against ~0.6 and ~1.0 ms for the same request on
 a stream that stays open. So services that exchange many small requests with the same peers
 (pipeline hops) keep one stream per peer open and tell replies apart by request id.
@@ -16,7 +16,7 @@ reply only when the server refuses it: the client settles it as taken once `refu
 in silence, and a refusal later than that (a server whose loop lagged) still reaches the sender's
 `on_late_refusal` until the request's timeout. Pipeline hops are posted (node/pipeline/hops.py): the
 ACK was half of a hop's frames, each a wake-up of both event loops, for an answer that is "yes"
-nearly every time (docs/benchmarks.md). A channel idle for `CLIENT_IDLE` seconds is
+nearly every time (docs/changes.md, de097ca). A channel idle for `CLIENT_IDLE` seconds is
 closed and a new one opened rather than reused, so the client never writes into a stream the
 server is about to close for idleness (`SERVER_IDLE` is longer). Server side (`ChannelServer`,
 admitted by node/p2p/transport.py): every rule of the per-request path still applies per message.

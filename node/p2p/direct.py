@@ -2,7 +2,7 @@
 libp2p keys and encrypted, instead of through two p2pd daemons.
 
 Why: a pipeline hop through p2pd crosses four unix-socket legs and two Go daemons (Noise, yamux).
-Profiled on this repository's 2-core machine (docs/benchmarks.md, issue 16), relaying a 3 x 1
+Profiled on this repository's 2-core machine (docs/changes.md, 49e685b), relaying a 3 x 1
 swarm's 12 frames per microbatch cost ~8.8 ms of p2pd CPU and most of ~17.5 ms of event-loop CPU,
 against ~26 ms of torch for the whole model; a raw TCP round trip of the same 128 KiB costs
 ~0.1 ms. So peers that can reach each other directly carry their channels (node/p2p/channels.py)

@@ -5,7 +5,7 @@ took, sampled on every ACK (`tcpi_delivery_rate` in `struct tcp_info`, Linux >= 
 steers by). A pipeline hop leaves as one burst of 64-256 KiB, so even when the sender is idle
 between hops (an "application-limited" sample) the rate of that burst is the path's bottleneck:
 measured through this repository's namespace test bed, a 50 Mbit/s link read 47.8 Mbit/s with the
-sender saturating it and 50.2 Mbit/s sending half that (docs/benchmarks.md, issue 16). A sample taken
+sender saturating it and 50.2 Mbit/s sending half that (docs/changes.md, deb3d0e). A sample taken
 while the connection is still in slow start reads low, so the estimate waits for MIN_ACKED_BYTES to
 be acknowledged, and it is the largest sample of the last HORIZON seconds (BBR's max filter): one
 quiet gap between bursts does not make a fast link look slow. A link quiet for longer than TCP's

@@ -5,14 +5,14 @@ per direction. Inside the records run the channel protocol's frames (protocol/fr
 `SealedLink` is an `asyncio.Protocol` and a FrameLink (node/p2p/frame_link.py): records are opened
 and frames split from them in `data_received`, and each whole frame is handed to the channel at
 once. A stream reader in between cost a task wake-up per read and two reads per record and per
-frame, on every hop of the pipeline (docs/benchmarks.md, issue 16). A frame's header and payload
+frame, on every hop of the pipeline (docs/changes.md, 1193571). A frame's header and payload
 are sealed into one record (frames over MAX_RECORD_BYTES span several).
 
 Across a wide-area link a 64 KiB record arrives as dozens of TCP segments (TCP's window is small
 after an idle moment, and at 50 Mbit/s a segment lands every quarter millisecond). While a record's
 body is incomplete the link sets the socket's SO_RCVLOWAT to the bytes still missing, so the event
 loop is not woken (epoll, a read, data_received) for each batch of them. Measured between two
-namespaces over a 50 Mbit/s, 100 ms RTT link (docs/benchmarks.md, issue 16): 9.3 reads and
+namespaces over a 50 Mbit/s, 100 ms RTT link (docs/changes.md, 279db3f): 9.3 reads and
 0.41-0.47 ms of the receiver's CPU per 64 KiB record without it, 1.1 and 0.26-0.33 ms with it, at
 the same 77-78 records/s; on loopback a record arrives in one read either way. The mark is capped at
 a quarter of the socket's receive buffer: Linux clamps the receive window to a mark that needs a

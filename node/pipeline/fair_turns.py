@@ -5,7 +5,7 @@ served, an origin's share of the stage is its share of what waits there, so it f
 of the origins' in-flight windows (node/pipeline/in_flight_window.py). Two windows probing one
 shared bottleneck feed on each other: a probe that grows one origin's window is "kept" because it
 takes the other's share, the other's delivery rate falls, and its own rule then shrinks it. Measured
-in a 3 x 2 swarm on this repository's 2-core host (docs/benchmarks.md, issue 16): one origin's
+in a 3 x 2 swarm on this repository's 2-core host (docs/changes.md, 92c7949): one origin's
 window stayed at 7 while the other's climbed past 18, and they completed 735 against 2,255
 microbatches in the same minute.
 

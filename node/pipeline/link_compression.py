@@ -5,7 +5,7 @@ SWARM's authors train over links under 200 Mbit/s by pairing their pipelines wit
 of what crosses the network (docs/algorithms.md, "SWARM: compressing what crosses a slow link").
 Compressing every hop would cost precision where bandwidth is plentiful; never compressing caps a
 pipeline behind a home uplink at the link's rate: at 50 Mbit/s, the default model's fp16 traffic is
-at most 47.7 microbatches/s however fast the stages compute (docs/benchmarks.md, issue 16). So the
+at most 47.7 microbatches/s however fast the stages compute (docs/benchmarks.md, "Over 100 ms RTT / 50 Mbit/s"). So the
 choice is made from measurements, per peer:
 
     load = (bytes/s the usual encoding sends over the links used in the last RECENT seconds)
@@ -19,7 +19,7 @@ once it has stayed below RELEASE as long.
 
 While compressed, the links' rates are not read again: small bursts fit in a shaper's bucket and
 cross at line rate, so an int8 hop's reading says little about what fp16 would get (measured on a
-50 Mbit/s namespace link, docs/benchmarks.md). The load is still counted in the usual encoding's
+50 Mbit/s namespace link, docs/changes.md). The load is still counted in the usual encoding's
 bytes at the pace the pipeline runs, so compressing a link-bound pipeline, which then runs faster,
 keeps it compressed rather than swinging back. After a hold in `slow_link` (HOLDS) the usual encoding
 is tried again, to find a path that got faster; a still-slow one goes back to `slow_link` after
@@ -63,7 +63,7 @@ REPROBE_WINDOW = 30.0
 MAX_LINKS = 256  # links remembered (a peer talks to a few stages' peers at a time)
 # seconds between two reads of one link's rate, and between two decisions on the load: a hop costs
 # ~1 ms of event-loop CPU, and reading TCP_INFO, summing the links and choosing on every one of
-# them was ~5 % of a block stage's loop (py-spy, docs/benchmarks.md), for a choice that waits
+# them was ~5 % of a block stage's loop (py-spy, docs/changes.md), for a choice that waits
 # SUSTAIN seconds before it changes anything
 REFRESH = 0.1
 

@@ -8,7 +8,7 @@ since their servers keep no activations). PipeDream (Narayanan et al., "PipeDrea
 Pipeline Parallelism for DNN Training", SOSP 2019, section 3.3) keeps instead the weight version a
 forward used for its backward: the gradient is then that of the loss the forward really produced,
 delayed by the same number of steps, and the stage skips the second forward (about a quarter of a
-block stage's compute here, docs/benchmarks.md).
+block stage's compute here, docs/changes.md).
 
 A stash is made at most once per weight version (the first forward after a step or a gossip
 update copies the parameters; later forwards share it) and lives as long as a stored microbatch

@@ -4,7 +4,7 @@ A stage hands its worker two or three calls per microbatch (node/pipeline/stage_
 `loop.run_in_executor` on a one-thread ThreadPoolExecutor each call costs a concurrent Future, a work
 item, the pool's idle-semaphore check (a Python Condition whose lock the worker thread takes after
 every call, so the event loop can block on it), and a second future chained to the first. Profiled
-in a 3 x 1 swarm (docs/benchmarks.md, issue 16), `ThreadPoolExecutor.submit` was a fifth of a block
+in a 3 x 1 swarm (docs/changes.md, efc992f), `ThreadPoolExecutor.submit` was a fifth of a block
 stage's event-loop samples. Here an awaited call is one future of the loop, one put on a C queue,
 and one `call_soon_threadsafe` back: the same thread and order, without the pool's machinery.
 

@@ -18,7 +18,7 @@ Shaping     A path between two hosts adds both hosts' shaping, so every host get
             Python process whose CPU is reported beside the swarm's. It runs with offload
             (tests/helpers/delay_line.py): it takes TCP bursts as super-packets, as a NIC with
             TSO/GRO would, so it forwards ~20x fewer packets than at 1500 bytes each and takes far
-            less of the 2 cores the swarm needs (0.30 cores before, docs/benchmarks.md).
+            less of the 2 cores the swarm needs (0.30 cores before, docs/changes.md).
 Procedure   One swarm per config, measured three times: after every peer is online and stage 0
             reports a loss, `--wide-warmup` seconds pass, then a `--wide-window` of unshaped links;
             then every host is shaped, `--wide-settle` seconds pass, a window of shaped links; then

@@ -1,5 +1,6 @@
 """Where a running swarm's CPU goes, per peer: Python vs its p2pd (psutil), and a py-spy profile of
-each peer's Python process split by what the code does (docs/benchmarks.md, "Issue 16").
+each peer's Python process split by what the code does (docs/benchmarks.md, "A pipeline hop's cost
+on one host").
 
 Not a test: attach it to a swarm that `bench_swarm.py --workdir DIR` (or anything using
 node/local_swarm.py) runs, while it trains:

@@ -27,7 +27,7 @@ Control: one JSON object per line on stdin, answered by one line on stdout.
 hands over a TCP burst as one super-packet of up to 64 KiB with a virtio-net header, the way a NIC with
 TSO/GRO sees it, instead of ~45 packets of 1500 bytes, and the line writes it back the same way. TCP still
 runs with its 1500-byte MSS at both ends; only the line's per-packet work shrinks (the userspace loop cost
-0.3 of this machine's 2 cores under a 3 x 1 swarm at 50 Mbit/s without it, docs/benchmarks.md). Loss is
+0.3 of this machine's 2 cores under a 3 x 1 swarm at 50 Mbit/s without it, docs/changes.md). Loss is
 refused in that mode: dropping a super-packet would drop a whole burst of segments, not one packet. End of stdin (the test bed closed the pipe, or died) ends the process,
 so it never outlives its bed. Standard library only, started as a script: it must not import the project.
 """
