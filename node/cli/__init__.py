@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--data",
         dest="data_path",
         help="stage 0 data: a directory of `node prepare-data`, a UTF-8 text file or a uint16 token .bin "
-        "file (default: the swarm's synthetic source)",
+        "file (default: the swarm's prepared data, fetched from its peers, when its founder gave --data; "
+        "else its synthetic source)",
     )
     join.add_argument("--threads", type=int, help="torch CPU threads for this peer")
     join.add_argument(
