@@ -258,3 +258,52 @@ def test_the_service_answers_manifest_and_shards_and_refuses_the_rest(prepared, 
     for bad in ({"manifest": "x"}, {"manifest": manifest.hash, "shard": 5}, {}):
         with pytest.raises(ProtocolError):
             CONTRACT.check(Message(MessageKind.DATA_REQUEST, "s", 0, 7, bad))
+
+
+# ------------------------------------------------------------------------------------------------
+# A stage-0 peer that cannot get the data refuses in one line
+
+
+class FakeMe:
+    stage, peer_id = 0, "me"
+
+
+class FakeView:
+    def online(self, stage: int, exclude: str | None = None) -> list:
+        return []
+
+
+def test_a_stage0_peer_that_cannot_fetch_the_data_refuses_to_join(monkeypatch, tmp_path):
+    from node.config import SwarmConfig
+    from node.server import data_fetch
+    from node.server.daemon import JoinRefused
+
+    closed = []
+
+    class Closing(FakeTransport):
+        async def close(self) -> None:
+            closed.append(True)
+
+    async def unavailable(*args, **kwargs):
+        raise DataUnavailable("no peer served the swarm's data for 60 s (none known)")
+
+    monkeypatch.setattr(data_fetch, "data_transport", lambda *args, **kwargs: Closing())
+    monkeypatch.setattr(data_fetch, "fetch_data", unavailable)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    config = SwarmConfig().replace(data={"tokenizer_hash": "0123456789abcdef", "manifest_hash": "ab" * 32})
+
+    async def join() -> None:
+        async with data_fetch.stage0_data(None, config, FakeView(), FakeMe(), None):  # type: ignore[arg-type]
+            raise AssertionError("trained without data")
+
+    with pytest.raises(JoinRefused, match="stage 0 has no --data and cannot fetch the swarm's: no peer") as refused:
+        asyncio.run(join())
+    assert "\n" not in str(refused.value) and closed == [True]
+    # a swarm without a manifest, or another stage: the peer's own --data, nothing served or fetched
+    plain = SwarmConfig()
+
+    async def plain_join() -> str | None:
+        async with data_fetch.stage0_data(None, plain, FakeView(), FakeMe(), "dir") as path:  # type: ignore[arg-type]
+            return path
+
+    assert asyncio.run(plain_join()) == "dir"
