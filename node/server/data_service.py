@@ -119,6 +119,7 @@ def data_transport(network: Network, swarm_id: str, stage: int, meter: Meter | N
 
 
 def _bytes_message(transport: Transport, data: bytes, request_id: int) -> Message:
+    # host: file bytes for the wire, never on a device
     tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     return transport.message(MessageKind.DATA_REPLY, tensors={"data": tensor}, request_id=request_id)
 
