@@ -44,6 +44,9 @@ class MessageKind(enum.StrEnum):
     COMMITMENT = "commitment"  # the replica's digests of what it computed, before a layer is chosen
     OPEN = "open"  # the checker names the layer to show
     OPENING = "opening"  # that layer's weights and boundaries, bit-exact
+    # a stage-0 peer fetching the swarm's prepared data (node/server/data_service.py, docs/operations.md)
+    DATA_REQUEST = "data_request"  # the manifest of `manifest`, or one of its shards by sha256
+    DATA_REPLY = "data_reply"  # its bytes, as a uint8 tensor "data"
 
 
 # Required meta keys per kind. Extra keys are allowed (still type- and size-checked). Every int in
@@ -83,6 +86,8 @@ KIND_SCHEMAS: dict[MessageKind, dict[str, Any]] = {
     },
     MessageKind.OPEN: {"stage": int, "commitment": int, "layer": int, "forward": list[int], "backward": list[int]},
     MessageKind.OPENING: {"stage": int, "commitment": int},
+    MessageKind.DATA_REQUEST: {"manifest": str},
+    MessageKind.DATA_REPLY: {},
 }
 
 # A request whose meta holds POSTED_KEY: True is *posted*: its receiver replies only to refuse it
@@ -101,6 +106,7 @@ KIND_TENSORS.update(
         MessageKind.OPENING: frozenset({"weights"}),
         MessageKind.GOSSIP_CHUNK: frozenset({"chunk"}),
         MessageKind.STATE_CHUNK: frozenset({"chunk"}),
+        MessageKind.DATA_REPLY: frozenset({"data"}),
     }
 )
 

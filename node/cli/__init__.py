@@ -46,8 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--data",
         dest="data_path",
         metavar="DIR",
-        help="a directory of `node prepare-data`: the swarm records its tokenizer's hash (stage-0 peers "
-        "must bring data made with it) and takes its vocabulary size",
+        help="a directory of `node prepare-data`: the swarm records its tokenizer's hash and the hash of its "
+        "shard manifest, takes its vocabulary size, and this peer serves the shards to stage-0 peers without --data",
+    )
+    boot.add_argument(
+        "--shard-size",
+        dest="shard_bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="bytes per data shard (default 4 MiB; a multiple of 4): stage-0 peers with their own --data "
+        "serve it to others only at the default",
     )
     boot.add_argument("--heartbeat-period", type=float, help="seconds between peer record announcements")
     boot.add_argument("--heartbeat-ttl", type=float, help="seconds a peer record lives without a heartbeat")
@@ -70,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--data",
         dest="data_path",
         help="stage 0 data: a directory of `node prepare-data`, a UTF-8 text file or a uint16 token .bin "
-        "file (default: the swarm's synthetic source)",
+        "file (default: the swarm's prepared data, fetched from its peers, when its founder gave --data; "
+        "else its synthetic source)",
     )
     join.add_argument("--threads", type=int, help="torch CPU threads for this peer")
     join.add_argument(
@@ -141,10 +151,20 @@ def print_bootstrap_addresses(maddrs: list[str]) -> None:
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
     from node.model.corpus import PreparedDataError, load_prepared
+    from node.model.shards import DEFAULT_SHARD_BYTES, build_manifest
     from node.server import daemon
+    from node.server.data_service import DataStore
 
     try:
         prepared = load_prepared(args.data_path) if args.data_path is not None else None
+        store = None
+        if prepared is not None:  # before the loop starts: hashing the data may take a while
+            logger.info(f"hashing {prepared.directory} into its shard manifest")
+            manifest = build_manifest(prepared.directory, args.shard_bytes or DEFAULT_SHARD_BYTES)
+            store = DataStore(prepared.directory, manifest)
+            logger.info(
+                f"data: {len(manifest.shards)} shards, {manifest.total_bytes:,} bytes, manifest {manifest.hash}"
+            )
         config = load_config(
             args.config,
             swarm_id=args.swarm_id,
@@ -156,13 +176,17 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
                 "model.preset": args.preset,
                 # prepared data: the model's vocabulary is the tokenizer's, and the swarm remembers which one
                 **(
-                    {"model.vocab_size": prepared.vocab_size, "data.tokenizer_hash": prepared.tokenizer_hash}
-                    if prepared
+                    {
+                        "model.vocab_size": prepared.vocab_size,
+                        "data.tokenizer_hash": prepared.tokenizer_hash,
+                        "data.manifest_hash": store.hash,
+                    }
+                    if prepared and store
                     else {}
                 ),
             },
         )
-    except (ConfigError, PreparedDataError) as e:
+    except (ConfigError, PreparedDataError, ValueError, OSError) as e:  # ManifestError is a ValueError
         logger.error(f"bad config: {e}")
         return 2
     from dht.signing import MAX_RECORD_TTL
@@ -180,7 +204,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     with serving_metrics(args.metrics_host, args.metrics_port, NodeRole.FOUNDER, swarm_id=config.swarm_id) as metrics:
         if metrics is not None:
             options.on_network = metrics.attach_network
-        return daemon.run(daemon.bootstrap(config, options, print_bootstrap_addresses))
+        return daemon.run(daemon.bootstrap(config, options, print_bootstrap_addresses, data=store))
 
 
 def node_options(args: argparse.Namespace) -> Any:
@@ -244,6 +268,7 @@ def cmd_join(args: argparse.Namespace) -> int:
             service_options = ServiceOptions(
                 device=args.device,
                 data_path=args.data_path,
+                data_peers=data_peers(options),
                 threads=args.threads,
                 quiet=args.quiet,
                 check_memory=args.check_memory,
@@ -254,6 +279,17 @@ def cmd_join(args: argparse.Namespace) -> int:
             if args.check_memory:  # --stage auto takes a stage this device holds
                 options.memory_device = pick_device(args.device)
         return daemon.run(daemon.join(options, serve))
+
+
+def data_peers(options: Any) -> tuple[str, ...]:
+    """The founder, whom a stage-0 peer without --data asks for the swarm's data first (the join
+    itself refuses an unclear founder, in one line)."""
+    from node.server.daemon import JoinRefused, expected_founder
+
+    try:
+        return (expected_founder(options.initial_peers, options.swarm_founder),)
+    except JoinRefused:
+        return ()
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

@@ -204,6 +204,8 @@ class DataConfig:
 
     tokenizer_hash: str = ""
     """Hash of the tokenizer of `node prepare-data` the swarm trains with (set by `node bootstrap --data DIR`); stage-0 peers refuse data prepared with another; empty: no prepared data."""
+    manifest_hash: str = ""
+    """sha256 (64 hex digits) of the shard manifest of the founder's prepared data (set by `node bootstrap --data DIR`): a stage-0 peer without --data downloads the shards from peers that serve them and checks each against it; empty: none offered."""
 
     def __post_init__(self) -> None:
         alias = SOURCE_ALIASES.get(self.source)
@@ -284,8 +286,13 @@ class SwarmConfig:
         validate(self)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain values only (enums as their strings): it is hashed, stored in the DHT and printed."""
-        return dataclasses.asdict(self, dict_factory=plain_dict)
+        """Plain values only (enums as their strings): it is hashed, stored in the DHT and printed.
+        An empty data.manifest_hash is left out: a swarm that offers no shards keeps the hash it
+        had before the field existed, so older peers still agree with it."""
+        raw = dataclasses.asdict(self, dict_factory=plain_dict)
+        if not raw["data"]["manifest_hash"]:
+            del raw["data"]["manifest_hash"]
+        return raw
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> SwarmConfig:
@@ -445,10 +452,18 @@ def validate(config: SwarmConfig) -> None:
         config.data.tokenizer_hash == "" or _is_short_hash(config.data.tokenizer_hash),
         "data.tokenizer_hash must be empty or 16 lowercase hex characters (as `node prepare-data` writes it)",
     )
+    need(
+        config.data.manifest_hash == "" or _is_hex(config.data.manifest_hash, 64),
+        "data.manifest_hash must be empty or 64 lowercase hex characters (a sha256, as `node bootstrap --data` sets it)",
+    )
 
 
 def _is_short_hash(text: str) -> bool:
-    return len(text) == 16 and all(c in "0123456789abcdef" for c in text)
+    return _is_hex(text, 16)
+
+
+def _is_hex(text: str, length: int) -> bool:
+    return len(text) == length and all(c in "0123456789abcdef" for c in text)
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:

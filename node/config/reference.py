@@ -50,8 +50,10 @@ file and the code disagree).
 | `--heartbeat-ttl` | `heartbeat.ttl` |
 | `--preset` | `model.preset` |
 
-`node bootstrap --data DIR` (a directory of `node prepare-data`) sets two keys from it:
-`data.tokenizer_hash` (the hash of its tokenizer) and `model.vocab_size` (the tokenizer's size).
+`node bootstrap --data DIR` (a directory of `node prepare-data`) sets three keys from it:
+`data.tokenizer_hash` (the hash of its tokenizer), `data.manifest_hash` (the hash of its shard
+manifest: stage-0 peers without `--data` fetch the shards, docs/model.md) and `model.vocab_size`
+(the tokenizer's size).
 
 TOML: top-level keys first, then one table per section; omitted keys keep their defaults.
 

@@ -34,6 +34,7 @@ from node.p2p.identity_store import ClaimedKey, IdentityError, IdentityRole, cla
 from node.p2p.network import Network, NetworkError, peer_id_of_maddr, start_network
 from node.p2p.reachability import NatReachability
 from node.p2p.swarm_key import key_fingerprint
+from node.server.data_service import DataStore, data_transport, serve_data
 from node.server.stage_claim import StageOutOfRange, claim_stage
 from node.server.stage_fit import DeviceUnusable, fitting_stages, measure_device, no_stage_fits, stage_fits
 from protocol.version import PROTOCOL_VERSION
@@ -168,10 +169,17 @@ def expected_founder(initial_peers: Sequence[str], swarm_founder: str | None = N
     return ids.pop()  # type: ignore[return-value]
 
 
-async def bootstrap(config: SwarmConfig, options: NodeOptions, announce: Callable[[list[str]], None]) -> int:
+async def bootstrap(
+    config: SwarmConfig, options: NodeOptions, announce: Callable[[list[str]], None], data: DataStore | None = None
+) -> int:
+    """Found the swarm and anchor it until stopped; with `data` (`--data DIR`), serve its shards."""
     stop = install_stop_signals()
     network, claimed = await start_peer_network(options, IdentityRole.FOUNDER, config.swarm_id)
+    data_server = None
     try:
+        if data is not None:  # the founder holds no stage: stage -1 ("none") on its messages
+            data_server = data_transport(network, config.swarm_id, -1)
+            await serve_data(data_server, data)
         network.validator.learn_swarm_ttl(config.swarm_id, config.heartbeat.ttl)
         registry = SwarmRegistry(network.dht, config.swarm_id)
         # sealed with this peer's identity: it is the swarm's founder
@@ -182,6 +190,8 @@ async def bootstrap(config: SwarmConfig, options: NodeOptions, announce: Callabl
         await stop.wait()
         publisher.cancel()
     finally:
+        if data_server is not None:
+            await data_server.close()
         await network.shutdown()
         if claimed is not None:
             claimed.release()

@@ -51,6 +51,7 @@ from node.runtime.byte_progress import ByteProgress
 from node.runtime.events import EventPublisher
 from node.runtime.meter import Meter
 from node.server.daemon import JoinRefused
+from node.server.data_fetch import stage0_data
 from node.server.progress import ProgressDisplay, ServiceSummary
 from node.server.stage_fit import DeviceUnusable, measure_device, stage_fits
 
@@ -61,6 +62,7 @@ logger = logging.getLogger(__name__)
 class ServiceOptions:
     device: str = "auto"
     data_path: str | None = None
+    data_peers: tuple[str, ...] = ()  # asked first for the swarm's data by a stage-0 peer without it: the founder
     threads: int | None = None
     quiet: bool = False
     check_memory: bool = True  # refuse a stage whose estimated memory exceeds what the device has free
@@ -373,7 +375,20 @@ async def serve_current_stage(
     options: ServiceOptions,
 ) -> int | None:
     """Serve `me.stage` until `stop` (returns None) or until this peer must move (the new stage)."""
-    async with running_service(network, config, me, options) as service:
+    async with (
+        running_service(network, config, me, options) as service,
+        # stage 0: its --data, or the swarm's fetched now (node/server/data_fetch.py), served to others
+        stage0_data(
+            network,
+            config,
+            service.view,
+            me,
+            options.data_path,
+            founders=options.data_peers,
+            quiet=options.quiet,
+            meter=options.meter,
+        ) as data_path,
+    ):
         watch = LostStageWatch(config, SwarmRegistry(network.dht, config.swarm_id), me)
         service.view.on_refresh(watch.on_refresh)
         progress = ProgressDisplay(service.summary, quiet=options.quiet)
@@ -381,14 +396,14 @@ async def serve_current_stage(
         tasks = [asyncio.create_task(progress.run(), name="display"), mover]
         if me.stage == 0:
             try:
-                source = open_source(config, options.data_path, stream_id_from_peer(me.peer_id))
+                source = open_source(config, data_path, stream_id_from_peer(me.peer_id))
             except DataError as e:  # one line and exit code 3 (daemon.run), not a traceback
                 raise JoinRefused(f"stage 0 cannot train on its data: {e}") from None
             ready = pipeline_ready(service, watch)
             tasks.append(asyncio.create_task(service.pipeline.drive(source, stop, ready), name="driver"))
             service.validator = open_validator(
                 config,
-                options.data_path,
+                data_path,
                 lambda tokens, targets: service.pipeline.run_microbatch(tokens, targets, MicrobatchPurpose.EVAL),
                 lambda: service.worker.inner_step,
             )

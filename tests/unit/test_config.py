@@ -132,6 +132,7 @@ def other_value(key: str, value: Any) -> Any:
         "model.num_attention_heads": 8,
         "model.num_key_value_heads": 2,
         "data.tokenizer_hash": "0123456789abcdef",  # 16 hex digits, as prepare-data writes it
+        "data.manifest_hash": "ab" * 32,  # a sha256 in hex
         "data.markov_order": 1,  # order 3 over 16 tokens would exceed the chain's context limit
         "training.min_in_flight": 2,  # more than the default max_in_flight 4 would be refused
         "gossip.delta_block": 128,  # blocks of 4-bit values pair up in bytes: even sizes only
@@ -175,6 +176,8 @@ RULES = [
     ("swarm_id", "my swarm", "my-swarm_2.b", "swarm_id may hold letters, digits, - _ . only"),
     ("swarm_id", "a/b", "a.b", "swarm_id may hold letters, digits, - _ . only"),
     ("num_stages", 1, 2, "num_stages counts stage 0 and must be in 2..64"),
+    ("data.manifest_hash", "AB" * 32, "ab" * 32, "data.manifest_hash must be empty or 64 lowercase hex"),
+    ("data.manifest_hash", "ab" * 8, "", "data.manifest_hash must be empty or 64 lowercase hex"),
     ("num_stages", 65, 64, "num_stages counts stage 0 and must be in 2..64"),
     ("model.num_attention_heads", 3, 8, "hidden_size must be divisible by num_attention_heads"),
     ("model.num_key_value_heads", 3, 2, "num_attention_heads must be a multiple of num_key_value_heads"),
