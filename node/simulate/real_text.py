@@ -101,7 +101,10 @@ def run_seeds(prepared: PreparedData, scale: Scale, seeds: list[int], out: Path,
 
 
 def _seed_runs(prepared: PreparedData, scale: Scale, seed: int, out: Path, progress: bool) -> dict[str, Any]:
-    identity = {"scale": {**asdict(scale), "preset": scale.preset.value}, "tokenizer": prepared.tokenizer_hash}
+    # as it reads back from JSON (tuples become lists), so that a finished seed is recognised
+    identity = json.loads(
+        json.dumps({"scale": {**asdict(scale), "preset": scale.preset.value}, "tokenizer": prepared.tokenizer_hash})
+    )
     done = out / SEED_DONE
     if done.exists() and json.loads(done.read_text()).get("identity") == identity:
         read = {name: json.loads((out / name / f"{name}.json").read_text()) for name in ("recovery", "gossip")}
@@ -195,7 +198,9 @@ def main(argv: list[str]) -> int:
     (args.out / "real_text.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     for claim in summary["claims"]:
         verdict = "holds" if claim["holds"] else "does not hold"
-        print(f"- {claim['claim']}: {claim['measured']}; {verdict} on {claim['holding']} of {claim['seeds']} seeds")
+        print(
+            f"- {claim['claim']}: {claim['measured']}; {verdict} (it holds on {claim['holding']} of {claim['seeds']} seeds)"
+        )
     bounds = summary["corpus"]
     print(
         f"real text: bounds unigram {bounds['unigram_nats']:.3f}, bigram {bounds['bigram_nats']:.3f} nats "

@@ -8,6 +8,7 @@ docs/results.md (the default preset), not asserted here.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,3 +112,11 @@ def test_cli_runs_an_experiment_and_says_when_plots_are_skipped(tmp_path, monkey
     assert summary["link"].startswith("10 ms")
     assert not list(tmp_path.glob("*.png"))
     assert "plots skipped" in capsys.readouterr().out
+
+
+def test_docs_results_md_is_what_its_summaries_render():
+    """docs/results.md is generated (`make results`, `make experiments`): edited by hand or left
+    behind by a change to the report, it fails here; regenerate it with
+    `python -m node.simulate.report docs/results docs/results.md`."""
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    assert (docs / "results.md").read_text() == render(docs / "results", docs / "results.md")
