@@ -10,7 +10,10 @@ the unigram cross-entropy (a model that ignores its input) and the bigram one (t
 alone can do: it sees only the current token). Writes real_text.json under `--out`; the page is
 rendered by node/simulate/report.py.
 
-    python -m node.simulate.real_text --out docs/results/real_text [--quick] [--seeds 0 1 2]
+    python -m node.simulate.real_text --out docs/results/real_text [--quick] [--seeds 0 1 2] [--resume]
+
+The seeds in parallel on a machine with cores to spare: one process per seed (`--seeds 0`, `--seeds
+1`, ...), then `--resume` with every seed to read them back and write the summary.
 """
 
 from __future__ import annotations
@@ -87,12 +90,15 @@ def text_bounds(prepared: PreparedData) -> dict[str, float]:
     return {"unigram_nats": float(unigram_nats), "bigram_nats": float(-np.log(conditional).mean())}
 
 
-def run_seeds(prepared: PreparedData, scale: Scale, seeds: list[int], out: Path, progress: bool) -> dict[str, Any]:
-    """Every seed's recovery and gossip runs; a seed whose runs at this scale and corpus are already
-    under `out` is read back, so seeds can run in parallel processes and an interrupted run resumes."""
+def run_seeds(
+    prepared: PreparedData, scale: Scale, seeds: list[int], out: Path, progress: bool, resume: bool = False
+) -> dict[str, Any]:
+    """Every seed's recovery and gossip runs. With `resume`, a seed whose runs at this scale and on
+    this corpus are already under `out` is read back instead: seeds can run in parallel processes
+    (one seed each) and be summarised by one more run, and an interrupted run goes on."""
     recovery, gossip, seconds = [], [], 0.0
     for seed in seeds:
-        runs = _seed_runs(prepared, scale, seed, out / f"seed{seed}", progress)
+        runs = _seed_runs(prepared, scale, seed, out / f"seed{seed}", progress, resume)
         recovery.append(runs["recovery"])
         gossip.append(runs["gossip"])
         seconds += runs["seconds"]
@@ -100,13 +106,15 @@ def run_seeds(prepared: PreparedData, scale: Scale, seeds: list[int], out: Path,
     return {"recovery": recovery, "gossip": gossip, "seconds": seconds}
 
 
-def _seed_runs(prepared: PreparedData, scale: Scale, seed: int, out: Path, progress: bool) -> dict[str, Any]:
+def _seed_runs(
+    prepared: PreparedData, scale: Scale, seed: int, out: Path, progress: bool, resume: bool
+) -> dict[str, Any]:
     # as it reads back from JSON (tuples become lists), so that a finished seed is recognised
     identity = json.loads(
         json.dumps({"scale": {**asdict(scale), "preset": scale.preset.value}, "tokenizer": prepared.tokenizer_hash})
     )
     done = out / SEED_DONE
-    if done.exists() and json.loads(done.read_text()).get("identity") == identity:
+    if resume and done.exists() and json.loads(done.read_text()).get("identity") == identity:
         read = {name: json.loads((out / name / f"{name}.json").read_text()) for name in ("recovery", "gossip")}
         return {**read, "seconds": json.loads(done.read_text())["seconds"]}
     common = {
@@ -185,6 +193,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--quick", action="store_true", help="the short version `make test` runs")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--resume", action="store_true", help="read back the seeds already run at this scale and corpus under --out"
+    )
     args = parser.parse_args(argv)
     scale = QUICK if args.quick else FULL
     corpus_dir = args.corpus_dir.with_name(args.corpus_dir.name + "-quick") if args.quick else args.corpus_dir
@@ -192,7 +203,7 @@ def main(argv: list[str]) -> int:
     print(
         f"corpus {prepared.directory}: {prepared.train_tokens:,} train + {prepared.val_tokens:,} val tokens", flush=True
     )
-    runs = run_seeds(prepared, scale, args.seeds, args.out, not args.no_progress)
+    runs = run_seeds(prepared, scale, args.seeds, args.out, not args.no_progress, args.resume)
     summary = summarise(prepared, scale, args.seeds, runs)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "real_text.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")

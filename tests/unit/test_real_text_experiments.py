@@ -51,24 +51,10 @@ def test_quick_experiments_run_on_real_text_and_every_claim_gets_its_seeds(tmp_p
     assert any(loss["high"] > loss["low"] for loss in losses)
     claims = summary["claims"]
     assert len(claims) == 13 and all(c["seeds"] in (1, 2) for c in claims[:4])
-    # a second run reads the finished seeds back instead of training them again
+    # with --resume a second run reads the finished seeds back instead of training them again
     kept = (out / "seed0" / "recovery" / "recovery.json").stat().st_mtime_ns
-    assert (
-        real_text.main(
-            [
-                "--quick",
-                "--out",
-                str(out),
-                "--corpus-dir",
-                str(tmp_path / "corpus"),
-                "--seeds",
-                "0",
-                "1",
-                "--no-progress",
-            ]
-        )
-        == 0
-    )
+    again = ["--quick", "--out", str(out), "--corpus-dir", str(tmp_path / "corpus"), "--seeds", "0", "1"]
+    assert real_text.main([*again, "--no-progress", "--resume"]) == 0
     assert (out / "seed0" / "recovery" / "recovery.json").stat().st_mtime_ns == kept
     assert json.loads((out / "real_text.json").read_text())["claims"] == claims
     page = render(tmp_path / "results", tmp_path / "results.md")
