@@ -56,14 +56,6 @@ class SwarmView:
                     return peer
         return None
 
-    def is_member(self, peer_id: str) -> bool:
-        """Whether `peer_id` may send this peer pipeline work, gossip and spot-checks: it has a record
-        past `joining` (docs/security.md, "Members"). A `joining` record costs nothing but a
-        signature and is never routed to, so it admits nobody; a joiner downloading its state needs
-        no membership (state downloads have budgets of their own)."""
-        record = self.record_of(peer_id)
-        return record is not None and record.state != PeerState.JOINING
-
     async def refresh(self) -> None:
         self.peers_by_stage = merge_reads(
             self.peers_by_stage, await self.registry.all_peers(self.num_stages), get_dht_time()

@@ -340,11 +340,11 @@ class Pipeline:
             return
         except (ValueError, KeyError) as e:  # activations already expired or dropped here
             logger.info(f"backward of microbatch {msg.meta['microbatch_id']} failed here: {e}")
-            self.aborts.tell_origin(path[0], msg.meta, f"backward failed at stage {self.me.stage}")
+            self.aborts.tell_origin(path[0], msg.meta, f"backward failed at stage {self.me.stage}", sender)
             return
         except Exception:
             logger.exception(f"backward of microbatch {msg.meta['microbatch_id']} failed")
-            self.aborts.tell_origin(path[0], msg.meta, f"backward failed at stage {self.me.stage}")
+            self.aborts.tell_origin(path[0], msg.meta, f"backward failed at stage {self.me.stage}", sender)
             return
         meta = {**msg.meta, "hop": hop - 1}
         # lost before the origin: tell it; lost on the way to the origin: the origin's deadline sees it

@@ -177,7 +177,9 @@ async def build_service(
         record = view.record_of(peer_id)
         return max(record.expires if record else 0.0, time.time() + config.heartbeat.ttl)
 
-    is_member = view.is_member
+    def is_member(peer_id: str) -> bool:
+        return view.record_of(peer_id) is not None
+
     # stream slots sized from the open-file limit; strangers share a quarter of them
     conduct = PeerConduct(ban_until=ban_until, bans=bans, is_member=is_member)
     transport = Transport(

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dht.records import PeerRecord, PeerState
-from dht.swarm_view import SwarmView, merge_reads
+from dht.records import PeerRecord
+from dht.swarm_view import merge_reads
 
 
 def record(peer_id: str, stage: int, expires: float, state: str = "online") -> PeerRecord:
@@ -37,17 +37,3 @@ def test_a_peer_that_moved_is_only_at_the_stage_of_its_newest_record():
     # the same when one read returns both of its entries
     merged = merge_reads({}, {1: [at(1, 100.0)], 2: [at(2, 90.0)]}, now=105.0)
     assert ([r.peer_id for r in merged[1]], merged[2]) == (["m"], [])
-
-
-def test_a_member_has_a_record_past_joining():
-    view = SwarmView(registry=None, num_stages=2, period=1.0)  # type: ignore[arg-type]
-    states = {"joiner": PeerState.JOINING, "online": PeerState.ONLINE, "leaving": PeerState.LEAVING}
-    states["rebuilder"] = PeerState.REBUILDING
-    view.peers_by_stage = {1: [record(peer, 1, 200.0, state) for peer, state in states.items()], 0: []}
-    assert {peer: view.is_member(peer) for peer in [*states, "stranger"]} == {
-        "joiner": False,
-        "online": True,
-        "leaving": True,  # its last backwards still come home
-        "rebuilder": True,
-        "stranger": False,
-    }
