@@ -42,7 +42,6 @@ from node.p2p.transport import Transport
 from node.pipeline.stage_worker import StageWorker
 from node.runtime.events import EventPublisher
 from node.runtime.timeouts import within
-from protocol import MessageKind
 
 __all__ = ["Gossip"]
 
@@ -179,24 +178,15 @@ class Gossip:
         pairwise = self.settings.mode != GossipMode.DILOCO
         session = self.wire.session(reader, writer, STALL_TIMEOUT if pairwise else None)
         request = await GossipWire.recv_within(session, STALL_TIMEOUT)  # sent as soon as the stream opens
-        rounds = self.rounds
         refusal = self.wire.refusal(
-            request,
-            self.me.stage,
-            rounds.is_stage_member(sender),
-            self.bans.is_banned(sender),
-            rounds.cooling_down(sender),
+            request, self.me.stage, self.bans.is_banned(sender), self.rounds.cooling_down(sender)
         )
         if refusal is not None:
             await session.send(self.transport.error(refusal, request.request_id))
-        elif self.settings.mode != GossipMode.DILOCO:
-            await self.pairwise.respond(sender, session, request)  # charges the budget once it exchanges
-        elif (over := rounds.spend_answer(sender)) is not None:
-            await session.send(
-                self.transport.message(MessageKind.BUSY, {"reason": over}, request_id=request.request_id)
-            )
-        else:
+        elif self.settings.mode == GossipMode.DILOCO:
             await within(self.diloco.serve(session, request), self.wire.round_budget(None, sender))
+        else:
+            await self.pairwise.respond(sender, session, request)
 
     # ---- the outer state, for state transfer (docs/gossip.md, "State download") ---------------
 

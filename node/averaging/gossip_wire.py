@@ -113,19 +113,14 @@ class GossipWire:
         rate = max(self.transport.channels.peer_link_rate(peer) or 0.0, MIN_GOSSIP_BANDWIDTH)
         return self.settings.round_timeout + TRANSFER_SLACK * payload / rate
 
-    def refusal(
-        self, request: Message, stage: int, sender_member: bool, sender_banned: bool, sender_stalled: bool = False
-    ) -> str | None:
-        """Why a replica of `stage` refuses a request outright (None: it may serve it);
-        `sender_member`: the sender has an online record of `stage` (RoundContext.is_stage_member)."""
+    def refusal(self, request: Message, stage: int, sender_banned: bool, sender_stalled: bool = False) -> str | None:
+        """Why a replica of `stage` refuses a request outright (None: it may serve it)."""
         if request.kind != MessageKind.GOSSIP_REQUEST:
             return f"expected gossip_request, got {request.kind.value}"
         if self.settings.mode == GossipMode.NONE:
             return "gossip is disabled on this peer"
         if request.sender_stage != stage:
             return f"this peer serves stage {stage}, not {request.sender_stage}"
-        if not sender_member:
-            return f"no online record of stage {stage} for you here: gossip partners are the stage's members"
         if sender_banned:
             return "banned"
         if sender_stalled:

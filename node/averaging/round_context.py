@@ -27,12 +27,10 @@ from node.averaging.outer_replica import STEPPED, OuterReplica, RoundOutcome, Ro
 from node.averaging.plausibility import DivergenceMemory, PartnerMeasures, lagging_behind
 from node.config import GossipConfig
 from node.p2p.bans import BanList
-from node.p2p.budgets import AnswerBudget
 from node.p2p.reachability import carries_training
 from node.p2p.transport import Transport
 from node.pipeline.stage_worker import StageWorker
 from node.runtime.events import EventPublisher
-from node.runtime.meter import Tally
 
 __all__ = ["CATCH_UP_LEAD_ROUNDS", "RoundContext"]
 
@@ -41,14 +39,6 @@ logger = logging.getLogger(__name__)
 # how far behind (in rounds' worth of inner steps, H each) a replica must be before a failed
 # plausibility check reads as "we are stale" rather than "the partner is hostile"
 CATCH_UP_LEAD_ROUNDS = 2
-# Exchanges this replica answers per minute (node/p2p/budgets.py): each identity at least
-# ANSWERS_PER_PEER, or as many as move ANSWER_BYTES_PER_PEER of our tensors; everyone together at
-# least ANSWERS_TOTAL, or ANSWER_BYTES_TOTAL's worth. A partner asks once per H of its inner steps,
-# and a replica answers at most once per H/2 of its own (`ripe`): at the 125m preset (~33 MB a
-# round, 0.94 byte a parameter) that is a few a minute against 8 and 16 allowed; a small model's
-# round is tens of KB, and its many rounds a minute stay far below the byte bounds.
-ANSWERS_PER_PEER, ANSWER_BYTES_PER_PEER = 6, 256 << 20
-ANSWERS_TOTAL, ANSWER_BYTES_TOTAL = 24, 512 << 20
 
 
 class RoundContext:
@@ -91,12 +81,6 @@ class RoundContext:
         # waits on it and takes the stage's state again (docs/gossip.md, "Catching up")
         self.behind = asyncio.Event()
         self.behind_partner: str | None = None  # the partner whose phi showed it
-        payload = max(self.replica.wire_layout(True).nbytes, 1)  # one direction of a NoLoCo round
-        self.answers = AnswerBudget(
-            "gossip exchanges",
-            max(ANSWERS_PER_PEER, ANSWER_BYTES_PER_PEER // payload),
-            max(ANSWERS_TOTAL, ANSWER_BYTES_TOTAL // payload),
-        )
 
     @property
     def steps_since_round(self) -> int:
@@ -122,20 +106,6 @@ class RoundContext:
         ]
         self.rng.shuffle(peers)
         return peers
-
-    def is_stage_member(self, peer_id: str) -> bool:
-        """Does `peer_id` have an online record of this replica's stage? Only such a peer is a
-        partner: a stranger, a joiner (its weights are not the stage's yet) or a peer of another
-        stage gets no exchange, so it can neither take the round's one slot nor our tensors."""
-        return any(p.peer_id == peer_id for p in self.view.online(self.me.stage, exclude=self.me.peer_id))
-
-    def spend_answer(self, peer_id: str) -> str | None:
-        """Charge an exchange about to be answered to `peer_id`'s budget: None, or why it is over
-        (counted in pipeswarm_gossip_answers_refused_total)."""
-        refusal = self.answers.spend(peer_id)
-        if refusal is not None:
-            self.wire.transport.meter.count(Tally.GOSSIP_ANSWERS_REFUSED)
-        return refusal
 
     def cooling_down(self, peer_id: str) -> bool:
         """Did `peer_id` stall one of our rounds less than STALL_COOLDOWN seconds ago?"""

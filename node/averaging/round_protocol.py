@@ -181,13 +181,6 @@ class PairwiseRound:
         if self.exchanging or not ctx.ripe(partner_steps) or ctx.me.state != PeerState.ONLINE:
             await session.send(ctx.wire.transport.message(MessageKind.BUSY, request_id=request.request_id))
             return
-        # charged only now: BUSY answers cost nothing, and an honest partner asks again after one
-        over = ctx.spend_answer(sender)
-        if over is not None:
-            await session.send(
-                ctx.wire.transport.message(MessageKind.BUSY, {"reason": over}, request_id=request.request_id)
-            )
-            return
         self.exchanging = True
         key = PhiDither(request.meta["phi_seed"])  # checked by GossipWire.refusal
         try:

@@ -178,14 +178,6 @@ class NodeMetrics(Collector):
             Tally.REBUILDS: ("rebuilds", "lost stages this peer rebuilt (CheckFree, CheckFree+ or a baseline)"),
             Tally.STATE_DOWNLOADS: ("state_downloads", "stage states downloaded from a donor (joining a live stage)"),
             Tally.STATE_DOWNLOAD_FAILURES: ("state_download_failures", "state downloads that failed"),
-            Tally.STATE_ANSWERS_REFUSED: (
-                "state_answers_refused",
-                "state requests refused BUSY: over the per-identity or total upload budget a minute",
-            ),
-            Tally.GOSSIP_ANSWERS_REFUSED: (
-                "gossip_answers_refused",
-                "gossip exchanges refused BUSY: over the per-identity or total answer budget a minute",
-            ),
         }
         for tally, (name, meaning) in processed.items():
             counter = CounterMetricFamily(f"{PREFIX}_{name}", meaning)

@@ -1,10 +1,8 @@
 """How much of this node a remote peer may use, and what happens when it sends bad input.
 
 Two separate concerns with one owner per peer:
-- *limits*: concurrent incoming streams per peer, all incoming streams together, and a request
-  rate per peer (a token bucket). The stream slots are sized from the process's open-file limit
-  (`stream_slots`), and peers without a record in the swarm (strangers) share a quarter of them, so
-  hoarded streams can neither use up the descriptors nor the slots members need. Over a limit the
+- *limits*: concurrent incoming streams per peer, all incoming streams together (well under the
+  process's file-descriptor limit), and a request rate per peer (a token bucket). Over a limit the
   stream is refused at once; nothing is allocated for it.
 - *conduct*: every malformed message, non-finite or absurd tensor, or forged reference to a
   microbatch is a strike. `strikes_to_ban` strikes within `strike_window` seconds ban the peer
@@ -32,50 +30,14 @@ from node.p2p.bans import BanList
 logger = logging.getLogger(__name__)
 
 
-# Descriptors kept for the node's own files whatever the limit: the event loop's, the DHT's and
-# the metrics server's sockets, p2pd's control sockets, logs, data files, direct-link listeners.
-OWN_FILES = 128
-# What is left is shared three ways: streams peers open to us (each one of our descriptors once p2pd
-# hands it over), streams and direct links we open, and p2pd's own connections, since p2pd inherits
-# the same limit and holds a descriptor for each stream it carries for us.
-STREAM_SHARE = 3
-MIN_TOTAL_STREAMS, MAX_TOTAL_STREAMS = 16, 1024  # more than 1024 would only cost memory (a task each)
-# One identity may hold 1/HOARDERS of the slots: it takes that many identities to fill them. An
-# honest peer holds one channel per pipeline service (forward, backward, abort; twice while a
-# direct link replaces a p2pd one), a spot-check or two, a gossip round and a state download: 8
-# leave room; 32 as before for a node with descriptors to spare.
-HOARDERS = 16
-MIN_STREAMS_PER_PEER, MAX_STREAMS_PER_PEER = 8, 32
-STRANGER_SHARE = 4  # peers without a record in the swarm share 1/4 of the slots: members keep the rest
-
-
-@dataclass(frozen=True)
-class StreamSlots:
-    """How many incoming streams this node admits at once, in all and to one peer."""
-
-    total: int
-    per_peer: int
-
-
-def stream_slots(open_files: int | None = None) -> StreamSlots:
-    """The slots an open-file soft limit of `open_files` (None: this process's) affords: at 1024,
-    298 in all and 18 per peer; from 3200 on, 1024 and 32."""
-    if open_files is None:
-        open_files, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if open_files == resource.RLIM_INFINITY:
-        open_files = OWN_FILES + STREAM_SHARE * MAX_TOTAL_STREAMS
-    total = min(MAX_TOTAL_STREAMS, max(MIN_TOTAL_STREAMS, (open_files - OWN_FILES) // STREAM_SHARE))
-    return StreamSlots(total, min(MAX_STREAMS_PER_PEER, max(MIN_STREAMS_PER_PEER, total // HOARDERS)))
-
-
 @dataclass(frozen=True)
 class ConductLimits:
     """Per-peer and total limits on incoming streams (see docs/security.md)."""
 
-    streams_per_peer: int | None = None
-    """Concurrent incoming streams one peer may hold; None: from the open-file limit (stream_slots)."""
+    streams_per_peer: int = 32
+    """Concurrent incoming streams one peer may hold (a pipeline peer needs ~2 x max_in_flight)."""
     total_streams: int | None = None
-    """All incoming streams together; None: from the open-file limit (stream_slots)."""
+    """All incoming streams together; None: a quarter of the file-descriptor soft limit, at most 1024."""
     requests_per_second: float = 200.0
     """Sustained request rate per peer (token bucket refill)."""
     request_burst: int = 400
@@ -102,6 +64,13 @@ def raise_fd_soft_limit(wanted: int = 65536) -> int:
     return soft
 
 
+def default_total_streams() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1024
+    return max(16, min(1024, soft // 4))
+
+
 class _Bucket:
     __slots__ = ("tokens", "updated")
 
@@ -119,26 +88,16 @@ class PeerConduct:
         ban_until: Callable[[str], float] | None = None,
         bans: BanList | None = None,
         clock: Callable[[], float] = time.time,
-        is_member: Callable[[str], bool] | None = None,
-        open_files: int | None = None,
     ):
         """`bans`: the node's one ban store, shared with routing and gossip; None: a store of this
-        conduct's own (the DHT guard, tests). `is_member`: whether a peer has a record in the swarm
-        (None: every peer counts as one); `open_files`: the open-file limit the slots are sized
-        from (None: this process's)."""
+        conduct's own (the DHT guard, tests)."""
         self.limits = limits or ConductLimits()
-        slots = stream_slots(open_files)
-        self.total_streams = self.limits.total_streams or slots.total
-        self.streams_per_peer = self.limits.streams_per_peer or slots.per_peer
-        self.stranger_streams = max(1, self.total_streams // STRANGER_SHARE)
-        self.is_member = is_member
+        self.total_streams = self.limits.total_streams or default_total_streams()
         self.ban_until = ban_until or (lambda peer_id: 0.0)
         self.banlist = bans if bans is not None else BanList(clock=clock, min_seconds=self.limits.min_ban_seconds)
         self._clock = clock
         self._open: dict[str, int] = {}
         self._open_total = 0
-        self._strangers: dict[str, int] = {}  # of `_open`, the slots taken from the strangers' share
-        self._open_strangers = 0
         self._buckets: dict[str, _Bucket] = {}
         self._strikes: dict[str, deque[float]] = {}
         self.refused = 0  # streams refused at the door (limits or bans), for status and tests
@@ -181,23 +140,17 @@ class PeerConduct:
     def admit(self, peer_id: str, cost: float = 1.0) -> str | None:
         """Reserve a stream slot for `peer_id`, charging `cost` request tokens; None if admitted (call
         `release` when done), else why not."""
-        stranger = self.is_member is not None and not self.is_member(peer_id)
         if self.is_banned(peer_id):
             reason = "banned for bad input"
         elif self._open_total >= self.total_streams:
             reason = "too many open streams"
-        elif self._open.get(peer_id, 0) >= self.streams_per_peer:
+        elif self._open.get(peer_id, 0) >= self.limits.streams_per_peer:
             reason = "too many streams from this peer"
-        elif stranger and self._open_strangers >= self.stranger_streams:
-            reason = "too many open streams from peers without a record in the swarm"
         elif not self._take_tokens(peer_id, cost):
             reason = "request rate exceeded"
         else:
             self._open[peer_id] = self._open.get(peer_id, 0) + 1
             self._open_total += 1
-            if stranger:
-                self._strangers[peer_id] = self._strangers.get(peer_id, 0) + 1
-                self._open_strangers += 1
             return None
         self.refused += 1
         return reason
@@ -226,22 +179,10 @@ class PeerConduct:
         else:
             del self._open[peer_id]
         self._open_total -= 1
-        # from the share it was taken from, even if the peer has published a record since
-        strangers = self._strangers.get(peer_id, 0)
-        if strangers > 1:
-            self._strangers[peer_id] = strangers - 1
-        elif strangers == 1:
-            del self._strangers[peer_id]
-        if strangers:
-            self._open_strangers -= 1
         return True
 
     def open_streams(self, peer_id: str | None = None) -> int:
         return self._open_total if peer_id is None else self._open.get(peer_id, 0)
-
-    def stranger_streams_open(self) -> int:
-        """Of `open_streams()`, the slots held by peers that had no record when admitted."""
-        return self._open_strangers
 
     def _take_tokens(self, peer_id: str, cost: float) -> bool:
         now = self._clock()

@@ -35,7 +35,6 @@ from dht.records import PeerRecord, PeerState, short_peer_id
 from dht.swarm_view import SwarmView
 from node.averaging.gossip import Gossip
 from node.config import SwarmConfig
-from node.p2p.budgets import AnswerBudget
 from node.p2p.tensor_stream import ChunkIndex, Session, TensorStream
 from node.p2p.transport import Transport, TransportError
 from node.pipeline.stage_worker import StageWorker
@@ -63,8 +62,6 @@ from protocol.stage_state import (
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "UPLOADS_PER_PEER",
-    "UPLOADS_TOTAL",
     "DonorBusy",
     "StateProvider",
     "adopt_state",
@@ -82,15 +79,6 @@ __all__ = [
 
 SERVICE = "state"
 MAX_CONCURRENT_UPLOADS = 2  # each upload holds a full copy of the stage in memory
-# Uploads of whole weights (a stage; an edge copy, for a rebuild) per asker and in total a minute
-# (node/p2p/budgets.py). A joiner asks a donor at most once per join round (join_live_stage: 5
-# rounds), a catch-up at most every 300 s, a rebuild or an export once: 6 never stop an honest
-# asker; 30 serve a whole stage joining at once beside a rebuild, and past it joiners go elsewhere.
-# The edge-copy pieces (embed, head) are not budgeted: holders ask for them as fast as stage 0 moves
-# (up to once a second in a small swarm), so MAX_CONCURRENT_UPLOADS alone bounds them.
-UPLOADS_PER_PEER = 6
-UPLOADS_TOTAL = 30
-BUDGETED_PARTS = frozenset({StatePart.STAGE, StatePart.EDGE_COPY})
 
 # What a donor serves for a requested part: copies taken consistently (training goes on while the
 # chunks stream); raises StateUnavailable to refuse.
@@ -107,18 +95,12 @@ def state_chunks(chunk_bytes: int) -> TensorStream:
 
 
 async def serve_state(
-    transport: Transport,
-    provider: StateProvider,
-    chunk_bytes: int = CHUNK_BYTES,
-    timeout: float = 60.0,
-    budget: AnswerBudget | None = None,
+    transport: Transport, provider: StateProvider, chunk_bytes: int = CHUNK_BYTES, timeout: float = 60.0
 ) -> None:
     """Register the "state" session handler: answer STATE_REQUESTs for the stage this peer serves
     (transport.stage, read per request: the peer may move) with provider(part), streamed in
-    chunks. `timeout` bounds each message; `budget` bounds the uploads of BUDGETED_PARTS per
-    asker and in total."""
+    chunks. `timeout` bounds each message."""
     uploads = asyncio.Semaphore(MAX_CONCURRENT_UPLOADS)
-    budget = budget or AnswerBudget("state uploads", UPLOADS_PER_PEER, UPLOADS_TOTAL)
 
     async def handle(sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         session = Session(transport, reader, writer, timeout)
@@ -136,20 +118,11 @@ async def serve_state(
         if uploads.locked():
             await session.send(transport.message(MessageKind.BUSY, request_id=rid))
             return
-        budgeted = part in BUDGETED_PARTS
-        refusal = budget.spend(sender) if budgeted else None
-        if refusal is not None:
-            transport.meter.count(Tally.STATE_ANSWERS_REFUSED)
-            logger.debug(f"refused stage {stage} part {part} to {short_peer_id(sender)}: {refusal}")
-            await session.send(transport.message(MessageKind.BUSY, {"reason": refusal}, request_id=rid))
-            return
         async with uploads:
             try:
                 state = await provider(part)
                 meta, payload = await asyncio.to_thread(encode_state, state, part, chunk_bytes)
             except StateUnavailable as e:
-                if budgeted:  # nothing was uploaded: the asker may try again (a joiner waits for copies)
-                    budget.refund(sender)
                 await session.send(transport.error(str(e), rid))
                 return
             await session.send(transport.message(MessageKind.STATE_HEADER, meta, request_id=rid))
@@ -227,8 +200,7 @@ async def _receive_state(
     if header.kind == MessageKind.ERROR:
         raise TransportError(f"{who} refused state of stage {stage} part {part}: {header.meta.get('reason')}")
     if header.kind == MessageKind.BUSY:
-        why = header.meta.get("reason")
-        raise DonorBusy(f"{who} is busy: {why!s:.200}" if why else f"{who} is busy serving its state to others")
+        raise DonorBusy(f"{who} is busy serving its state to others")
     if header.kind != MessageKind.STATE_HEADER:
         raise ProtocolError(f"expected a header, got {header.kind.value}")
     layout = check_header(header.meta, stage, part, max_bytes, expect)

@@ -75,8 +75,6 @@ class Tally(StrEnum):
     REBUILDS = "rebuilds"  # stages this peer rebuilt (CheckFree / CheckFree+ / a baseline)
     STATE_DOWNLOADS = "state_downloads"  # stage states downloaded from a donor
     STATE_DOWNLOAD_FAILURES = "state_download_failures"  # downloads that failed (the next donor is tried)
-    STATE_ANSWERS_REFUSED = "state_answers_refused"  # state requests refused for the upload budget
-    GOSSIP_ANSWERS_REFUSED = "gossip_answers_refused"  # gossip exchanges refused for the answer budget
 
 
 @dataclass

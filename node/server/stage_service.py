@@ -177,11 +177,7 @@ async def build_service(
         record = view.record_of(peer_id)
         return max(record.expires if record else 0.0, time.time() + config.heartbeat.ttl)
 
-    def is_member(peer_id: str) -> bool:
-        return view.record_of(peer_id) is not None
-
-    # stream slots sized from the open-file limit; strangers share a quarter of them
-    conduct = PeerConduct(ban_until=ban_until, bans=bans, is_member=is_member)
+    conduct = PeerConduct(ban_until=ban_until, bans=bans)
     transport = Transport(
         network.p2p,
         config.swarm_id,
@@ -199,6 +195,9 @@ async def build_service(
     def replicas(stage: int) -> list[str]:
         unreachable = unreachable_peers(me, view)
         return [p.peer_id for p in view.online(stage, exclude=me.peer_id) if p.peer_id not in unreachable]
+
+    def is_member(peer_id: str) -> bool:
+        return view.record_of(peer_id) is not None
 
     checks, receipts = None, None
     if me.stage > 0:  # a block stage keeps receipts of what it computed and answers checks of them

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import resource
-
 from node.p2p.bans import BanList
-from node.p2p.peer_conduct import ConductLimits, PeerConduct, StreamSlots, stream_slots
+from node.p2p.peer_conduct import ConductLimits, PeerConduct
 
 
 class Clock:
@@ -85,41 +83,3 @@ def test_a_ban_lasts_at_least_the_minimum_even_for_an_expiring_record():
     assert c.is_banned("a")
     clock.now += 2
     assert not c.is_banned("a")
-
-
-def test_stream_slots_are_sized_from_the_open_file_limit():
-    # (limit - 128 for the node's own files) / 3, between 16 and 1024; a sixteenth of that per peer, 8 to 32
-    assert stream_slots(1024) == StreamSlots(total=298, per_peer=18)
-    assert stream_slots(256) == StreamSlots(total=42, per_peer=8)
-    assert stream_slots(140) == StreamSlots(total=16, per_peer=8)
-    assert stream_slots(2048) == StreamSlots(total=640, per_peer=32)
-    assert stream_slots(65536) == stream_slots(resource.RLIM_INFINITY) == StreamSlots(total=1024, per_peer=32)
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    c = PeerConduct()
-    assert (c.total_streams, c.streams_per_peer) == (stream_slots(soft).total, stream_slots(soft).per_peer)
-
-
-def test_at_an_open_file_limit_of_1024_a_hoarder_is_refused_while_others_are_admitted():
-    c = PeerConduct(open_files=1024, limits=ConductLimits(requests_per_second=1e9, request_burst=10**9))
-    assert [c.admit("hoarder") for _ in range(18)] == [None] * 18
-    assert [c.admit("hoarder") for _ in range(1000)] == ["too many streams from this peer"] * 1000
-    assert c.admit("honest") is None and c.admit("honest") is None
-    assert (c.open_streams(), c.open_streams("hoarder"), c.open_streams("honest"), c.refused) == (20, 18, 2, 1000)
-
-
-def test_strangers_share_a_quarter_of_the_slots_and_members_keep_the_rest():
-    members = {"m1", "m2", "later"}
-    c = PeerConduct(
-        ConductLimits(total_streams=16, streams_per_peer=3, requests_per_second=1e9, request_burst=10**9),
-        is_member=lambda peer: peer in members,
-    )
-    for sybil in ("s1", "s2"):  # fresh identities, no record: 4 slots among all of them
-        assert [c.admit(sybil) for _ in range(2)] == [None, None]
-    assert c.admit("s3") == "too many open streams from peers without a record in the swarm"
-    assert [c.admit("m1") for _ in range(3)] == [None] * 3 and c.admit("m2") is None
-    assert (c.open_streams(), c.stranger_streams_open()) == (8, 4)
-    members.add("s1")  # published a record since: its slots still go back to the strangers' share
-    assert c.release("s1") is True and c.release("s1") is True and c.release("s1") is False
-    assert (c.open_streams(), c.stranger_streams_open()) == (6, 2)
-    assert c.admit("s3") is None and c.admit("s4") is None and c.admit("s5") is not None
-    assert c.release("m1") is True and (c.open_streams(), c.stranger_streams_open()) == (7, 4)
