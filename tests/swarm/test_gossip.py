@@ -124,7 +124,8 @@ def test_exchange_applies_exactly_the_outer_step_on_both_sides():
             a.rng.randrange = lambda *_: key.seed  # the initiator's draw of the round's dither seed
             outcome = await a.run_round(partner=b.me.peer_id)
             assert outcome.status == "applied", outcome
-            await wait_until(lambda: b.outer_state.round == 4)
+            # b applies its step, then records its outcome: wait for both
+            await wait_until(lambda: b.outer_state.round == 4 and len(b.rounds.history) > 0)
             # what each side reports it moved: its codec's payload, plus a frame and meta per message
             # (request or accept, one chunk per wire tensor at this size, done)
             layout = a.rounds.replica.wire_layout(True)
