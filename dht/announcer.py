@@ -24,7 +24,16 @@ from dataclasses import dataclass
 
 from hivemind.utils import get_dht_time
 
-from dht.records import CIRCUIT, MAX_ADDRS, PeerRecord, PeerState, Reachability, VerificationReport, reachability_of
+from dht.records import (
+    CIRCUIT,
+    MAX_ADDRS,
+    MAX_RELAYS,
+    PeerRecord,
+    PeerState,
+    Reachability,
+    VerificationReport,
+    reachability_of,
+)
 from dht.registry import SwarmRegistry
 
 logger = logging.getLogger(__name__)
@@ -103,6 +112,21 @@ class PeerAnnouncer:
             self._record.addrs = addrs
             self._record.reachability = reachability_of(addrs)
             self.poke()
+
+    def set_relays(self, relays: list[str]) -> None:
+        """The relays this peer (behind a NAT) is registered with now: others reach it through them."""
+        relays = sorted(relays)[:MAX_RELAYS]
+        if relays != self._record.relays:
+            self._record.relays = relays
+            self.poke()
+
+    def set_relay_budget(self, left: int) -> None:
+        """What this peer, a relay, still carries (announced at the next beat)."""
+        self._record.relay_budget = max(int(left), 0)
+
+    def set_paths(self, paths: dict[str, str]) -> None:
+        """How the last direct link to each peer behind a NAT went (announced at the next beat)."""
+        self._record.paths = dict(paths)
 
     def restore_counters(self, inner_step: int, outer_round: int) -> None:
         """Counters taken over with a downloaded stage state (this peer continues that replica's count)."""

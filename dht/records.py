@@ -45,6 +45,14 @@ class Reachability(StrEnum):
 CIRCUIT = "/p2p-circuit"
 
 
+class LinkPath(StrEnum):
+    """How a peer's last direct link to a peer behind a NAT went (node/p2p/traversal.py)."""
+
+    PUNCHED = "punched"  # a hole-punched connection between the two
+    RELAYED = "relayed"  # carried by a relay
+    FAILED = "failed"  # neither worked
+
+
 def reachability_of(addrs: list[str]) -> Reachability:
     """p2pd takes relay reservations only once it believes it cannot be dialed (AutoNAT, or
     `--reachability private`), and then still lists its LAN addresses: so any relay address means
@@ -75,6 +83,8 @@ def short_peer_id(peer_id: Any, n: int = 8) -> str:
 MAX_ID_CHARS = 128
 MAX_NAME_CHARS = 64
 MAX_FINGERPRINT = 16
+MAX_PATHS = 16  # peers whose last link path a record lists
+MAX_RELAYS = 4  # relays a peer behind a NAT announces it is registered with
 MAX_ADDRS = 16  # a peer's announced multiaddrs (listen, --announce and relay addresses)
 MAX_ADDR_CHARS = 256
 
@@ -133,6 +143,24 @@ def _check_addrs(value: Any) -> list[str]:
     if not isinstance(value, (list, tuple)) or len(value) > MAX_ADDRS:
         raise RecordError(f"addrs: expected a list of at most {MAX_ADDRS} multiaddrs")
     return [_check_str(addr, "addrs", MAX_ADDR_CHARS) for addr in value]
+
+
+def _check_ids(value: Any, name: str, limit: int) -> list[str]:
+    if not isinstance(value, (list, tuple)) or len(value) > limit:
+        raise RecordError(f"{name}: expected a list of at most {limit} peer ids")
+    return [_check_str(item, name, MAX_ID_CHARS) for item in value]
+
+
+def _check_paths(value: Any) -> dict[str, str]:
+    if not isinstance(value, Mapping) or len(value) > MAX_PATHS:
+        raise RecordError(f"paths: expected a map of at most {MAX_PATHS} peers")
+    paths = {}
+    for peer, path in value.items():
+        try:
+            paths[_check_str(peer, "paths", MAX_ID_CHARS)] = LinkPath(_check_str(path, "paths", 16)).value
+        except ValueError:
+            raise RecordError(f"paths: unknown path {str(path)[:16]!r}") from None
+    return paths
 
 
 def _check_reachability(value: Any) -> Reachability:
@@ -227,6 +255,13 @@ class PeerRecord:
     reachability: Reachability = Reachability.UNKNOWN
     # the TCP port of this peer's direct links (node/p2p/direct.py), on the hosts of `addrs`; None: none
     direct_port: int | None = None
+    # a peer behind a NAT: the relays it holds a registration with (node/p2p/relay.py), through which
+    # other peers punch a hole to its direct-link port or have their link relayed
+    relays: list[str] = field(default_factory=list)
+    # a relay (`--relay-budget`): the bytes it still carries between peers behind NATs; 0: not a relay
+    relay_budget: int = 0
+    # how this peer's last direct link to each of the peers behind NATs it reached went (LinkPath values)
+    paths: dict[str, str] = field(default_factory=dict)
     verification: VerificationReport | None = None
     updated: float = 0.0
     # filled in by the reader from the DHT entry, never sent
@@ -272,6 +307,9 @@ class PeerRecord:
             direct_port=None
             if values.get("direct_port") is None
             else _check_int(values["direct_port"], "direct_port", 1, 65535),
+            relays=_check_ids(values.get("relays", []), "relays", MAX_RELAYS),
+            relay_budget=_check_int(values.get("relay_budget", 0), "relay_budget"),
+            paths=_check_paths(values.get("paths", {})),
             verification=None
             if values.get("verification") is None
             else VerificationReport.from_wire(values["verification"]),

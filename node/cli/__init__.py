@@ -16,7 +16,7 @@ os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")  # before hivemind is impo
 
 from node import __version__
 from node.cli.data_commands import add_data_commands, cmd_export, cmd_generate, cmd_prepare_data
-from node.cli.flags import add_json_output, add_network_flags, add_swarm_access
+from node.cli.flags import add_json_output, add_network_flags, add_relay_flags, add_swarm_access
 from node.cli.simulate_command import add_simulate_parser, cmd_simulate
 from node.config import ConfigError
 from node.model.presets import PresetName, load_config
@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     join = commands.add_parser("join", help="join a swarm and serve a stage")
     add_network_flags(join)
+    add_relay_flags(join)
     add_swarm_access(join)
     join.add_argument("--stage", default="auto", help="'auto' (the stage that needs help most) or a stage number")
     join.add_argument("--name", default="", help="public name shown to other peers")
@@ -225,6 +226,8 @@ def node_options(args: argparse.Namespace) -> Any:
         "reachability",
         "direct_port",
         "direct_links",
+        "relay_budget_gb",
+        "relay_rate_mbit",
     ):
         if hasattr(args, name):
             setattr(options, name, getattr(args, name))

@@ -119,3 +119,25 @@ def add_network_flags(parser: argparse.ArgumentParser) -> None:
         help="auto: let AutoNAT tell whether others can dial us, and take relay reservations if "
         "not; private: behind a NAT for sure (reserve relay slots at once); public: never use relays",
     )
+
+
+def add_relay_flags(parser: argparse.ArgumentParser) -> None:
+    """A joining peer's offer to relay for peers behind NATs (node/p2p/relay.py)."""
+    parser.add_argument(
+        "--relay-budget",
+        dest="relay_budget_gb",
+        type=float,
+        default=0.0,
+        metavar="GB",
+        help="volunteer as a relay for peers behind NATs (a publicly reachable peer): introduce them "
+        "to each other for hole punching, and carry up to GB gigabytes between those that cannot "
+        "punch (default 0: no relay)",
+    )
+    parser.add_argument(
+        "--relay-rate",
+        dest="relay_rate_mbit",
+        type=float,
+        default=50.0,
+        metavar="MBIT",
+        help="the most a relay carries, in Mbit/s, all links together (default 50)",
+    )

@@ -56,6 +56,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from dht.records import CIRCUIT, PeerRecord, Reachability, short_peer_id
 from dht.signing import Identity, SignatureError, verify_signature
 from node.p2p import sealed_link
+from node.p2p.relay import PAIR_KEY
 from node.p2p.sealed_link import DirectLinkError, SealedLink
 
 logger = logging.getLogger(__name__)
@@ -219,6 +220,13 @@ class HelloGuard:
         return Hello(signer, swarm_id, service)
 
 
+@dataclass(frozen=True)
+class PairRequest:
+    """The first message of a pairing connection to this peer as a relay (node/p2p/relay.py)."""
+
+    message: dict[str, Any]
+
+
 def direct_addresses(addrs: Sequence[str], port: int | None) -> list[tuple[str, int]]:
     """Where to open a direct link to a peer whose record lists `addrs` (its libp2p multiaddrs) and
     `port` (its direct-link port, None: it takes none): the IP hosts of its non-relayed TCP addresses."""
@@ -262,6 +270,10 @@ class DirectLinks:
         self._handshakes = asyncio.Semaphore(MAX_PENDING_HANDSHAKES)
         self._links: set[SealedLink] = set()
         self._failed: dict[str, tuple[float, int]] = {}  # peer -> (monotonic time until which p2pd is used, failures)
+        # NAT traversal (node/p2p/traversal.py, relay.py): links to peers behind NATs through relays,
+        # and, on a relay, the pairing connections that arrive on this listener
+        self.traversal: Any = None
+        self.on_pair: Callable[[SealedLink, dict[str, Any]], Awaitable[None]] | None = None
 
     async def listen(self, host: str, port: int = 0) -> int:
         """Start accepting links on `host`:`port` (0: any free port); returns the port."""
@@ -276,6 +288,11 @@ class DirectLinks:
         self._handlers.pop((swarm_id, service), None)
 
     async def _accept(self, link: SealedLink) -> None:
+        await self.accept(link)
+
+    async def accept(self, link: SealedLink) -> None:
+        """Serve `link` as an accepted direct link: the listener's handshake, then the handler of the
+        service its hello asks for. A relay's pairing connection goes to the relay instead."""
         if self._handshakes.locked():  # a flood of half-open handshakes: refuse at once
             link.close()
             return
@@ -290,6 +307,9 @@ class DirectLinks:
             logger.exception(f"direct link handshake with {link.get_extra_info('peername')} failed")
             link.close()
             return
+        if isinstance(hello, PairRequest):  # the relay owns the connection from here (node/p2p/relay.py)
+            await self.on_pair(link, hello.message)  # type: ignore[misc]
+            return
         handler = self._handlers.get((hello.swarm_id, hello.service))
         if handler is None:  # the service stopped during the handshake (a stage move)
             link.close()
@@ -302,8 +322,10 @@ class DirectLinks:
             self._links.discard(link)
             link.close()
 
-    async def _listener_handshake(self, link: SealedLink) -> Hello:
+    async def _listener_handshake(self, link: SealedLink) -> Hello | PairRequest:
         hello_bytes, message = await _read_message(link, "hello")
+        if PAIR_KEY in message and self.on_pair is not None:
+            return PairRequest(message)
         hello = self._guard.check(message, time.time())
         if (hello.swarm_id, hello.service) not in self._handlers:
             raise DirectLinkError(f"no direct {hello.service} service for swarm {hello.swarm_id[:40]!r} here")
@@ -321,6 +343,10 @@ class DirectLinks:
         link.seal(to_initiator, to_listener)
         return hello
 
+    def reaches_through_relay(self, peer_id: str) -> bool:
+        """Whether `peer_id`, behind a NAT, is reached through a relay it announces (node/p2p/traversal.py)."""
+        return self.traversal is not None and self.traversal.reaches(peer_id)
+
     def usable(self, peer_id: str) -> bool:
         """Whether to try a direct link to `peer_id` (not after one failed recently)."""
         failed = self._failed.get(peer_id)
@@ -331,6 +357,8 @@ class DirectLinks:
     ) -> SealedLink:
         """A link to `peer_id` for `service` at the first of `addresses` that answers, within
         `timeout`; DirectLinkError (and p2pd for this peer during FAILED_FOR) if none does."""
+        if not addresses and self.reaches_through_relay(peer_id):
+            return await self.traversal.open(peer_id, service, timeout)  # behind a NAT: through a relay
         errors = []
         # bounded by our own deadlines too: the caller's timeout is for p2pd, which comes next if this fails
         deadline = time.monotonic() + min(timeout, CONNECT_TIMEOUT + HANDSHAKE_TIMEOUT)

@@ -32,6 +32,7 @@ from node.p2p.dht_guard import DHT_MESSAGE_LIMIT, DHTRequestGuard, dht_conduct
 from node.p2p.direct import DirectLinks
 from node.p2p.identity_store import IdentityError
 from node.p2p.reachability import NatReachability, announced_addresses
+from node.p2p.traversal import Traversal
 from node.runtime.loop_watch import LoopWatch
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ class Network:
     bans: BanList = field(default_factory=BanList)
     # pipeline channels without p2pd where peers reach each other (node/p2p/direct.py); None: off
     direct: DirectLinks | None = None
+    # links to peers behind NATs through relays, and registrations when behind one (node/p2p/traversal.py);
+    # set once the swarm is known (`enable_traversal`); None: no direct links
+    traversal: Traversal | None = None
     loop_watch: LoopWatch = field(default_factory=LoopWatch)
     _loop_watch_task: asyncio.Task | None = field(default=None, init=False, repr=False)
 
@@ -70,6 +74,11 @@ class Network:
     def direct_port(self) -> int | None:
         """The port this peer takes direct links on (its record announces it); None: it takes none."""
         return self.direct.port if self.direct is not None else None
+
+    def enable_traversal(self, swarm_id: str) -> None:
+        """NAT traversal for this peer's direct links in `swarm_id` (a no-op without direct links)."""
+        if self.direct is not None and self.traversal is None:
+            self.traversal = Traversal(self.direct, swarm_id)
 
     @property
     def validator(self) -> SignedRecordValidator:

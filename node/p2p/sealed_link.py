@@ -227,6 +227,18 @@ class SealedLink(asyncio.Protocol):
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return self._transport.get_extra_info(name, default) if self._transport is not None else default
 
+    # -- handing the connection on (a relay's splice, node/p2p/relay.py) --------------------------
+
+    def transport(self) -> asyncio.Transport:
+        assert self._transport is not None, "not connected"
+        return self._transport
+
+    def take_received(self) -> bytes:
+        """The bytes received and not read by the handshake (they go on with the connection)."""
+        data = bytes(self._received_bytes)
+        self._received_bytes.clear()
+        return data
+
     # -- records and frames ------------------------------------------------------------------------
 
     def _fail(self, error: BaseException) -> None:

@@ -403,7 +403,7 @@ class Transport:
     async def _open_channel_link(self, peer_id: str, service: str, timeout: float) -> FrameLink:
         if self.direct is not None and self.direct.usable(peer_id):
             addresses = self.direct_addresses(peer_id)
-            if addresses:
+            if addresses or self.direct.reaches_through_relay(peer_id):
                 try:
                     link = await self.direct.open(peer_id, addresses, self.swarm_id, service, timeout)
                     link.count_into(self.meter, service)

@@ -33,6 +33,7 @@ from node.model.memory import format_bytes
 from node.p2p.identity_store import ClaimedKey, IdentityError, IdentityRole, claim_identity
 from node.p2p.network import Network, NetworkError, peer_id_of_maddr, start_network
 from node.p2p.reachability import NatReachability
+from node.p2p.relay import Relay, RelayBudget
 from node.p2p.swarm_key import key_fingerprint
 from node.server.data_service import DataStore, data_transport, serve_data
 from node.server.stage_claim import StageOutOfRange, claim_stage
@@ -66,6 +67,9 @@ class NodeOptions:
     reachability: str = "auto"  # NatReachability: may this peer need relays (node/p2p/reachability.py)
     direct_links: bool = True  # pipeline channels on direct TCP links where peers reach each other (node/p2p/direct.py)
     direct_port: int = 0
+    # a relay for peers behind NATs (node/p2p/relay.py): the bytes it carries in all (0: not a relay), at what rate
+    relay_budget_gb: float = 0.0
+    relay_rate_mbit: float = 50.0
     on_network: Callable[[Network], None] | None = None  # told once networking runs (`--metrics-port`)
     # the device whose free memory decides which stages `--stage auto` may take (node/server/stage_fit.py);
     # None: any stage (no training here, or --skip-memory-check)
@@ -106,6 +110,13 @@ async def keep_addresses_current(network: Network, me: PeerAnnouncer, period: fl
             me.set_addresses(await network.announced_addresses())
         except Exception as e:
             logger.warning(f"could not read this peer's addresses: {e!r}")
+        await asyncio.sleep(period)
+
+
+async def keep_relay_announced(relay: Relay, me: PeerAnnouncer, period: float = 5.0) -> None:
+    """Announce what this relay still carries: peers behind NATs register with relays that have some."""
+    while True:
+        me.set_relay_budget(relay.budget.left)
         await asyncio.sleep(period)
 
 
@@ -358,6 +369,12 @@ async def join(options: NodeOptions, serve: StageService | None = None) -> int:
         tasks.append(asyncio.create_task(me.run(), name="heartbeat"))
         tasks.append(asyncio.create_task(keep_config_published(registry, config_record), name="config"))
         tasks.append(asyncio.create_task(keep_addresses_current(network, me), name="addresses"))
+        network.enable_traversal(config.swarm_id)
+        if options.relay_budget_gb > 0 and network.direct is not None:
+            budget = RelayBudget(int(options.relay_budget_gb * 1e9), options.relay_rate_mbit * 1e6 / 8)
+            relay = Relay(network.identity, config.swarm_id, budget)
+            relay.attach(network.direct)
+            tasks.append(asyncio.create_task(keep_relay_announced(relay, me), name="relay"))
         tasks.append(asyncio.create_task(network.keep_joined(), name="dht-rejoin"))
         if serve is not None:
             tasks.append(asyncio.create_task(serve(network, config, me, stop), name="stage"))

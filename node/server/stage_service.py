@@ -31,6 +31,7 @@ from node.p2p.network import Network
 from node.p2p.peer_conduct import PeerConduct
 from node.p2p.reachability import carries_training
 from node.p2p.transport import Transport
+from node.p2p.traversal import serve_traversal
 from node.pipeline.check_server import CheckServer
 from node.pipeline.evaluation import MicrobatchPurpose
 from node.pipeline.receipts import ReceiptBook, ReceiptKeeper
@@ -225,7 +226,8 @@ async def build_service(
         rng=rng,
         ban_until=ban_until,
         is_member=is_member,
-        unreachable=lambda: unreachable_peers(me, view),
+        # hops run on direct links, which reach a peer behind a NAT through its relays (node/p2p/traversal.py)
+        unreachable=lambda: unreachable_peers(me, view, through_relays=network.traversal is not None),
         verifier=verifier,
         receipts=receipts,
         max_in_flight=max_in_flight,
@@ -253,8 +255,9 @@ def neighbours(service: StageService) -> list[str]:
     ]
 
 
-def unreachable_peers(me: PeerAnnouncer, view: SwarmView) -> set[str]:
-    """Peers whose connection with this one could not carry training traffic: both behind relays.
+def unreachable_peers(me: PeerAnnouncer, view: SwarmView, through_relays: bool = False) -> set[str]:
+    """Peers whose connection with this one could not carry training traffic: both behind NATs
+    (unless, `through_relays`, the other announces relays our direct links reach it through).
     Asked on every routed hop: a peer whose connection even with a relayed peer carries training
     (the worst case) answers without reading the view."""
     mine = me.reachability
@@ -264,7 +267,7 @@ def unreachable_peers(me: PeerAnnouncer, view: SwarmView) -> set[str]:
         peer.peer_id
         for peers in view.peers_by_stage.values()
         for peer in peers
-        if not carries_training(mine, peer.reachability)
+        if not carries_training(mine, peer.reachability, through_relays and bool(peer.relays))
     }
 
 
@@ -280,6 +283,8 @@ async def running_service(
     if service.transport.dialer is not None:  # a peer behind a NAT is reached over connections it made
         connections = keep_connected(service.transport.dialer, lambda: neighbours(service))
         tasks.append(asyncio.create_task(connections, name="connections"))
+    if network.traversal is not None:  # direct links to peers behind NATs, and to us when we are one
+        tasks.append(asyncio.create_task(serve_traversal(network.traversal, service.view, me), name="traversal"))
     try:
         # announce a measured speed from the start: routers and stage choice compare these numbers
         await service.worker.executor.run(service.worker.measure_throughput)

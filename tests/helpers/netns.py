@@ -42,6 +42,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -57,6 +58,18 @@ _DELAY_TABLE = "200"  # default route into the delay line
 _PRIO_CUT, _PRIO_REAL, _PRIO_DELAY = "50", "100", "200"
 _NETEM: list[bool] = []
 
+
+# empties the conntrack table of the namespace it runs in (standard library only: no conntrack
+# tool needed): a netlink IPCTNL_MSG_CT_DELETE with no attributes, as `conntrack -F` sends
+_FLUSH_CONNTRACK = r"""
+import socket, struct
+s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 12)  # NETLINK_NETFILTER
+header = struct.pack("=LHHLL", 16 + 4, (1 << 8) | 2, 1 | 4, 1, 0)  # ctnetlink DELETE, REQUEST|ACK
+s.send(header + struct.pack("=BBH", socket.AF_INET, 0, 0))
+reply = s.recv(4096)
+error = struct.unpack_from("=i", reply, 16)[0]
+assert error == 0, f"conntrack flush failed: errno {-error}"
+"""
 
 # a TCP sink for probes run in a host (standard library only, for `python -S -c`): listens on argv[1],
 # counts each connection's bytes until the sender shuts down its side, and answers the count (a
@@ -274,16 +287,19 @@ class TestBed:
         self._add_ns(ns)
         return self._add_site(name, ns, "eth0", "public").addr
 
-    def add_home_host(self, name: str, *, lan: str | None = None) -> str:
+    def add_home_host(self, name: str, *, lan: str | None = None, symmetric: bool = False) -> str:
         """A host on a home LAN behind a NAT router (outbound only). Hosts given the same ``lan`` name share
         one router and one LAN; ``lan=None`` gives the host a router of its own (named ``<name>-lan``).
-        Returns its (private) address."""
+        The router keeps a connection's source port where it can (a plain masquerade, as most home
+        routers: hole punching works through it), or, ``symmetric``, picks a random one for every
+        connection (``masquerade random,fully-random``: it defeats hole punching). Returns the host's
+        (private) address."""
         ok, why = nat_supported()
         if not ok:
             raise RuntimeError(why)
         self._new_name(name)
         lan = lan or f"{name}-lan"
-        router = self._nodes.get(lan) or self._add_lan(lan)
+        router = self._nodes.get(lan) or self._add_lan(lan, symmetric)
         if router.kind != "lan":
             raise ValueError(f"{lan!r} is a host, not a LAN")
         ns = self.prefix + "h-" + name
@@ -298,7 +314,7 @@ class TestBed:
         self._nodes[name] = _Node(name, "home", ns, addr, (ns, "eth0", router.ns, port), lan=router)
         return addr
 
-    def _add_lan(self, name: str) -> _Node:
+    def _add_lan(self, name: str, symmetric: bool = False) -> _Node:
         self._new_name(name)
         ns = self.prefix + "r-" + name
         self._add_ns(ns, router=True)
@@ -309,7 +325,7 @@ class TestBed:
         # partition too, not the "no route to host" of a failed neighbour lookup
         ruleset = """
         table ip home {
-            chain postrouting { type nat hook postrouting priority srcnat; oifname "wan" masquerade; }
+            chain postrouting { type nat hook postrouting priority srcnat; oifname "wan" masquerade MASQUERADE_FLAGS; }
             chain forward { type filter hook forward priority filter;
                 iifname "wan" ct state established,related accept; iifname "wan" drop; }
             chain input { type filter hook input priority filter;
@@ -322,8 +338,17 @@ class TestBed:
             chain input { type filter hook input priority filter; iifname @cut ether type ip drop; }
         }
         """
+        ruleset = ruleset.replace("MASQUERADE_FLAGS", "random,fully-random" if symmetric else "")
         _run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=ruleset)
         return node
+
+    def flush_nat(self, lan: str) -> None:
+        """Forget every connection a home router tracks, as a router's restart does: its NAT mappings
+        are gone, and packets of connections made before are dropped as new ones coming in."""
+        node = self._node(lan)
+        if node.kind != "lan":
+            raise ValueError(f"{lan!r} is not a home LAN's router")
+        _run(["ip", "netns", "exec", node.ns, sys.executable, "-S", "-c", _FLUSH_CONNTRACK])
 
     def _node(self, name: str) -> _Node:
         try:
