@@ -113,3 +113,99 @@ def test_two_home_peers_behind_different_nats_train_beside_each_other(tmp_path: 
                 assert "Traceback" not in node.log(), f"{name}:\n{node.log()[-3000:]}"
         finally:
             swarm.close()
+
+
+def start_nat_only_swarm(bed: TestBed, swarm: Swarm, workdir: Path, homes: bool) -> dict[str, NodeProcess]:
+    """Three stages: stage 0 on a public host (a relay), stage 1 and stage 2 each on one host only,
+    behind the home routers `home_a` and `home_b` (`homes`), or on public hosts (the comparison)."""
+    config = workdir / "swarm.toml"
+    config.write_text("[gossip]\ninner_steps = 10\n[training]\nhop_timeout = 10.0\n")
+    swarm.bootstrap(
+        *("--num-stages", "3", "--heartbeat-period", "2", "--heartbeat-ttl", "10", "--reachability", "public"),
+        *("--config", str(config)),
+        host=bed.address("boot"),
+        launcher=bed.launcher("boot"),
+        timeout=90,
+    )
+    home = ("--reachability", "private") if homes else ("--reachability", "public")
+    placement = {
+        "stage0": ("pub", "0", ("--reachability", "public", "--relay-budget", "1")),
+        "stage1": ("home_a" if homes else "pub_a", "1", home),
+        "stage2": ("home_b" if homes else "pub_b", "2", home),
+    }
+    return {
+        name: swarm.join(name, "--stage", stage, *extra, *COMMON, host=bed.address(host), launcher=bed.launcher(host))
+        for name, (host, stage, extra) in placement.items()
+    }
+
+
+def stage0_rate(swarm: Swarm, bed: TestBed, nodes: dict[str, NodeProcess], seconds: float) -> tuple[float, dict]:
+    """Stage 0's microbatches a second over `seconds` once every stage trains; and the last snapshot."""
+    ids = wait_for(
+        lambda: all(map(peer_id_of, nodes.values())) and {name: peer_id_of(node) for name, node in nodes.items()},
+        150,
+        lambda: "peers never joined:\n" + "\n".join(f"--- {n}\n{node.log()[-2000:]}" for n, node in nodes.items()),
+    )
+
+    def records() -> dict[str, dict | None]:
+        snapshot = swarm.status(launcher=bed.launcher("pub"), timeout=90)
+        return {name: peer(snapshot, peer_id) for name, peer_id in ids.items()}
+
+    wait_for(
+        lambda: all(r and r["state"] == "online" and r["microbatches"] > 0 for r in records().values()),
+        300,
+        lambda: (
+            f"the swarm never trained: {records()}\n"
+            + "\n".join(f"--- {n}\n{node.log()[-2500:]}" for n, node in nodes.items())
+        ),
+    )
+    first, started = records()["stage0"]["microbatches"], time.monotonic()
+    time.sleep(seconds)
+    last = records()
+    return (last["stage0"]["microbatches"] - first) / (time.monotonic() - started), last
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("symmetric", [False, True], ids=["port-preserving", "symmetric"])
+def test_stages_served_only_behind_two_nats_train_through_a_punch_or_the_relay(tmp_path: Path, symmetric: bool):
+    """Issue 39's layout: stage 0 public, stage 1 only behind router A, stage 2 only behind router B.
+    Port-preserving routers: the homes' link is hole-punched, and the swarm trains at >= 0.7x the
+    rate of the same peers on public hosts; a symmetric router B: the relay carries it."""
+    require_namespaces()
+    rates = {}
+    for homes in (True, False):
+        with TestBed() as bed:
+            for host in ("boot", "pub", "pub_a", "pub_b"):
+                bed.add_public_host(host)
+            bed.add_home_host("home_a")
+            bed.add_home_host("home_b", symmetric=symmetric)
+            workdir = tmp_path / ("homes" if homes else "public")
+            workdir.mkdir()
+            swarm = make_swarm(workdir)
+            try:
+                nodes = start_nat_only_swarm(bed, swarm, workdir, homes)
+                rates[homes], last = stage0_rate(swarm, bed, nodes, 60)
+                if homes:
+                    path = "relayed" if symmetric else "punched"
+                    stage1, stage2 = last["stage1"], last["stage2"]
+                    print(
+                        f"homes: relays {stage1['relays']}, {stage2['relays']}; paths {stage1['paths']}, {stage2['paths']}"
+                    )
+                    assert stage1["reachability"] == stage2["reachability"] == "relay"
+                    assert stage1["relays"] == stage2["relays"] == [last["stage0"]["peer_id"]]
+                    assert stage1["paths"].get(stage2["peer_id"]) == path, stage1["paths"]
+                    assert f"a {path} direct link" in nodes["stage1"].log() + nodes["stage2"].log()
+                for name, node in nodes.items():
+                    assert node.process.poll() is None, f"{name} died:\n{node.log()[-2000:]}"
+                    assert "Traceback" not in node.log(), f"{name}:\n{node.log()[-3000:]}"
+            finally:
+                swarm.close()
+    ratio = rates[True] / max(rates[False], 1e-9)
+    print(
+        f"stage 1 and 2 behind {'a symmetric' if symmetric else 'port-preserving'} NAT B: stage 0 "
+        f"{rates[True]:.2f} microbatches/s vs {rates[False]:.2f} with every host public ({ratio:.2f}x)"
+    )
+    assert rates[True] > 0
+    if not symmetric:
+        assert ratio >= 0.7, rates
