@@ -95,14 +95,16 @@ class RoundContext:
 
     def candidates(self) -> list[str]:
         """The live, unbanned other replicas of this stage we can exchange weights with (not another
-        peer behind a NAT when we are one: node/p2p/reachability.py), in random order."""
+        peer behind a NAT when we are one, unless a direct link reaches it through a relay:
+        node/p2p/reachability.py, traversal.py), in random order."""
         mine = self.me.record().reachability
+        direct = self.wire.transport.direct
         peers = [
             p.peer_id
             for p in self.view.online(self.me.stage, exclude=self.me.peer_id)
             if not self.bans.is_banned(p.peer_id)
             and not self.cooling_down(p.peer_id)
-            and carries_training(mine, p.reachability)
+            and carries_training(mine, p.reachability, direct is not None and direct.reaches_through_relay(p.peer_id))
         ]
         self.rng.shuffle(peers)
         return peers

@@ -223,6 +223,16 @@ class NodeMetrics(Collector):
                 links.add_metric(["opened"], direct.opened)
                 links.add_metric(["accepted"], direct.accepted)
                 yield links
+            traversal = self.network.traversal
+            if traversal is not None:
+                paths = CounterMetricFamily(
+                    f"{PREFIX}_nat_links",
+                    "direct links with peers behind NATs (node/p2p/traversal.py), by how they went",
+                    labels=["path"],
+                )
+                for path, count in sorted(traversal.paths.counts.items()):
+                    paths.add_metric([path.value], count)
+                yield paths
         service = self.service
         if service is None:
             return

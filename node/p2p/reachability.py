@@ -6,8 +6,9 @@ others reach it through `/ip4/<relay>/tcp/<port>/p2p/<relay id>/p2p-circuit/p2p/
 addresses. Every peer runs p2pd's relay service (on by default, with its limits on reservations
 and circuits per peer), so the public peers of a swarm are its relays; a NAT'ed peer takes
 reservations on its trusted relays (by default the peers it joined through). AutoNAT, also on,
-asks other peers to dial us back to tell which case we are in. hole punching is not offered by
-this p2pd build (no flag for it), so relayed peers stay relayed.
+asks other peers to dial us back to tell which case we are in. p2pd's hole punching never starts in
+our case (go-libp2p waits for peers to see a public address), so relayed peers stay relayed on
+libp2p; the direct links punch their own holes (node/p2p/traversal.py).
 
 Which addresses a peer ends up with goes into its record (`dht.records.Reachability`).
 
@@ -22,8 +23,9 @@ retries later.
 A relayed connection is a limited one: the relay resets it after 131072 bytes (measured; go-libp2p's
 default per-circuit limit, which p2pd's -relayDataLimit flag did not raise), enough for the DHT,
 records and control messages but not for activations, gradients or gossip. Two peers that are
-both behind NATs therefore keep apart (`carries_training`): the pipeline routes a relayed peer's
-microbatches to directly dialable peers, and neither dials the other to keep a connection.
+both behind NATs therefore never train over p2pd (`carries_training`): they reach each other by
+direct links, hole-punched or carried by a relay of the swarm (node/p2p/traversal.py), when the
+other announces relays; otherwise they keep apart, and neither dials the other through p2pd.
 """
 
 from __future__ import annotations

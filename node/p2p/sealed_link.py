@@ -86,6 +86,8 @@ class SealedLink(asyncio.Protocol):
         self._drain_waiters: list[asyncio.Future] = []
         self._low_water = 1
         self._low_water_works = True
+        self._closing = False  # we closed it: nothing more is handed on
+        self._lost_with: tuple[Exception | None] | None = None  # lost while paused: the end, once read on
 
     # -- asyncio.Protocol --------------------------------------------------------------------------
 
@@ -109,6 +111,20 @@ class SealedLink(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
+        if self._arrived is not None and not self._arrived.done():
+            self._arrived.set_result(None)
+        for waiter in self._drain_waiters:
+            if not waiter.done():
+                waiter.set_exception(ConnectionResetError("direct link closed"))
+        self._drain_waiters.clear()
+        if self._paused and self._on_closed is not None and self._ended is None:
+            # what arrived before the peer closed is still the consumer's (a session's last bytes,
+            # sent just before the close): the end comes once it has read on (`_process`)
+            self._lost_with = (exc,)
+            return
+        self._end(exc)
+
+    def _end(self, exc: Exception | None) -> None:
         if self._ended is None:
             if self._received_bytes:
                 self._ended = ConnectionResetError("direct link closed inside a record")
@@ -116,12 +132,6 @@ class SealedLink(asyncio.Protocol):
                 self._ended = ProtocolError("stream closed mid-frame")
             else:
                 self._ended = exc  # None: a clean end between two frames
-        if self._arrived is not None and not self._arrived.done():
-            self._arrived.set_result(None)
-        for waiter in self._drain_waiters:
-            if not waiter.done():
-                waiter.set_exception(ConnectionResetError("direct link closed"))
-        self._drain_waiters.clear()
         if self._on_closed is not None:
             on_closed, self._on_closed = self._on_closed, None
             on_closed(self._ended)
@@ -221,6 +231,7 @@ class SealedLink(asyncio.Protocol):
             asyncio.get_running_loop().call_soon(self._process)
 
     def close(self) -> None:
+        self._closing = True
         if self._transport is not None:
             self._transport.close()
 
@@ -254,8 +265,9 @@ class SealedLink(asyncio.Protocol):
     def _process(self) -> None:
         """Hand on every whole frame received, opening records as they are needed."""
         try:
-            frames, on_frame, transport = self._frames, self._on_frame, self._transport
-            while not self._paused and self._ended is None and not transport.is_closing():  # type: ignore[union-attr]
+            frames, on_frame = self._frames, self._on_frame
+            # a connection lost by the peer still hands on what it delivered (not one we closed)
+            while not self._paused and self._ended is None and not self._closing:
                 frame = frames.next_frame()  # type: ignore[union-attr]
                 if frame is not None:
                     if self._meter is not None:
@@ -272,6 +284,9 @@ class SealedLink(asyncio.Protocol):
             self._pause_socket_if_full()
         else:
             self._resume_socket()
+            if self._lost_with is not None:
+                (exc,), self._lost_with = self._lost_with, None
+                self._end(exc)
 
     def _open_record(self) -> bool:
         """Open the next whole record for the frame splitter; False (and the low-water mark set) if it is not in."""

@@ -34,10 +34,12 @@ from node.p2p.dialer import PeerDialer
 from node.p2p.direct import DirectLinks
 from node.p2p.dispatch import RequestDispatcher, RequestHandler
 from node.p2p.frame_link import FrameLink, StreamFrameLink
+from node.p2p.link_stream import SESSION_SUFFIX, link_stream
 from node.p2p.metered_stream import metered
 from node.p2p.peer_conduct import PeerConduct
 from node.p2p.request_contract import RequestContract
 from node.p2p.sealed_link import DirectLinkError, SealedLink
+from node.p2p.stream_admission import SessionHandler, StreamAdmission
 from node.runtime.meter import Meter
 from node.runtime.timeouts import within
 from protocol import (
@@ -55,48 +57,9 @@ from protocol import (
 
 logger = logging.getLogger(__name__)
 
-SessionHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
 # what p2pd reports when the remote peer has no handler for a protocol (e.g. a peer running a
 # version without channels): its requests then take a stream each
 _UNSUPPORTED_PROTOCOL = "protocols not supported"
-
-# A refused stream is half-closed and left open this long (reading and dropping at most
-# REFUSAL_DRAIN_BYTES) for its opener to read the ERROR: closed at once, p2pd resets the stream when
-# the opener's request arrives after the close, and a reset drops the ERROR unread (the opener saw
-# "stream closed" instead of the refusal). Past MAX_LINGERING_REFUSALS at once, streams close at once.
-REFUSAL_LINGER = 2.0
-REFUSAL_DRAIN_BYTES = 256 * 1024
-MAX_LINGERING_REFUSALS = 64
-
-
-class _StreamRefusals:
-    """Refused streams, each half-closed after its ERROR and left open for at most REFUSAL_LINGER
-    (reading and dropping at most REFUSAL_DRAIN_BYTES) until its opener closes its side."""
-
-    def __init__(self) -> None:
-        self.lingering = 0
-
-    async def answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, send: Awaitable[None]) -> None:
-        with contextlib.suppress(Exception):
-            await within(send, 1.0)  # bounded: a refused peer gets no time
-            if self.lingering < MAX_LINGERING_REFUSALS and writer.can_write_eof():
-                self.lingering += 1
-                try:
-                    writer.write_eof()
-                    await within(_drop_until_eof(reader, REFUSAL_DRAIN_BYTES), REFUSAL_LINGER)
-                finally:
-                    self.lingering -= 1
-        writer.close()
-
-
-async def _drop_until_eof(reader: asyncio.StreamReader, budget: int) -> None:
-    """Read and drop what the peer sends until it closes its side or `budget` bytes went by."""
-    while budget > 0:
-        chunk = await reader.read(min(budget, 64 * 1024))
-        if not chunk:
-            return
-        budget -= len(chunk)
 
 
 class _NoChannelHandler(Exception):
@@ -185,10 +148,16 @@ class Transport:
         self.limits = limits
         self.compression = compression
         self._request_ids = itertools.count(1)
-        self._refusals = _StreamRefusals()
+        # every stream and session a peer opens to us is admitted (or refused) here first
+        self.admission = StreamAdmission(
+            self.conduct,
+            self.meter,
+            lambda writer, reason: send_message(writer, self.error(reason), "none", self.limits, self.swarm_key),
+        )
         self._handler_names: list[str] = []
         self.requests = RequestDispatcher(self)  # every request's way to its handler (node/p2p/dispatch.py)
         self._multiplexed: set[str] = set()  # services whose requests share a channel per peer
+        self._direct_services: set[str] = set()  # what this transport serves on direct links
         self.channels = ChannelPool(self._open_channel_link, limits, swarm_id, swarm_key)  # ours to peers
         self._stream_only: set[tuple[str, str]] = set()  # (peer, service) without a channel handler
         self._channel_server = ChannelServer(self)  # the channels peers keep open to us
@@ -205,7 +174,7 @@ class Transport:
         self.channels.close()
         self._channel_server.close()
         if self.direct is not None:
-            for service in self._multiplexed:
+            for service in self._direct_services:
                 self.direct.unserve(self.swarm_id, service)
         while self._handler_names:
             name = self._handler_names.pop()
@@ -240,36 +209,6 @@ class Transport:
     def error(self, reason: str, request_id: int = 0) -> Message:
         return self.message(MessageKind.ERROR, {"reason": reason[:500]}, request_id=request_id)
 
-    def _admitted(self, service: str, body: SessionHandler):
-        """A p2pd stream handler that admits the sender (node/p2p/peer_conduct.py) before `body`
-        reads anything, and releases its slot and closes the stream however `body` ends."""
-
-        async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await self._admit_and_run(info.peer_id.to_base58(), service, reader, writer, body)
-
-        return on_stream
-
-    async def _admit_and_run(
-        self,
-        sender: str,
-        service: str,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        body: SessionHandler,
-    ) -> None:
-        reader, writer = metered(reader, writer, self.meter, service)
-        refusal = self.conduct.admit(sender)
-        if refusal is not None:
-            logger.debug(f"refused a {service} stream from {short_peer_id(sender)}: {refusal}")
-            error = send_message(writer, self.error(refusal), "none", self.limits, self.swarm_key)
-            await self._refusals.answer(reader, writer, error)  # closes it once the opener has read it
-            return
-        try:
-            await body(sender, reader, writer)
-        finally:
-            self.conduct.release(sender)
-            writer.close()
-
     async def serve_requests(
         self, service: str, handler: RequestHandler, contract: RequestContract, read_timeout: float = 30.0
     ) -> None:
@@ -298,7 +237,8 @@ class Transport:
             except Exception as e:  # the reply could not be sent (the handler's failures are answered)
                 logger.warning(f"{service} reply to {short_peer_id(sender)} failed: {e!r:.300}")
 
-        await self._add_handler(service, self._admitted(service, one_request))
+        await self._add_handler(service, self.admission.handler(service, one_request))
+        self._serve_direct_sessions(service, one_request)
         if service in self._multiplexed:
             channel_timeout = min(read_timeout, SERVER_IDLE)
 
@@ -318,6 +258,7 @@ class Transport:
                     await self._channel_server.serve(sender, service, answering(sender), link, channel_timeout)
 
                 self.direct.serve(self.swarm_id, service, direct_channel)
+                self._direct_services.add(service)
 
     async def serve_sessions(self, service: str, handler: SessionHandler) -> None:
         """A handler that owns the whole stream (gossip, state download); it bounds its own reads."""
@@ -334,7 +275,20 @@ class Transport:
                 logger.warning(f"{service} session with {short_peer_id(sender)} failed: {e!r:.300}")
                 self.conduct.strike(sender, f"{service}: session failed: {type(e).__name__}")
 
-        await self._add_handler(service, self._admitted(service, session))
+        await self._add_handler(service, self.admission.handler(service, session))
+        self._serve_direct_sessions(service, session)
+
+    def _serve_direct_sessions(self, service: str, body: SessionHandler) -> None:
+        """Serve what a p2pd stream of `service` carries on direct links too (node/p2p/link_stream.py)."""
+        if self.direct is None:
+            return
+
+        async def direct_session(sender: str, link: SealedLink) -> None:
+            link.count_into(self.meter, service)
+            await self.admission.run(sender, service, *link_stream(link, self.limits), body, metered_here=False)
+
+        self.direct.serve(self.swarm_id, service + SESSION_SUFFIX, direct_session)
+        self._direct_services.add(service + SESSION_SUFFIX)
 
     async def request(self, peer_id: str, service: str, message: Message, timeout: float) -> Message:
         """Send one message and wait for the reply. Raises TransportError on any failure, including
@@ -400,16 +354,25 @@ class Transport:
             self._stream_only.add((peer_id, service))
             return None
 
+    async def _direct_link(self, peer_id: str, service: str, timeout: float, suffix: str = "") -> SealedLink | None:
+        """A direct link to `peer_id` for `service` (named `service + suffix` there), counted under
+        `service`; None when there is none to take, and p2pd carries it instead."""
+        if self.direct is None or not self.direct.usable(peer_id):
+            return None
+        addresses = self.direct_addresses(peer_id)
+        if not (addresses or self.direct.reaches_through_relay(peer_id)):
+            return None
+        try:
+            link = await self.direct.open(peer_id, addresses, self.swarm_id, service + suffix, timeout)
+        except DirectLinkError as e:  # through p2pd then, which may know a way (a relay)
+            logger.info(f"{service} to {short_peer_id(peer_id)} goes through p2pd: {e}")
+            return None
+        link.count_into(self.meter, service)
+        return link
+
     async def _open_channel_link(self, peer_id: str, service: str, timeout: float) -> FrameLink:
-        if self.direct is not None and self.direct.usable(peer_id):
-            addresses = self.direct_addresses(peer_id)
-            if addresses or self.direct.reaches_through_relay(peer_id):
-                try:
-                    link = await self.direct.open(peer_id, addresses, self.swarm_id, service, timeout)
-                    link.count_into(self.meter, service)
-                    return link
-                except DirectLinkError as e:  # through p2pd then, which may know a way (a relay)
-                    logger.info(f"{service} to {short_peer_id(peer_id)} goes through p2pd: {e}")
+        if (link := await self._direct_link(peer_id, service, timeout)) is not None:
+            return link
         try:
             return StreamFrameLink(
                 *await self._open_stream(peer_id, service, self.channel_protocol_name(service), timeout)
@@ -427,8 +390,12 @@ class Transport:
     async def session(
         self, peer_id: str, service: str, timeout: float
     ) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
-        """An open stream to `peer_id`'s handler for `service`, closed on exit."""
-        reader, writer = await self._open_stream(peer_id, service, self.protocol_name(service), timeout)
+        """An open stream to `peer_id`'s handler for `service`, closed on exit: on a direct link
+        where there is one (node/p2p/link_stream.py), else through p2pd."""
+        if (link := await self._direct_link(peer_id, service, timeout, SESSION_SUFFIX)) is not None:
+            reader, writer = link_stream(link, self.limits)
+        else:
+            reader, writer = await self._open_stream(peer_id, service, self.protocol_name(service), timeout)
         try:
             yield reader, writer
         finally:

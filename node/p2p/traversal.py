@@ -97,12 +97,15 @@ class PathLog:
         self._last: OrderedDict[str, LinkPath] = OrderedDict()
         self._skip_punch: dict[str, tuple[float, int]] = {}  # peer -> (until, failures in a row)
 
-    def record(self, peer_id: str, kind: LinkPath) -> None:
+    def record(self, peer_id: str, kind: LinkPath) -> bool:
+        """Count a link's path; whether it differs from the last one to that peer."""
         self.counts[kind] += 1
+        changed = self._last.get(peer_id) != kind
         self._last[peer_id] = kind
         self._last.move_to_end(peer_id)
         while len(self._last) > self.remember:
             self._last.popitem(last=False)
+        return changed
 
     def punch_failed(self, peer_id: str, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -259,8 +262,8 @@ class Traversal:
                 kind = LinkPath.PUNCHED if mode == PairMode.PUNCH else LinkPath.RELAYED
                 if mode == PairMode.PUNCH:
                     self.paths.punched(peer_id)
-                self.paths.record(peer_id, kind)
-                logger.info(
+                log = logger.info if self.paths.record(peer_id, kind) else logger.debug  # each change once
+                log(
                     f"{service} to {short_peer_id(peer_id)}: a {kind.value} direct link via {short_peer_id(route.relay)}"
                 )
                 return link

@@ -209,3 +209,72 @@ def test_stages_served_only_behind_two_nats_train_through_a_punch_or_the_relay(t
     assert rates[True] > 0
     if not symmetric:
         assert ratio >= 0.7, rates
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_home_replicas_behind_different_nats_average_with_each_other(tmp_path: Path):
+    """Stage 1 served only by two homes behind different routers: their NoLoCo rounds (gossip
+    sessions on direct links, node/p2p/link_stream.py) find each other through the relay."""
+    require_namespaces()
+    with TestBed() as bed:
+        for host in ("boot", "pub"):
+            bed.add_public_host(host)
+        bed.add_home_host("home_a")
+        bed.add_home_host("home_b")
+        swarm = make_swarm(tmp_path)
+        try:
+            config = tmp_path / "swarm.toml"
+            config.write_text("[gossip]\ninner_steps = 5\n[training]\nhop_timeout = 10.0\n")
+            swarm.bootstrap(
+                *("--num-stages", "2", "--heartbeat-period", "2", "--heartbeat-ttl", "10", "--reachability", "public"),
+                *("--config", str(config)),
+                host=bed.address("boot"),
+                launcher=bed.launcher("boot"),
+                timeout=90,
+            )
+            placement = {
+                "stage0": ("pub", "0", ("--reachability", "public", "--relay-budget", "1")),
+                "home_a": ("home_a", "1", ("--reachability", "private")),
+                "home_b": ("home_b", "1", ("--reachability", "private")),
+            }
+            nodes = {
+                name: swarm.join(
+                    name, "--stage", stage, *extra, *COMMON, host=bed.address(host), launcher=bed.launcher(host)
+                )
+                for name, (host, stage, extra) in placement.items()
+            }
+            ids = wait_for(
+                lambda: all(map(peer_id_of, nodes.values())) and {n: peer_id_of(node) for n, node in nodes.items()},
+                150,
+                lambda: "peers never joined:\n" + "\n".join(f"--- {n}\n{p.log()[-2000:]}" for n, p in nodes.items()),
+            )
+
+            def homes() -> list[dict | None]:
+                snapshot = swarm.status(launcher=bed.launcher("pub"), timeout=90)
+                return [peer(snapshot, ids[name]) for name in ("home_a", "home_b")]
+
+            def averaged() -> list[dict] | None:
+                found = homes()
+                return found if all(r and r["outer_round"] >= 2 and r["last_partner"] for r in found) else None  # type: ignore[return-value]
+
+            began = time.monotonic()
+            a, b = wait_for(
+                averaged,
+                420,
+                lambda: (
+                    f"the homes never averaged together: {homes()}\n"
+                    + "\n".join(f"--- {n}\n{p.log()[-2500:]}" for n, p in nodes.items())
+                ),
+            )
+            print(
+                f"two home replicas: outer rounds {a['outer_round']} and {b['outer_round']} after "
+                f"{time.monotonic() - began:.0f} s; partners {short_peer_id(a['last_partner'])}, "
+                f"{short_peer_id(b['last_partner'])}; paths {a['paths']}, {b['paths']}"
+            )
+            assert a["last_partner"] == ids["home_b"] and b["last_partner"] == ids["home_a"], (a, b)
+            for name, node in nodes.items():
+                assert node.process.poll() is None, f"{name} died:\n{node.log()[-2000:]}"
+                assert "Traceback" not in node.log(), f"{name}:\n{node.log()[-3000:]}"
+        finally:
+            swarm.close()

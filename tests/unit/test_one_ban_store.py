@@ -68,7 +68,15 @@ def gossip_of(bans: BanList, clock: Clock) -> RoundContext:
     worker = SimpleNamespace(module=torch.nn.Linear(2, 2), inner_step=0)
     me = SimpleNamespace(stage=1, peer_id=HONEST)
     return RoundContext(
-        GossipConfig(), me, worker, None, None, bans, lambda p: clock.now + 60, NoEvents(), random.Random(0)
+        GossipConfig(),
+        me,
+        worker,
+        SimpleNamespace(direct=None),  # no direct links: peers are reached through p2pd only
+        None,
+        bans,
+        lambda p: clock.now + 60,
+        NoEvents(),
+        random.Random(0),
     )  # type: ignore[arg-type]
 
 

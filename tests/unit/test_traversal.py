@@ -164,3 +164,10 @@ def test_records_announce_relays_and_paths_and_reject_junk(identities):
         PeerRecord.from_wire({**home.to_wire(), "paths": {"x": "teleported"}})
     with pytest.raises(RecordError):
         PeerRecord.from_wire({**home.to_wire(), "relays": ["r"] * 100})
+
+
+def test_the_dashboard_reach_column_counts_the_paths_a_record_announces():
+    from node.monitor.dashboard.peer_table import paths_text
+
+    assert paths_text({"a": "punched", "b": "punched", "c": "relayed", "d": "failed"}) == " 2p 1r 1!"
+    assert paths_text({}) == "" and paths_text(None) == "" and paths_text({"a": 3}) == ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from enum import StrEnum
 from typing import Any
 
@@ -11,7 +12,7 @@ from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from dht.records import PeerState, Reachability
+from dht.records import LinkPath, PeerState, Reachability
 from node.monitor.dashboard.snapshot_fields import iter_peers
 from node.monitor.dashboard.state import DashboardState, PeerSortKey
 from node.monitor.dashboard.text import (
@@ -37,7 +38,7 @@ class PeerColumn(StrEnum):
     NAME = "name"
     STAGE = "stage"
     STATE = "state"
-    REACHABILITY = "reach"  # public, or through a relay (behind a NAT)
+    REACHABILITY = "reach"  # public, or through a relay (behind a NAT); links to NAT'ed peers: punched, relayed, failed
     THROUGHPUT = "thr"
     INNER_STEP = "inner"
     OUTER_ROUND = "outer"
@@ -130,7 +131,7 @@ def peer_cells(peer: dict, columns: list[PeerColumn], now: float, software_versi
         elif col == C.REACHABILITY:
             reach = peer.get("reachability")
             text = safe_text(reach, 8) if isinstance(reach, str) and reach else "-"
-            cells.append(cell(text, "yellow" if text == Reachability.RELAYED else ""))
+            cells.append(cell(text + paths_text(peer.get("paths")), "yellow" if text == Reachability.RELAYED else ""))
         elif col == C.THROUGHPUT:
             cells.append(cell(human_count(peer.get("throughput"))))
         elif col == C.INNER_STEP:
@@ -244,3 +245,13 @@ def peer_table(state: DashboardState, width: int, max_rows: int | None = None) -
             Text(f"… {hidden} more (/ to filter)", style="dim", no_wrap=True, overflow="ellipsis")
         )
     return section
+
+
+def paths_text(paths: object) -> str:
+    """How a peer's links to peers behind NATs went (its record's `paths`): " 2p 1r 1!" is two
+    hole-punched, one relayed, one failed; "" when it has none."""
+    if not isinstance(paths, dict):
+        return ""
+    counts = Counter(path for path in paths.values() if isinstance(path, str))
+    marks = ((LinkPath.PUNCHED, "p"), (LinkPath.RELAYED, "r"), (LinkPath.FAILED, "!"))
+    return "".join(f" {counts[path.value]}{mark}" for path, mark in marks if counts[path.value])
