@@ -49,11 +49,17 @@ from node.p2p.sealed_link import DirectLinkError, SealedLink
 
 logger = logging.getLogger(__name__)
 
-PUNCH_TIMEOUT = 4.0  # a simultaneous open that has not connected by then will not (a dropped SYN is resent after 1 s)
+# a simultaneous open that has not connected by then will not: a SYN the other NAT dropped (it came
+# before the other side's own left) is resent 1 s and 3 s later, and a busy peer may start late
+PUNCH_TIMEOUT = 6.0
 PUNCH_RETRY_AFTER = 120.0  # seconds a peer's links skip the punch after it failed, doubled per failure in a row
 PUNCH_RETRY_MAX = 3600.0
 REGISTER_RETRY = (2.0, 60.0)  # backoff between registration attempts with one relay
 MAX_RELAYS_USED = 2  # relays a peer behind a NAT registers with
+
+
+class PunchFailed(DirectLinkError):
+    """The relay introduced us, and no connection formed: the NATs in between defeat punching."""
 
 
 @dataclass(frozen=True)
@@ -256,7 +262,8 @@ class Traversal:
                     link = await self._through(route, peer_id, service, mode, deadline)
                 except (DirectLinkError, TimeoutError, ConnectionError, OSError) as e:
                     errors.append(f"{mode.value} via {short_peer_id(route.relay)}: {e!r:.160}")
-                    if mode == PairMode.PUNCH:
+                    if isinstance(e, PunchFailed):  # the NATs in between (not the relay, not a refusal)
+                        logger.info(f"no hole punched to {short_peer_id(peer_id)}: {e}; its links go through the relay")
                         self.paths.punch_failed(peer_id)
                     continue
                 kind = LinkPath.PUNCHED if mode == PairMode.PUNCH else LinkPath.RELAYED
@@ -288,7 +295,10 @@ class Traversal:
         try:
             if mode == PairMode.PUNCH:
                 link.close()
-                link = await punch(paired.local_port, paired.peer, min(PUNCH_TIMEOUT, deadline - time.monotonic()))
+                try:
+                    link = await punch(paired.local_port, paired.peer, min(PUNCH_TIMEOUT, deadline - time.monotonic()))
+                except (TimeoutError, OSError) as e:
+                    raise PunchFailed(f"{paired.peer[0]}:{paired.peer[1]} did not connect: {e!r:.120}") from None
             return await asyncio.wait_for(
                 initiate(link, self.direct.identity, peer_id, self.swarm_id, service, self.direct.swarm_key),
                 max(deadline - time.monotonic(), 0.01),
@@ -311,6 +321,8 @@ class Traversal:
                 for relay, task in list(holding.items()):
                     if task.done():
                         del holding[relay]
+                        if not task.cancelled() and task.result():  # it held: the next one is tried soon
+                            backoff.pop(relay, None)
                 now = time.monotonic()
                 for route in candidates():
                     if len(holding) >= MAX_RELAYS_USED:
@@ -325,41 +337,50 @@ class Traversal:
             for task in holding.values():
                 task.cancel()
 
-    async def _registration(self, route: RelayRoute, on_change: Callable[[list[str]], None]) -> None:
+    async def _registration(self, route: RelayRoute, on_change: Callable[[list[str]], None]) -> bool:
+        """Hold one registration until it ends; whether the relay took it."""
         try:
             link = await self.direct.open(route.relay, route.addresses, self.swarm_id, RELAY_SERVICE, 10.0)
         except DirectLinkError as e:
             logger.info(f"cannot register with relay {short_peer_id(route.relay)}: {e}")
-            return
+            return False
         control = ControlLink(link)
         try:
             control.send(Op.REGISTER)
             answer = await control.receive()
             if answer["op"] != Op.REGISTERED:
                 logger.info(f"relay {short_peer_id(route.relay)} refused us: {str(answer.get('reason'))[:200]}")
-                return
+                return False
             self.registered[route.relay] = str(answer.get("seen"))[:64]
             on_change(list(self.registered))
             logger.info(f"registered with relay {short_peer_id(route.relay)}, which sees us at {answer.get('seen')}")
             relay_address = link.get_extra_info("peername")[:2]
-            unanswered = 0
-            while unanswered < PINGS_MISSED:  # pings keep our NAT's mapping, and find one that was lost
+            # a ping every PING_EVERY, however busy the link: it keeps our NAT's mapping, tells the
+            # relay we are here, and its answers tell us the relay still is
+            heard = next_ping = time.monotonic()
+            while True:
                 try:
-                    message = await control.receive(PING_EVERY)
+                    message = await control.receive(max(next_ping - time.monotonic(), 0.01))
                 except TimeoutError:
+                    message = None
+                now = time.monotonic()
+                if message is not None:
+                    heard = now
+                    if message["op"] == Op.INCOMING:
+                        self._spawn(self._answer_incoming(route.relay, relay_address, message))
+                if now >= next_ping:
+                    if now - heard > PING_EVERY * PINGS_MISSED:
+                        logger.info(f"relay {short_peer_id(route.relay)} stopped answering: registering again")
+                        break
                     control.send(Op.PING)
-                    unanswered += 1
-                    continue
-                unanswered = 0
-                if message["op"] == Op.INCOMING:
-                    self._spawn(self._answer_incoming(route.relay, relay_address, message))
-            logger.info(f"relay {short_peer_id(route.relay)} stopped answering: registering again")
+                    next_ping = now + PING_EVERY
         except (DirectLinkError, TimeoutError) as e:
             logger.info(f"registration with relay {short_peer_id(route.relay)} ended: {e}")
         finally:
             control.close()
             if self.registered.pop(route.relay, None) is not None:
                 on_change(list(self.registered))
+        return True
 
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.create_task(coroutine)

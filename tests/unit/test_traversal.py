@@ -114,6 +114,7 @@ def test_a_relay_refuses_an_unregistered_peer_and_junk_pairings(identities):
             with pytest.raises(DirectLinkError, match="not registered"):
                 await a.open(stranger, SERVICE, 8.0)
             assert a.paths.announced()[stranger] == "failed"
+            assert a.paths.worth_punching(stranger)  # a refusal is not a NAT that defeats punching
             # a pairing connection with a token the relay never gave: closed, nothing else
             link = await sealed_link.connect(*route.addresses[0])
             link.write_handshake(msgpack.packb({"pair": os.urandom(16)}, use_bin_type=True))
