@@ -95,12 +95,13 @@ class Network:
         child = getattr(self.p2p, "_child", None)
         return None if child is None else child.pid
 
-    async def keep_joined(self, period: float = 20.0, limit: int = 8) -> None:
+    async def keep_joined(self, period: float = 20.0, isolated_period: float = 5.0, limit: int = 8) -> None:
         """Re-enter the DHT through any peer we know of that fell out of our routing table
         (node/p2p/rejoin.py): hivemind never re-bootstraps, so after a partition heals both sides
-        would otherwise keep their own half of the DHT forever."""
+        would otherwise keep their own half of the DHT forever. Every `isolated_period` while the
+        table is empty: a peer cut off can do nothing useful until it is back."""
         while True:
-            await asyncio.sleep(period)
+            await asyncio.sleep(isolated_period if not self.dht.protocol.routing_table.uid_to_peer_id else period)
             try:
                 connected = {
                     info.peer_id.to_base58(): [str(addr) for addr in info.addrs] for info in await self.p2p.list_peers()
@@ -108,10 +109,12 @@ class Network:
             except Exception as e:  # p2pd busy or going away: the other candidates still count
                 logger.debug(f"could not list p2pd's connections: {e!r}")
                 connected = {}
-            candidates = self.rejoin.candidates(time.monotonic(), connected, self._in_table, self.peer_id, limit)
+            was_empty = not self.dht.protocol.routing_table.uid_to_peer_id
+            candidates = self.rejoin.candidates(
+                time.monotonic(), connected, self._in_table, self.peer_id, limit, isolated=was_empty
+            )
             if not candidates:
                 continue
-            was_empty = not self.dht.protocol.routing_table.uid_to_peer_id
             answers = await asyncio.gather(*(self._ping_at(peer_id, addrs) for peer_id, addrs in candidates))
             for (peer_id, _), answered in zip(candidates, answers):
                 if answered:

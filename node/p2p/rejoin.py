@@ -10,7 +10,13 @@ still holds a connection to, then every peer whose signed record it read (the sw
 re-adds that peer on both sides; a lookup of our own id then refills the table from its neighbours.
 
 A peer that does not answer is tried again after a delay that doubles up to `max_delay`: a dead
-peer's address costs a ping every few minutes, not every period.
+peer's address costs a ping every few minutes, not every period. Two exceptions, both measured in
+the partition test (tests/netns/test_swarm_links.py): the initial peers are tried every round (a
+few addresses, and the usual way in), and a peer whose table is empty tries everyone it knows every
+round, delays or not. Otherwise, after a heal, the two cut-off stage-1 peers found each other first
+(each one's remembered address for the other), while the initial peer they had failed to reach
+during the cut waited out its delay: the two formed an island that saw stage 0 lost, and one of
+them left its stage for stage 0 seconds before the island merged with the rest.
 """
 
 from __future__ import annotations
@@ -56,10 +62,12 @@ class RejoinBook:
         in_table: Callable[[str], bool],
         me: str,
         limit: int = 8,
+        isolated: bool = False,
     ) -> list[tuple[str, list[str]]]:
         """Up to `limit` (peer id, addresses) to ping now: initial peers, then connected peers, then
         remembered ones (most recently seen first); never this peer, nor one in the routing table
-        already, nor one whose retry delay runs."""
+        already, nor one whose retry delay runs (initial peers have none, nor has anyone when this
+        peer is `isolated`: its routing table is empty)."""
         for peer_id in [p for p, (_, seen) in self._known.items() if now - seen > self.forget_after]:
             del self._known[peer_id]
         for peer_id in [p for p, (not_before, _) in self._retry.items() if now - not_before > self.max_delay]:
@@ -69,13 +77,16 @@ class RejoinBook:
             peer_id = peer_id_of_maddr(maddr)
             if peer_id is not None:
                 ordered.setdefault(peer_id, []).append(maddr)
+        initial = set(ordered)
         for peer_id, addrs in connected.items():
             ordered.setdefault(peer_id, list(addrs))
         for peer_id, (addrs, _) in reversed(self._known.items()):
             ordered.setdefault(peer_id, addrs)
         chosen = []
         for peer_id, addrs in ordered.items():
-            if peer_id == me or in_table(peer_id) or self._retry.get(peer_id, (0.0, 0.0))[0] > now:
+            if peer_id == me or in_table(peer_id):
+                continue
+            if not isolated and peer_id not in initial and self._retry.get(peer_id, (0.0, 0.0))[0] > now:
                 continue
             chosen.append((peer_id, addrs))
             if len(chosen) >= limit:

@@ -32,19 +32,30 @@ def test_every_known_peer_outside_the_table_is_a_way_back_initial_peers_first():
 
 def test_a_silent_peer_is_retried_after_a_doubling_bounded_delay():
     book = RejoinBook(initial_peers=[BOOT_ADDR], base_delay=20.0, max_delay=60.0)
+    book.remember(PEER, ["/ip4/10.77.3.2/tcp/5"], now=0.0)
 
-    def tried(now: float) -> bool:
-        return BOOT in ids(book.candidates(now, {}, lambda peer_id: False, me=ME))
+    def tried(now: float, isolated: bool = False) -> bool:
+        return PEER in ids(book.candidates(now, {}, lambda peer_id: False, me=ME, isolated=isolated))
 
-    book.failed(BOOT, now=0.0)
+    book.failed(PEER, now=0.0)
     assert not tried(19.0) and tried(20.0)
-    book.failed(BOOT, now=20.0)
+    book.failed(PEER, now=20.0)
     assert not tried(59.0) and tried(60.0)
-    book.failed(BOOT, now=60.0)  # 80 s would be next: capped at 60
+    book.failed(PEER, now=60.0)  # 80 s would be next: capped at 60
     assert not tried(119.0) and tried(120.0)
-    book.answered(BOOT)
-    book.failed(BOOT, now=120.0)  # an answer resets the delay
+    assert tried(119.0, isolated=True)  # with an empty routing table, everyone is worth a ping
+    book.answered(PEER)
+    book.failed(PEER, now=120.0)  # an answer resets the delay
     assert tried(140.0)
+
+
+def test_initial_peers_are_tried_every_round():
+    # after a heal, the peers cut off together must not find only each other (an island that sees
+    # the other side's stage lost) while the initial peer waits out a delay earned during the cut
+    book = RejoinBook(initial_peers=[BOOT_ADDR])
+    for at in range(5):
+        book.failed(BOOT, now=float(at))
+    assert ids(book.candidates(5.0, {}, lambda peer_id: False, me=ME)) == [BOOT]
 
 
 def test_remembered_peers_are_bounded_and_forgotten():
