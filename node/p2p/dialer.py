@@ -26,8 +26,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import varint
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr  # hivemind vendors it; PyPI's multiaddr comes only with the test extra
+from hivemind.utils.multiaddr.codecs import LENGTH_PREFIXED_VAR_SIZE
+from hivemind.utils.multiaddr.transforms import bytes_iter
 
 from dht.records import short_peer_id
 
@@ -35,6 +38,25 @@ logger = logging.getLogger(__name__)
 
 AddressBook = Callable[[str], Sequence[str]]
 MAX_DIAL_ADDRS = 16
+_CIDV1_LIBP2P_KEY = b"\x01\x72"  # CID version 1, multicodec libp2p-key
+
+
+def p2pd_multiaddr(addr: str) -> Multiaddr:
+    """`addr` in the binary form p2pd reads, for its CONNECT request.
+
+    hivemind's vendored multiaddr writes a /p2p/ peer id as a CIDv1 (0x01 0x72, then the multihash);
+    p2pd's go-multiaddr reads a bare multihash there and refuses the whole request ("length greater
+    than remaining number of bytes in buffer"). Every address we dial carries one (records announce
+    `.../p2p/<id>`, relay circuits name the relay), so each is written with bare multihashes."""
+    parts = []
+    for _, proto, codec, part in bytes_iter(Multiaddr(addr).to_bytes()):
+        if proto.name == "p2p" and part.startswith(_CIDV1_LIBP2P_KEY):
+            part = part[len(_CIDV1_LIBP2P_KEY) :]
+        parts.append(varint.encode(proto.code))
+        if codec.SIZE == LENGTH_PREFIXED_VAR_SIZE:
+            parts.append(varint.encode(len(part)))
+        parts.append(part)
+    return Multiaddr(b"".join(parts))
 
 
 class PeerDialer:
@@ -67,7 +89,7 @@ class PeerDialer:
         maddrs = []
         for addr in addrs:
             try:
-                maddrs.append(Multiaddr(addr))
+                maddrs.append(p2pd_multiaddr(addr))
             except Exception:  # an unparsable address in a signed record: the peer's own mistake
                 logger.debug(f"{short_peer_id(peer_id)} announced an unparsable address {addr[:80]!r}")
         if not maddrs:

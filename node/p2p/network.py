@@ -15,23 +15,26 @@ removed as soon as p2pd runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
-from hivemind.utils.multiaddr import Multiaddr  # hivemind vendors it; PyPI's multiaddr comes only with the test extra
 
 from dht.signing import Identity, SignedRecordValidator
 from node.p2p.bans import BanList
 from node.p2p.dht_guard import DHT_MESSAGE_LIMIT, DHTRequestGuard, dht_conduct
+from node.p2p.dialer import MAX_DIAL_ADDRS, p2pd_multiaddr
 from node.p2p.direct import DirectLinks
 from node.p2p.identity_store import IdentityError
 from node.p2p.reachability import NatReachability, announced_addresses
+from node.p2p.rejoin import RejoinBook, peer_id_of_maddr  # noqa: F401 (peer_id_of_maddr: imported from here)
 from node.p2p.traversal import Traversal
 from node.runtime.loop_watch import LoopWatch
 
@@ -61,9 +64,13 @@ class Network:
     # set once the swarm is known (`enable_traversal`); None: no direct links
     traversal: Traversal | None = None
     loop_watch: LoopWatch = field(default_factory=LoopWatch)
+    # the peers to re-enter the DHT through after losing it (keep_joined); the swarm view adds to it
+    rejoin: RejoinBook = field(default_factory=RejoinBook)
     _loop_watch_task: asyncio.Task | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if not self.rejoin.initial_peers:
+            self.rejoin.initial_peers = list(self.initial_peers)
         self._loop_watch_task = asyncio.get_running_loop().create_task(self.loop_watch.run(), name="loop-watch")
 
     @property
@@ -97,30 +104,54 @@ class Network:
         child = getattr(self.p2p, "_child", None)
         return None if child is None else child.pid
 
-    async def keep_joined(self, period: float = 20.0) -> None:
-        """Re-enter the DHT through the initial peers whenever they fell out of our routing table.
-
-        hivemind drops unresponsive nodes from its routing table and never re-bootstraps, so after
-        a partition heals both sides would keep their own half of the DHT forever: a stage cut off
-        for longer than a few requests would stay invisible to the rest of the swarm. A ping
-        re-adds the initial peer on our side and us on its side; a lookup of our own id then
-        refills the buckets from its neighbours."""
+    async def keep_joined(self, period: float = 20.0, isolated_period: float = 5.0, limit: int = 8) -> None:
+        """Re-enter the DHT through any peer we know of that fell out of our routing table
+        (node/p2p/rejoin.py): hivemind never re-bootstraps, so after a partition heals both sides
+        would otherwise keep their own half of the DHT forever. Every `isolated_period` while the
+        table is empty: a peer cut off can do nothing useful until it is back."""
         while True:
-            await asyncio.sleep(period)
-            for maddr in self.initial_peers:
-                peer_id = peer_id_of_maddr(maddr)
-                if peer_id is None or peer_id == self.peer_id:
-                    continue
-                peer = PeerID.from_base58(peer_id)
-                if peer in self.dht.protocol.routing_table:
-                    continue
-                try:
-                    await asyncio.wait_for(self.p2p._client.connect(peer, [Multiaddr(maddr)]), 10.0)
-                    if await self.dht.protocol.call_ping(peer) is not None:
-                        logger.info(f"re-entered the DHT through {maddr}")
-                        await self.dht.find_nearest_nodes([self.dht.node_id])
-                except Exception as e:  # unreachable for now: try again next period
-                    logger.debug(f"could not re-enter the DHT through {maddr}: {e!r}")
+            await asyncio.sleep(isolated_period if not self.dht.protocol.routing_table.uid_to_peer_id else period)
+            try:
+                connected = {
+                    info.peer_id.to_base58(): [str(addr) for addr in info.addrs] for info in await self.p2p.list_peers()
+                }
+            except Exception as e:  # p2pd busy or going away: the other candidates still count
+                logger.debug(f"could not list p2pd's connections: {e!r}")
+                connected = {}
+            was_empty = not self.dht.protocol.routing_table.uid_to_peer_id
+            candidates = self.rejoin.candidates(
+                time.monotonic(), connected, self._in_table, self.peer_id, limit, isolated=was_empty
+            )
+            if not candidates:
+                continue
+            answers = await asyncio.gather(*(self._ping_at(peer_id, addrs) for peer_id, addrs in candidates))
+            for (peer_id, _), answered in zip(candidates, answers):
+                if answered:
+                    self.rejoin.answered(peer_id)
+                else:
+                    self.rejoin.failed(peer_id, time.monotonic())
+            if any(answers):
+                # INFO when this peer had lost the DHT altogether; otherwise it only met a peer it lacked
+                log = logger.info if was_empty else logger.debug
+                log(f"re-entered the DHT through {sum(answers)} peer(s)")
+                with contextlib.suppress(Exception):  # the table holds them now; a lookup only adds more
+                    await self.dht.find_nearest_nodes([self.dht.node_id])
+
+    def _in_table(self, peer_id: str) -> bool:
+        return PeerID.from_base58(peer_id) in self.dht.protocol.routing_table
+
+    async def _ping_at(self, peer_id: str, addrs: Sequence[str]) -> bool:
+        """Dial `peer_id` at `addrs` (if any), then ping it over the DHT: whether it answered (a ping
+        re-adds it to our routing table, and us to its table)."""
+        peer = PeerID.from_base58(peer_id)
+        try:
+            maddrs = [p2pd_multiaddr(addr) for addr in addrs[:MAX_DIAL_ADDRS]]
+            if maddrs:
+                await asyncio.wait_for(self.p2p._client.connect(peer, maddrs), 10.0)
+            return await self.dht.protocol.call_ping(peer) is not None
+        except Exception as e:  # unparsable, unreachable or gone for now: its retry delay grows
+            logger.debug(f"could not re-enter the DHT through {peer_id}: {e!r}")
+            return False
 
     async def shutdown(self) -> None:
         if self._loop_watch_task is not None:
@@ -152,14 +183,6 @@ async def _finish_or_clean_up(creation: Awaitable[T], shutdown: Callable[[T], Aw
 
         task.add_done_callback(clean_up)
         raise
-
-
-def peer_id_of_maddr(maddr: str) -> str | None:
-    """The peer id in a multiaddr's /p2p/ part (None if it has none or does not parse)."""
-    try:
-        return Multiaddr(maddr).value_for_protocol("p2p")
-    except Exception:  # multiaddr raises its own errors for unknown protocols and a missing /p2p/
-        return None
 
 
 def load_identity(identity_path: str | None) -> tuple[Identity, str, str | None, bool]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from dht.announcer import PeerAnnouncer, PeerProgress
-from dht.records import PeerState, Reachability
+from dht.records import PeerRecord, PeerState, Reachability
 from dht.registry import SwarmRegistry, swarm_key_of
 from dht.swarm_view import SwarmView
 from node.averaging.gossip import Gossip
@@ -30,6 +30,7 @@ from node.p2p.direct import direct_addresses_of
 from node.p2p.network import Network
 from node.p2p.peer_conduct import PeerConduct
 from node.p2p.reachability import carries_training
+from node.p2p.rejoin import RejoinBook
 from node.p2p.transport import Transport
 from node.p2p.traversal import serve_traversal
 from node.pipeline.check_server import CheckServer
@@ -161,6 +162,8 @@ async def build_service(
     bans = network.bans
     router = Router(rng, config.num_stages, mode=config.training.routing, bans=bans)
     view.on_refresh(router.refresh)
+    # every peer read here stays a way back into the DHT after its record expired (node/p2p/rejoin.py)
+    view.on_refresh(lambda peers: remember_addresses(network.rejoin, peers))
     # the window's ceiling: this device's memory bounds it (check_stage_fits), the swarm's config too.
     # The store of activations is bounded by the same count, the one the memory check admitted: a
     # block peer fed by several stage-0 peers evicts its oldest microbatch (retried by its origin)
@@ -235,6 +238,13 @@ async def build_service(
     replica = await worker.compute(OuterReplica, worker.module, config.gossip)
     gossip = Gossip(config, me, worker, transport, view, router.bans, registry, ban_until, rng=rng, replica=replica)
     return StageService(config, me, worker, transport, router, view, pipeline, gossip, verifier, checks)
+
+
+def remember_addresses(book: RejoinBook, peers_by_stage: dict[int, list[PeerRecord]]) -> None:
+    now = time.monotonic()
+    for records in peers_by_stage.values():
+        for record in records:
+            book.remember(record.peer_id, record.addrs, now)
 
 
 def neighbours(service: StageService) -> list[str]:

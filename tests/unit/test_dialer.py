@@ -9,7 +9,7 @@ import pytest
 from hivemind.p2p import PeerID
 
 from dht.records import MAX_ADDRS, PeerRecord, Reachability, RecordError, reachability_of
-from node.p2p.dialer import PeerDialer
+from node.p2p.dialer import PeerDialer, p2pd_multiaddr
 from node.p2p.reachability import NatReachability, announced_addresses
 
 PEER = PeerID.from_base58("QmVB964ah4GajudGjs7qNM3NNgVHCFZqgMtcW1f71V9qcE").to_base58()
@@ -96,3 +96,14 @@ def test_a_peer_behind_a_nat_announces_circuits_through_its_relays() -> None:
     assert announced_addresses([lan], [relay], NatReachability.PUBLIC) == [lan]
     assert announced_addresses([lan], [relay], NatReachability.AUTO) == [lan]
     assert reachability_of(announced_addresses([lan], [relay], NatReachability.PRIVATE)) == Reachability.RELAYED
+
+
+def test_peer_ids_reach_p2pd_as_bare_multihashes():
+    # hivemind's multiaddr writes /p2p/<id> as a CIDv1 (0x01 0x72 ...), which p2pd refuses outright
+    # ("length greater than remaining number of bytes in buffer"): every dial and re-entry failed
+    circuit = f"{RELAYED}/p2p/{PEER}"
+    encoded = p2pd_multiaddr(circuit)
+    assert str(encoded) == circuit
+    assert b"\x01\x72\x12\x20" not in encoded.to_bytes()
+    assert encoded.to_bytes().count(b"\xa5\x03\x22\x12\x20") == 2  # code 421, 34 bytes, sha2-256 multihash
+    assert p2pd_multiaddr("/ip4/10.77.1.2/tcp/4001").to_bytes().hex() == "040a4d0102060fa1"
