@@ -309,7 +309,11 @@ class DirectLinks:
             link.close()
             return
         if isinstance(hello, PairRequest):  # the relay owns the connection from here (node/p2p/relay.py)
-            await self.on_pair(link, hello.message)  # type: ignore[misc]
+            try:
+                await self.on_pair(link, hello.message)  # type: ignore[misc]
+            except (DirectLinkError, ConnectionError, OSError) as e:  # a side left mid-pairing
+                logger.debug(f"a pairing from {link.get_extra_info('peername')} ended: {e!r}")
+                link.close()
             return
         handler = self._handlers.get((hello.swarm_id, hello.service))
         if handler is None:  # the service stopped during the handshake (a stage move)

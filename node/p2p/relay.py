@@ -366,6 +366,11 @@ class Relay:
     def _introduce(self, pairing: _Pairing) -> None:
         """Answer both sides of a complete pairing at once, then splice them or let them go."""
         links = (pairing.arrived[0], pairing.arrived[1])
+        pairing.done.set()
+        if any(link.transport().is_closing() for link in links):  # one side left while waiting
+            for link in links:
+                link.close()
+            return
         seen = [format_address(link.get_extra_info("peername")) for link in links]
         for side, link in enumerate(links):
             token, other = pairing.tokens[side], seen[1 - side]
@@ -377,7 +382,6 @@ class Relay:
                 "sig": self.identity.sign(pair_signed(token, other, seen[side])),
             }
             link.write_handshake(msgpack.packb(answer, use_bin_type=True))
-        pairing.done.set()
         self.stats.introduced += 1
         if pairing.mode == PairMode.RELAY:
             self.stats.spliced += 1
