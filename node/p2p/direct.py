@@ -46,7 +46,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgpack
 from cryptography.hazmat.primitives import hashes
@@ -60,8 +60,14 @@ from node.p2p import sealed_link
 from node.p2p.relay import PAIR_KEY
 from node.p2p.sealed_link import DirectLinkError, SealedLink
 
-if TYPE_CHECKING:  # traversal.py builds on this module
-    from node.p2p.traversal import Traversal
+
+class NatTraversal(Protocol):
+    """What DirectLinks asks of NAT traversal (node/p2p/traversal.py, which builds on this module)."""
+
+    def reaches(self, peer_id: str) -> bool: ...
+
+    async def open(self, peer_id: str, service: str, timeout: float) -> SealedLink: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +282,7 @@ class DirectLinks:
         self._failed: dict[str, tuple[float, int]] = {}  # peer -> (monotonic time until which p2pd is used, failures)
         # NAT traversal (node/p2p/traversal.py, relay.py): links to peers behind NATs through relays,
         # and, on a relay, the pairing connections that arrive on this listener
-        self.traversal: Traversal | None = None
+        self.traversal: NatTraversal | None = None
         self.on_pair: Callable[[SealedLink, dict[str, Any]], Awaitable[None]] | None = None
 
     async def listen(self, host: str, port: int = 0) -> int:
@@ -366,7 +372,7 @@ class DirectLinks:
         """A link to `peer_id` for `service` at the first of `addresses` that answers, within
         `timeout`; DirectLinkError (and p2pd for this peer during FAILED_FOR) if none does."""
         if not addresses and self.reaches_through_relay(peer_id):
-            return await self.traversal.open(peer_id, service, timeout)  # type: ignore[union-attr]  # behind a NAT
+            return await self.traversal.open(peer_id, service, timeout)  # behind a NAT: through a relay
         errors = []
         # bounded by our own deadlines too: the caller's timeout is for p2pd, which comes next if this fails
         deadline = time.monotonic() + min(timeout, CONNECT_TIMEOUT + HANDSHAKE_TIMEOUT)
