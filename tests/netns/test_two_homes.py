@@ -115,18 +115,24 @@ def test_two_home_peers_behind_different_nats_train_beside_each_other(tmp_path: 
             swarm.close()
 
 
-def start_nat_only_swarm(bed: TestBed, swarm: Swarm, workdir: Path, homes: bool) -> dict[str, NodeProcess]:
-    """Three stages: stage 0 on a public host (a relay), stage 1 and stage 2 each on one host only,
-    behind the home routers `home_a` and `home_b` (`homes`), or on public hosts (the comparison)."""
+def bootstrap_on_boot(bed: TestBed, swarm: Swarm, workdir: Path, stages: int, inner_steps: int) -> None:
+    """The swarm's bootstrapper on the public host `boot`: `stages` stages, a NoLoCo round every
+    `inner_steps`, 2 s heartbeats."""
     config = workdir / "swarm.toml"
-    config.write_text("[gossip]\ninner_steps = 10\n[training]\nhop_timeout = 10.0\n")
+    config.write_text(f"[gossip]\ninner_steps = {inner_steps}\n[training]\nhop_timeout = 10.0\n")
     swarm.bootstrap(
-        *("--num-stages", "3", "--heartbeat-period", "2", "--heartbeat-ttl", "10", "--reachability", "public"),
+        *("--num-stages", str(stages), "--heartbeat-period", "2", "--heartbeat-ttl", "10", "--reachability", "public"),
         *("--config", str(config)),
         host=bed.address("boot"),
         launcher=bed.launcher("boot"),
         timeout=90,
     )
+
+
+def start_nat_only_swarm(bed: TestBed, swarm: Swarm, workdir: Path, homes: bool) -> dict[str, NodeProcess]:
+    """Three stages: stage 0 on a public host (a relay), stage 1 and stage 2 each on one host only,
+    behind the home routers `home_a` and `home_b` (`homes`), or on public hosts (the comparison)."""
+    bootstrap_on_boot(bed, swarm, workdir, stages=3, inner_steps=10)
     home = ("--reachability", "private") if homes else ("--reachability", "public")
     placement = {
         "stage0": ("pub", "0", ("--reachability", "public", "--relay-budget", "1")),
@@ -224,15 +230,7 @@ def test_two_home_replicas_behind_different_nats_average_with_each_other(tmp_pat
         bed.add_home_host("home_b")
         swarm = make_swarm(tmp_path)
         try:
-            config = tmp_path / "swarm.toml"
-            config.write_text("[gossip]\ninner_steps = 5\n[training]\nhop_timeout = 10.0\n")
-            swarm.bootstrap(
-                *("--num-stages", "2", "--heartbeat-period", "2", "--heartbeat-ttl", "10", "--reachability", "public"),
-                *("--config", str(config)),
-                host=bed.address("boot"),
-                launcher=bed.launcher("boot"),
-                timeout=90,
-            )
+            bootstrap_on_boot(bed, swarm, tmp_path, stages=2, inner_steps=5)
             placement = {
                 "stage0": ("pub", "0", ("--reachability", "public", "--relay-budget", "1")),
                 "home_a": ("home_a", "1", ("--reachability", "private")),
