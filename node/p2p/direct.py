@@ -6,7 +6,7 @@ Profiled on this repository's 2-core machine (docs/changes.md, 49e685b), relayin
 swarm's 12 frames per microbatch cost ~8.8 ms of p2pd CPU and most of ~17.5 ms of event-loop CPU,
 against ~26 ms of torch for the whole model; a raw TCP round trip of the same 128 KiB costs
 ~0.1 ms. So peers that can reach each other directly carry their channels (node/p2p/channels.py)
-and sessions (node/p2p/link_stream.py) on a TCP connection each, and the DHT stays on libp2p. A
+on a TCP connection each (and their sessions too, to peers behind NATs: node/p2p/link_stream.py). A
 peer behind a NAT is reached by a link punched or carried through a relay it is registered with
 (node/p2p/traversal.py, relay.py); one that cannot be reached directly at all (a firewall, an old
 version) is reached through p2pd as before.

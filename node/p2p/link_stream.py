@@ -1,10 +1,10 @@
 """A session's byte stream on a direct link: what a libp2p stream is to the services that own a
 whole stream (gossip rounds, state downloads: `Transport.serve_sessions` and `Transport.session`).
 
-Sessions go where pipeline channels go (node/p2p/direct.py): on a direct link to a peer that takes
-them, punched or relayed to a peer behind a NAT (node/p2p/traversal.py), and through p2pd only
-when there is none. Two home replicas of one stage can average only this way: p2pd's relayed
-circuits end after 128 KiB, a fraction of one round (node/p2p/reachability.py).
+Sessions go through p2pd, except to a peer behind a NAT that announces relays: there they take a
+direct link, punched or relayed (node/p2p/traversal.py). Two home replicas of one stage can average
+only this way: p2pd's relayed circuits end after 128 KiB, a fraction of one round
+(node/p2p/reachability.py). Every peer serves its sessions on direct links as well as on p2pd.
 
 The link carries the stream as frames: each `write` is one frame (at most the transport's frame
 limit), and each frame that arrives is fed, in order, to an `asyncio.StreamReader` the session

@@ -190,8 +190,7 @@ class Transport:
         return f"/pipeswarm/{self.swarm_id}/{service}/channel"
 
     def multiplex(self, *services: str) -> None:
-        """Carry these request services' requests (up to CHANNEL_MAX_PAYLOAD) on one long-lived
-        stream per peer, and serve them that way too (call it before `serve_requests`)."""
+        """Carry these services' requests (to CHANNEL_MAX_PAYLOAD) on a channel per peer; before `serve_requests`."""
         self._multiplexed.update(services)
 
     def message(
@@ -355,8 +354,7 @@ class Transport:
             return None
 
     async def _direct_link(self, peer_id: str, service: str, timeout: float, suffix: str = "") -> SealedLink | None:
-        """A direct link to `peer_id` for `service` (named `service + suffix` there), counted under
-        `service`; None when there is none to take, and p2pd carries it instead."""
+        """A direct link to `peer_id` for `service` (`service + suffix` there); None: p2pd carries it."""
         if self.direct is None or not self.direct.usable(peer_id):
             return None
         addresses = self.direct_addresses(peer_id)
@@ -390,9 +388,11 @@ class Transport:
     async def session(
         self, peer_id: str, service: str, timeout: float
     ) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
-        """An open stream to `peer_id`'s handler for `service`, closed on exit: on a direct link
-        where there is one (node/p2p/link_stream.py), else through p2pd."""
-        if (link := await self._direct_link(peer_id, service, timeout, SESSION_SUFFIX)) is not None:
+        """A stream to `peer_id`'s `service`, closed on exit: p2pd's, or a direct link's to a peer behind a NAT."""
+        link = None
+        if self.direct is not None and self.direct.reaches_through_relay(peer_id):
+            link = await self._direct_link(peer_id, service, timeout, SESSION_SUFFIX)
+        if link is not None:
             reader, writer = link_stream(link, self.limits)
         else:
             reader, writer = await self._open_stream(peer_id, service, self.protocol_name(service), timeout)
