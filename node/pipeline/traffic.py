@@ -194,6 +194,7 @@ class Pipeline:
         self._microbatch_ids = itertools.count(self.rng.randrange(1 << 40))
         self._microbatch_index = itertools.count()
         self._queued = 0
+        self.stages_served: Callable[[], bool] = lambda: True  # whether every stage has a peer now (drive's `ready`)
         # a block stage's compute, shared fairly among the origins whose microbatches wait for it
         self._turns = FairTurns()
         self._tasks = BackgroundTasks()
@@ -367,6 +368,7 @@ class Pipeline:
             tokens, targets = source.next_batch(training.microbatch_size, training.sequence_length)
             return self._tasks.spawn(self.run_microbatch(tokens, targets))
 
+        self.stages_served = ready
         await keep_in_flight(self.window, launch, stop, ready)
 
     async def run_microbatch(
@@ -420,10 +422,25 @@ class Pipeline:
                     ticket.done.cancel()
             self.worker.drop(key)
             self.stats.retried += 1
-            await asyncio.sleep(min(0.5 * (attempt + 1), 2.0))
+            if attempt < retries:
+                await self._before_retry(attempt)
         self.stats.dropped += 1
         logger.warning(f"dropped a microbatch after {retries + 1} attempts")
         return None
+
+    async def _before_retry(self, attempt: int) -> None:
+        """Pause before attempt `attempt + 1`, then, while some stage has no peer at all, wait for it
+        (up to a microbatch deadline) rather than spend the attempt where no peer can take it.
+
+        The pauses double and add up to a record's lifetime (heartbeat ttl + period): a stage whose
+        peers all died still looks served until their records expire, and attempts spent at once
+        would all fail on the dead peers and drop the microbatch. By the last attempt the view knows,
+        and the microbatch waits for the stage to be back (a join and a CheckFree rebuild)."""
+        retries, heartbeat = self.config.training.max_retries, self.config.heartbeat
+        await asyncio.sleep((heartbeat.ttl + heartbeat.period) * 2**attempt / (2**retries - 1))
+        give_up = time.monotonic() + self.window.deadline
+        while not self.stages_served() and time.monotonic() < give_up:
+            await asyncio.sleep(0.5)
 
     async def _finish_forward(self, msg: Message) -> None:
         """At the origin: loss on the final hidden states, then the gradient goes back."""

@@ -1,0 +1,101 @@
+"""A stage-0 microbatch whose attempt failed is retried after a pause; while a stage has no peer at
+all (churn emptied it, CheckFree is rebuilding it) the next attempt waits for the stage to be back,
+up to a microbatch deadline, instead of being spent where no peer can take it and the microbatch
+dropped. The pauses add up to a record's lifetime, so that the last attempt comes after the view
+has dropped the records of a stage that died whole."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import time
+
+import torch
+
+from node.config import SwarmConfig
+from tests.helpers.served_handlers import served_node
+
+HOP_TIMEOUT = 0.5  # a 2-stage microbatch's deadline is 1 s
+BASE = SwarmConfig(num_stages=2)
+# one retry, paused for a record's lifetime (ttl + period = 0.5 s) before it
+CONFIG = dataclasses.replace(
+    BASE,
+    training=dataclasses.replace(BASE.training, hop_timeout=HOP_TIMEOUT, max_retries=1),
+    heartbeat=dataclasses.replace(BASE.heartbeat, period=0.2, ttl=0.3),
+)
+
+
+def attempt_times(served_after: float | None) -> tuple[list[float], int]:
+    """Run one microbatch at a stage 0 whose stage 1 has no peer in its router (each attempt fails at
+    once); `stages_served` turns true `served_after` seconds in (None: never). The seconds at which
+    each attempt started, and how many microbatches were dropped."""
+
+    async def scenario() -> tuple[list[float], int]:
+        node = await served_node(CONFIG, 0, "origin-peer", ())
+        pipeline = node.pipeline
+        started = time.monotonic()
+        pipeline.stages_served = lambda: served_after is not None and time.monotonic() - started >= served_after
+        attempts: list[float] = []
+        embed = pipeline.worker.embed
+
+        def timed_embed(*args):
+            attempts.append(time.monotonic() - started)
+            return embed(*args)
+
+        pipeline.worker.embed = timed_embed
+        tokens = torch.zeros(1, 4, dtype=torch.long)
+        try:
+            loss = await asyncio.wait_for(pipeline.run_microbatch(tokens, tokens), 10.0)
+        finally:
+            await pipeline.close()
+        assert loss is None  # no peer of stage 1 ever took it
+        return attempts, pipeline.stats.dropped
+
+    return asyncio.run(scenario())
+
+
+def test_a_retry_waits_for_the_emptied_stage_to_be_back():
+    attempts, dropped = attempt_times(served_after=0.8)
+    assert len(attempts) == 2 and dropped == 1
+    # the pause alone is 0.5 s: the second attempt waited for the stage, not only the backoff
+    assert 0.8 <= attempts[1] < 0.8 + 0.6, attempts
+
+
+def test_a_retry_waits_at_most_a_deadline_for_a_stage_that_stays_empty():
+    attempts, dropped = attempt_times(served_after=None)
+    assert len(attempts) == 2 and dropped == 1
+    # pause 0.5 s, then the 1 s deadline of waiting
+    assert 1.5 <= attempts[1] < 1.5 + 0.6, attempts
+
+
+def test_a_retry_with_every_stage_served_only_pauses():
+    attempts, dropped = attempt_times(served_after=0.0)
+    assert len(attempts) == 2 and dropped == 1
+    assert 0.5 <= attempts[1] < 0.5 + 0.4, attempts
+
+
+def test_the_pauses_double_and_add_up_to_a_record_lifetime(monkeypatch):
+    config = dataclasses.replace(BASE, training=dataclasses.replace(BASE.training, hop_timeout=HOP_TIMEOUT))
+    lifetime = config.heartbeat.ttl + config.heartbeat.period
+
+    async def pauses() -> list[float]:
+        node = await served_node(config, 0, "origin-peer", ())
+        slept: list[float] = []
+        real_sleep = asyncio.sleep
+
+        async def recorded_sleep(seconds: float) -> None:
+            slept.append(seconds)
+            await real_sleep(0)
+
+        with monkeypatch.context() as patched:
+            patched.setattr(asyncio, "sleep", recorded_sleep)
+            for attempt in range(config.training.max_retries):
+                await node.pipeline._before_retry(attempt)
+        await node.pipeline.close()
+        return slept
+
+    slept = asyncio.run(pauses())
+    assert len(slept) == config.training.max_retries
+    assert all(later == 2 * earlier for earlier, later in itertools.pairwise(slept))
+    assert abs(sum(slept) - lifetime) < 1e-9
