@@ -200,6 +200,27 @@ def rss(pid: int) -> int:
     return psutil.Process(pid).memory_info().rss
 
 
+def settled_rss(pids: list[int], window: float = 10.0, tolerance: int = 8 << 20, limit: float = 60.0) -> list[int]:
+    """Each process's RSS once training's own growth has settled (it moved less than `tolerance`
+    over the last `window` seconds, or `limit` seconds passed): the baseline the attack's leftovers
+    are measured from. Taken after a few steps alone, it still held a young peer's warm-up (first
+    optimizer state, buffers), which under make test's load grew a target past the bound on its own."""
+    samples: list[list[int]] = []
+    started = time.monotonic()
+    every = 2.0
+    span = int(window / every)
+    while True:
+        samples.append([rss(pid) for pid in pids])
+        recent = samples[-span - 1 :]
+        if len(recent) > span and all(
+            max(s[i] for s in recent) - min(s[i] for s in recent) < tolerance for i in range(len(pids))
+        ):
+            return samples[-1]
+        if time.monotonic() - started > limit:
+            return samples[-1]
+        time.sleep(every)
+
+
 @pytest.mark.parametrize(
     "mode",
     [
@@ -219,8 +240,9 @@ def test_hostile_peer_gets_clean_rejections(swarm: Swarm, tmp_path: Path, mode: 
     )
     swarm_id = snapshot["swarm_id"]
     swarm.refresh_families()
-    for target in targets.values():
-        target.rss_before = rss(target.node.pid)
+    baselines = settled_rss([target.node.pid for target in targets.values()])
+    for target, baseline in zip(targets.values(), baselines, strict=True):
+        target.rss_before = baseline
 
     started = time.monotonic()
     reports = run_hostile(targets, swarm_id, tmp_path, quick=mode == "quick")
