@@ -60,6 +60,9 @@ async def dial_and_measure(p2p: P2P, relay: str, home_id: str, duration: float) 
             await asyncio.wait_for(p2p._client.connect(home, [circuit]), 10)
             result["connected"] = True
             for size in SIZES:  # one fresh stream each, all over the one relayed connection
+                if size == SIZES[-1]:  # the connections to the home before the large one: relayed only?
+                    peers = await p2p._client.list_peers()
+                    result["paths"] = [str(a) for info in peers if info.peer_id == home for a in info.addrs]
                 result[str(size)] = await echo_through(p2p, home, size)
         except Exception as e:
             result["connected"] = result.get("connected", False)

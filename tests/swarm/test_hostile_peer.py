@@ -203,8 +203,8 @@ def rss(pid: int) -> int:
 def settled_rss(pids: list[int], window: float = 10.0, tolerance: int = 8 << 20, limit: float = 60.0) -> list[int]:
     """Each process's RSS once training's own growth has settled (it moved less than `tolerance`
     over the last `window` seconds, or `limit` seconds passed): the baseline the attack's leftovers
-    are measured from. Taken after a few steps alone, it still held a young peer's warm-up (first
-    optimizer state, buffers), which under make test's load grew a target past the bound on its own."""
+    are measured from, so that a young peer's warm-up (first optimizer state, buffers) is not
+    charged to the attack."""
     samples: list[list[int]] = []
     started = time.monotonic()
     every = 2.0
