@@ -3,7 +3,7 @@ whole stream (gossip rounds, state downloads: `Transport.serve_sessions` and `Tr
 
 Sessions go through p2pd, except to a peer behind a NAT that announces relays: there they take a
 direct link, punched or relayed (node/p2p/traversal.py). Two home replicas of one stage can average
-only this way: p2pd's relayed circuits end after 128 KiB, a fraction of one round
+only this way: p2pd's relayed circuits cannot be relied on past 128 KiB, a fraction of one round
 (node/p2p/reachability.py). Every peer serves its sessions on direct links as well as on p2pd.
 
 The link carries the stream as frames: each `write` is one frame (at most the transport's frame

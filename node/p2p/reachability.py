@@ -69,7 +69,7 @@ def announced_addresses(visible: Sequence[str], relays: Sequence[str], reachabil
 
 def carries_training(mine: Reachability, theirs: Reachability, through_relays: bool = False) -> bool:
     """Whether a connection between two peers can carry training traffic: not when both can only be
-    reached through p2pd's relays (no hole punching in this p2pd; relayed circuits end after 128 KiB),
+    reached through p2pd's relays (no hole punching in this p2pd; relayed circuits cannot be relied on past 128 KiB),
     unless `through_relays`: a direct link reaches the other through a relay it is registered with,
     punched or carried by it (node/p2p/traversal.py)."""
     return through_relays or not (mine == Reachability.RELAYED and theirs == Reachability.RELAYED)

@@ -1,8 +1,8 @@
 """A relay: a publicly reachable peer that introduces peers behind NATs to each other, and carries
 their link when even then they cannot reach each other (docs/operations.md, "Peers behind NATs").
 
-p2pd's own ways fail two home peers (node/p2p/reachability.py): its relayed circuits end after
-128 KiB, and go-libp2p starts hole punching only once peers saw a public address for the host. So
+p2pd's own ways fail two home peers (node/p2p/reachability.py): its relayed circuits cannot be
+relied on past 128 KiB, and go-libp2p starts hole punching only once peers saw a public address for the host. So
 the direct links (node/p2p/direct.py) traverse NATs themselves, the way DCUtR and iroh do:
 
 - *Registration.* A peer behind a NAT opens a direct link to each relay it uses (service

@@ -7,10 +7,12 @@ hivemind P2P daemons (tests/helpers/relay_probe.py): a relay forced public, a ho
 connects to `<relay>/p2p-circuit` for the home's peer id and echoes 1 kB, 100 kB and 1 MB over
 fresh streams of that one relayed connection.
 
-Asserted (docs/operations.md, "Relays"): the dial fails until the home holds a reservation, which
-autorelay takes after its boot delay (about 3 minutes with a single relay candidate); then small
-messages go through the circuit and a 1 MB one does not (the relay resets a circuit after
-128 KiB), which is why pipeswarm never routes training traffic over a relay
+Asserted (docs/operations.md, "p2pd's relays"): the dial fails until the home holds a reservation,
+which autorelay takes after its boot delay (about 3 minutes with a single relay candidate); then
+small messages go through the circuit, and the connection the 1 MB one is sent on is the relayed
+one. Whether the 1 MB message goes through is printed, not asserted: go-libp2p's per-circuit cap
+of 128 KiB cut it in some runs and not in others. Neither is a path to carry training on, which is
+why pipeswarm's own relays carry it (node/p2p/relay.py) and p2pd's only control traffic
 (node/p2p/reachability.py).
 """
 
@@ -46,7 +48,7 @@ def line_value(log: Path, prefix: str, contains: str = "") -> str | None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_relay_circuit_reaches_a_home_peer_but_ends_after_128_kib(tmp_path: Path):
+def test_a_relay_circuit_reaches_a_home_peer_once_it_holds_a_reservation(tmp_path: Path):
     require_namespaces()
     with TestBed() as bed:
         for host in ("relay", "dialer"):
@@ -69,8 +71,11 @@ def test_a_relay_circuit_reaches_a_home_peer_but_ends_after_128_kib(tmp_path: Pa
         reached = [r for r in results if r.get("1000")]
         print(
             f"relay circuit: {len(results)} attempts over {time.monotonic() - began:.0f} s; first success at "
-            f"{reached[0]['at'] if reached else None} s: {reached[0] if reached else results[-1:]}"
+            f"{reached[0]['at'] if reached else None} s: {reached[0] if reached else results[-1:]}; "
+            f"1 MB through the circuit: {reached[0].get('1000000') if reached else None}"
         )
         assert results and not results[0].get("connected"), results[:1]  # no reservation yet: no circuit
         assert reached, f"never reached the home peer through the relay: {results[-3:]}"
-        assert reached[0]["100000"] is True and reached[0]["1000000"] is False, reached[0]
+        assert reached[0]["100000"] is True, reached[0]
+        paths = reached[0]["paths"]  # the connections to the home just before the 1 MB message
+        assert paths and all(path.endswith("/p2p-circuit") for path in paths), paths

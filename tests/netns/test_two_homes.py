@@ -7,7 +7,7 @@ would: AutoNAT cannot confirm a private-range address) and a public stage-1 peer
 stage-0 peer on `pub`, a stage-0 peer on `home_a` and a stage-1 peer on `home_b`, both homes with
 `--reachability private`.
 
-A relayed circuit ends after 128 KiB (measured; docs/operations.md), too little for a hop, so two
+A relayed circuit cannot be relied on past 128 KiB (measured; docs/operations.md), too little for a hop, so two
 relayed peers keep apart (node/p2p/reachability.py `carries_training`): the home stage-0 peer
 routes to the public stage-1 peer, not to the other home, the home stage-1 peer serves the
 public stage-0 peer. Asserted: both homes announce `relay` reachability, both make progress, over a

@@ -1,4 +1,4 @@
-"""Two peers behind NATs keep apart: a relayed circuit ends after 128 KiB (docs/operations.md), so a
+"""Two peers behind NATs keep apart: a relayed circuit cannot be relied on past 128 KiB (docs/operations.md), so a
 relayed peer routes its microbatches to directly dialable peers when it has any."""
 
 from __future__ import annotations
