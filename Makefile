@@ -118,7 +118,7 @@ internet: $(STAMP) netns-deps
 	$(PY) -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/netns
 
 # churn: peers of a 4-stage swarm SIGKILLed at random (sometimes a whole stage) and replaced for
-# 10 minutes; a 90 s version runs in `make test`
+# 10 minutes; a 65 s version runs in `make test`
 chaos: $(STAMP)
 	$(PY) -m pytest -q -s -p no:cacheprovider -m slow tests/swarm/test_chaos.py
 
