@@ -71,7 +71,13 @@ class StreamAdmission:
         """A p2pd stream handler that runs `body` for an admitted sender."""
 
         async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await self.run(info.peer_id.to_base58(), service, reader, writer, body)
+            try:
+                await self.run(info.peer_id.to_base58(), service, reader, writer, body)
+            except asyncio.CancelledError:
+                # the stream's task must not end cancelled (work cut at shutdown, or the task
+                # itself): Python 3.11's asyncio streams then call task.exception() on it, which
+                # raises, and the loop logs a traceback. Nothing awaits this task.
+                logger.debug(f"a {service} stream from {short_peer_id(info.peer_id.to_base58())} was cancelled")
 
         return on_stream
 
