@@ -53,6 +53,7 @@ from node.pipeline.in_flight_window import InFlightWindow, keep_in_flight
 from node.pipeline.link_compression import LinkCompression
 from node.pipeline.order import pipeline_order, visits_every_block_stage
 from node.pipeline.receipts import ReceiptKeeper
+from node.pipeline.retry_pause import RetryPause
 from node.pipeline.routing import Router
 from node.pipeline.stage_worker import StageWorker
 from node.pipeline.token_anchors import carried_token_ids, hop_token_ids
@@ -185,7 +186,6 @@ class Pipeline:
         deadline = training.hop_timeout * config.num_stages  # a microbatch's: through every stage, back to us
         self.window = InFlightWindow(training.min_in_flight, max_in_flight or training.max_in_flight, deadline)
         self.max_queue = max_queue or self.window.ceiling
-        self.hop_timeout = training.hop_timeout
         self.num_block_stages = config.num_stages - 1
         self.in_flight: dict[int, InFlight] = {}
         self.stats = PipelineStats()
@@ -194,7 +194,7 @@ class Pipeline:
         self._microbatch_ids = itertools.count(self.rng.randrange(1 << 40))
         self._microbatch_index = itertools.count()
         self._queued = 0
-        self.stages_served: Callable[[], bool] = lambda: True  # whether every stage has a peer now (drive's `ready`)
+        self.retry = RetryPause(training.max_retries, config.heartbeat, deadline)  # node/pipeline/retry_pause.py
         # a block stage's compute, shared fairly among the origins whose microbatches wait for it
         self._turns = FairTurns()
         self._tasks = BackgroundTasks()
@@ -368,7 +368,7 @@ class Pipeline:
             tokens, targets = source.next_batch(training.microbatch_size, training.sequence_length)
             return self._tasks.spawn(self.run_microbatch(tokens, targets))
 
-        self.stages_served = ready
+        self.retry.stages_served = ready
         await keep_in_flight(self.window, launch, stop, ready)
 
     async def run_microbatch(
@@ -376,12 +376,11 @@ class Pipeline:
     ) -> float | None:
         """One microbatch through the swarm with bounded retries; its loss, or None if dropped. An
         EVAL microbatch is forward only, in the normal stage order, and counts in no training statistic."""
-        retries = self.config.training.max_retries
         deadline = self.window.deadline
         training = purpose is MicrobatchPurpose.TRAIN
         index = next(self._microbatch_index) if training else 0
         order = pipeline_order(self.config.num_stages, index, self.config.recovery.checkfree_plus, training)
-        for attempt in range(retries + 1):
+        for attempt in range(self.retry.retries + 1):
             microbatch_id = next(self._microbatch_ids)
             key = (self.me.peer_id, microbatch_id)
             ticket = InFlight.start(microbatch_id, targets, order, purpose)
@@ -422,25 +421,10 @@ class Pipeline:
                     ticket.done.cancel()
             self.worker.drop(key)
             self.stats.retried += 1
-            if attempt < retries:
-                await self._before_retry(attempt)
+            await self.retry.pause(attempt)
         self.stats.dropped += 1
-        logger.warning(f"dropped a microbatch after {retries + 1} attempts")
+        logger.warning(f"dropped a microbatch after {self.retry.retries + 1} attempts")
         return None
-
-    async def _before_retry(self, attempt: int) -> None:
-        """Pause before attempt `attempt + 1`, then, while some stage has no peer at all, wait for it
-        (up to a microbatch deadline) rather than spend the attempt where no peer can take it.
-
-        The pauses double and add up to a record's lifetime (heartbeat ttl + period): a stage whose
-        peers all died still looks served until their records expire, and attempts spent at once
-        would all fail on the dead peers and drop the microbatch. By the last attempt the view knows,
-        and the microbatch waits for the stage to be back (a join and a CheckFree rebuild)."""
-        retries, heartbeat = self.config.training.max_retries, self.config.heartbeat
-        await asyncio.sleep((heartbeat.ttl + heartbeat.period) * 2**attempt / (2**retries - 1))
-        give_up = time.monotonic() + self.window.deadline
-        while not self.stages_served() and time.monotonic() < give_up:
-            await asyncio.sleep(0.5)
 
     async def _finish_forward(self, msg: Message) -> None:
         """At the origin: loss on the final hidden states, then the gradient goes back."""

@@ -14,6 +14,7 @@ import time
 import torch
 
 from node.config import SwarmConfig
+from node.pipeline.retry_pause import RetryPause
 from tests.helpers.served_handlers import served_node
 
 HOP_TIMEOUT = 0.5  # a 2-stage microbatch's deadline is 1 s
@@ -35,7 +36,7 @@ def attempt_times(served_after: float | None) -> tuple[list[float], int]:
         node = await served_node(CONFIG, 0, "origin-peer", ())
         pipeline = node.pipeline
         started = time.monotonic()
-        pipeline.stages_served = lambda: served_after is not None and time.monotonic() - started >= served_after
+        pipeline.retry.stages_served = lambda: served_after is not None and time.monotonic() - started >= served_after
         attempts: list[float] = []
         embed = pipeline.worker.embed
 
@@ -75,27 +76,16 @@ def test_a_retry_with_every_stage_served_only_pauses():
     assert 0.5 <= attempts[1] < 0.5 + 0.4, attempts
 
 
-def test_the_pauses_double_and_add_up_to_a_record_lifetime(monkeypatch):
-    config = dataclasses.replace(BASE, training=dataclasses.replace(BASE.training, hop_timeout=HOP_TIMEOUT))
-    lifetime = config.heartbeat.ttl + config.heartbeat.period
-
-    async def pauses() -> list[float]:
-        node = await served_node(config, 0, "origin-peer", ())
-        slept: list[float] = []
-        real_sleep = asyncio.sleep
-
-        async def recorded_sleep(seconds: float) -> None:
-            slept.append(seconds)
-            await real_sleep(0)
-
-        with monkeypatch.context() as patched:
-            patched.setattr(asyncio, "sleep", recorded_sleep)
-            for attempt in range(config.training.max_retries):
-                await node.pipeline._before_retry(attempt)
-        await node.pipeline.close()
-        return slept
-
-    slept = asyncio.run(pauses())
-    assert len(slept) == config.training.max_retries
+def test_the_pauses_double_and_add_up_to_a_record_lifetime():
+    heartbeat = BASE.heartbeat
+    pause = RetryPause(BASE.training.max_retries, heartbeat, deadline=1.0)
+    slept = [pause.seconds(attempt) for attempt in range(pause.retries)]
     assert all(later == 2 * earlier for earlier, later in itertools.pairwise(slept))
-    assert abs(sum(slept) - lifetime) < 1e-9
+    assert abs(sum(slept) - (heartbeat.ttl + heartbeat.period)) < 1e-9
+
+
+def test_no_pause_after_the_last_attempt():
+    pause = RetryPause(2, BASE.heartbeat, deadline=60.0, stages_served=lambda: False)
+    started = time.monotonic()
+    asyncio.run(pause.pause(2))  # the microbatch is dropped now: nothing to wait for
+    assert time.monotonic() - started < 0.1
