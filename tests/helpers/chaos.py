@@ -3,8 +3,9 @@
 Stage 0 + `block_stages` block stages, `peers_per_stage` peers each, every process its own p2pd.
 Every `kill_every` seconds (jittered) the driver kills, with `kill -9` on the peer and its p2pd (a
 machine gone): usually one random block-stage peer, sometimes (`whole_stage_chance`) every peer of
-one block stage; after `replace_after` seconds it starts as many replacements with `--stage auto`,
-which claim the stage that needs help most. Stage 0's peers are never killed: they hold the data
+one block stage, but never while another stage is without an online peer (two lost stages may be
+beyond CheckFree's reach, which stops training by design); after `replace_after` seconds it starts
+as many replacements with `--stage auto`, which claim the stage that needs help most. Stage 0's peers are never killed: they hold the data
 and the head in this design, and the swarm's progress is measured from them.
 
 `ChaosRun.observe()` is called every `observe_every` seconds and records, from the swarm's own
@@ -103,7 +104,13 @@ class ChaosRun:
         alive = [n for n in self.peers[stage] if n.process.poll() is None]
         if not alive:
             return
-        victims = alive if self.rng.random() < self.whole_stage_chance else [self.rng.choice(alive)]
+        whole = self.rng.random() < self.whole_stage_chance
+        if whole and self.samples and self.samples[-1].empty_stages:
+            # another stage is still without a peer: losing a second whole stage now may leave a lost
+            # stage with no neighbour to rebuild it from, which by design stops training
+            # (docs/reliability.md; test_swarm_recovery checks that case), so one peer dies instead
+            whole = False
+        victims = alive if whole else [self.rng.choice(alive)]
         self.kill(victims)
         self.kills.append((time.monotonic(), stage, len(victims)))
         self.peers[stage] = [n for n in self.peers[stage] if n not in victims]
@@ -121,7 +128,7 @@ class ChaosRun:
                 at=time.monotonic(),
                 stage0_steps={p["peer_id"]: p["inner_step"] for p in online.get(0, [])},
                 loss=sum(losses) / len(losses) if losses else None,
-                empty_stages={stage for stage, peers in online.items() if not peers},
+                empty_stages={stage for stage in range(self.num_stages) if not online.get(stage)},
             )
         )
 
