@@ -34,7 +34,7 @@ class RetryPause:
     def seconds(self, attempt: int) -> float:
         """The pause after failed attempt `attempt` (0-based) of `retries + 1`."""
         lifetime = self.heartbeat.ttl + self.heartbeat.period
-        return lifetime * 2**attempt / (2**self.retries - 1)
+        return lifetime * 2**attempt / max(2**self.retries - 1, 1)  # retries = 0: no pause is ever asked for
 
     async def pause(self, attempt: int) -> None:
         """Wait before the attempt after `attempt`; no wait after the last one (the microbatch is dropped)."""
