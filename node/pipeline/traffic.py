@@ -380,7 +380,7 @@ class Pipeline:
         training = purpose is MicrobatchPurpose.TRAIN
         index = next(self._microbatch_index) if training else 0
         order = pipeline_order(self.config.num_stages, index, self.config.recovery.checkfree_plus, training)
-        for attempt in range(self.retry.retries + 1):
+        async for attempt in self.retry.attempts():  # node/pipeline/retry_pause.py
             microbatch_id = next(self._microbatch_ids)
             key = (self.me.peer_id, microbatch_id)
             ticket = InFlight.start(microbatch_id, targets, order, purpose)
@@ -421,9 +421,8 @@ class Pipeline:
                     ticket.done.cancel()
             self.worker.drop(key)
             self.stats.retried += 1
-            await self.retry.pause(attempt)
         self.stats.dropped += 1
-        logger.warning(f"dropped a microbatch after {self.retry.retries + 1} attempts")
+        logger.warning("dropped a microbatch: its attempts ran out")
         return None
 
     async def _finish_forward(self, msg: Message) -> None:
