@@ -53,7 +53,6 @@ class Result:
     name: str
     service: str
     expected: str
-    known_bug: str | None
     outcome: str | None = None
     detail: str = ""
     sent: list[str] = field(default_factory=list)
@@ -104,7 +103,6 @@ class Result:
             "outcome": self.outcome,
             "detail": self.detail,
             "expected": self.expected,
-            "known_bug": self.known_bug,
             "sent": self.sent,
             "replies": self.replies[:40],
             "notices": self.notices[:20],
@@ -127,16 +125,15 @@ class Case:
     sent: str  # what goes on the wire, in words
     expected: str  # what a correct node does
     run: Callable[[Any, Result], Awaitable[None]]
-    known_bug: str | None = None
     timeout: float | None = None
 
 
 CASES: list[Case] = []
 
 
-def case(name: str, service: str, sent: str, expected: str, known_bug: str | None = None, timeout: float | None = None):
+def case(name: str, service: str, sent: str, expected: str, timeout: float | None = None):
     def register(fn: Callable[[Any, Result], Awaitable[None]]) -> Callable[[Any, Result], Awaitable[None]]:
-        CASES.append(Case(name, service, sent, expected, fn, known_bug, timeout))
+        CASES.append(Case(name, service, sent, expected, fn, timeout))
         return fn
 
     return register
@@ -788,7 +785,6 @@ async def forward_bad_path(ctx, res: Result) -> None:
     "forward",
     "a valid FORWARD from a peer that is in no DHT record and on no path",
     "refused: the node computes only for microbatches of peers of the swarm",
-    known_bug="a stranger's valid forward is computed and answered",
 )
 async def stranger_forward(ctx, res: Result) -> None:
     ident = await ctx.identity("stranger", res.nursery)
@@ -806,7 +802,6 @@ async def stranger_forward(ctx, res: Result) -> None:
     "forward",
     "many valid FORWARDs from one stranger, 8 at a time",
     "refused (as stranger_forward); at least BUSY beyond the queue",
-    known_bug="a stranger's valid forward is computed and answered",
 )
 async def forward_flood(ctx, res: Result) -> None:
     ident = await ctx.identity("flooder", res.nursery)
@@ -896,8 +891,6 @@ async def backward_never_sent(ctx, res: Result) -> None:
     "backward",
     "after our own FORWARD was computed, a BACKWARD of 3e38 per element (finite in fp32)",
     "rejected, or at most this microbatch dropped: the honest gradients accumulated for the step survive",
-    known_bug="one BACKWARD of 3e38 per element makes the stage skip its optimizer step "
-    "(honest accumulated gradients lost)",
 )
 async def backward_huge_gradient(ctx, res: Result) -> None:
     ident = await ctx.identity("huge-grad", res.nursery)
@@ -946,7 +939,6 @@ async def abort_list_id(ctx, res: Result) -> None:
     "abort",
     "an ABORT for a microbatch the sender is on no path of",
     "ERROR (the sender is not on the microbatch's path / unknown microbatch)",
-    known_bug="an ABORT is not checked against the microbatch's path",
 )
 async def abort_unrelated(ctx, res: Result) -> None:
     ident = await ctx.identity("aborter", res.nursery)
@@ -1279,7 +1271,6 @@ async def gossip_huge_weights(ctx, res: Result) -> None:
     "gossip",
     "an accepted round whose phi and Delta are the target's own, negated",
     "GOSSIP_DONE accept=False: a partner pointing the opposite way is not an honest replica",
-    known_bug="gossip with the target's own weights negated passes the checks",
 )
 async def gossip_negated_weights(ctx, res: Result) -> None:
     found = await material(ctx, res)
@@ -1296,7 +1287,6 @@ async def gossip_negated_weights(ctx, res: Result) -> None:
     "gossip",
     "a valid GOSSIP_REQUEST, then silence after the target's ACCEPT (its chunks are read, none sent)",
     "the node drops a silent partner quickly; honest partners are not kept BUSY for the round timeout",
-    known_bug="accept-then-silence holds the gossip slot (honest partners get BUSY for the whole round timeout)",
     timeout=180,
 )
 async def gossip_accept_then_silence(ctx, res: Result) -> None:
@@ -1535,7 +1525,6 @@ class contextlib_suppress:
     "forward",
     "many streams opened and left idle (no byte sent), spread over several peer ids",
     "refused beyond a per-peer limit or closed early; the node keeps serving others",
-    known_bug="~1000 idle half-open streams exhaust the file descriptors of a peer with ulimit -n 1024",
     timeout=240,
 )
 async def half_open_streams(ctx, res: Result) -> None:

@@ -513,7 +513,7 @@ def log_evidence(text: str, limit: int = 24) -> tuple[list[str], list[str]]:
 
 
 async def run_case(ctx: Context, case: hostile_cases.Case) -> dict:
-    result = hostile_cases.Result(case.name, case.service, case.expected, case.known_bug)
+    result = hostile_cases.Result(case.name, case.service, case.expected)
     mark = result.log_mark = ctx.log_mark()
     start = time.monotonic()
     async with trio.open_nursery() as nursery:  # the case's own identities live here
@@ -617,8 +617,7 @@ def print_table(report: dict) -> None:
         f"{report.get('duration', 0):.1f}s)"
     )
     for case in report["cases"]:
-        bug = " [known bug]" if case.get("known_bug") else ""
-        print(f"  {case['name']:<{width}}  {case['outcome']:<28} {case.get('detail', '')[:110]}{bug}")
+        print(f"  {case['name']:<{width}}  {case['outcome']:<28} {case.get('detail', '')[:110]}")
     print("  summary: " + ", ".join(f"{k} {v}" for k, v in sorted(report.get("summary", {}).items())))
 
 

@@ -186,8 +186,6 @@ def run_hostile(targets: dict[int, Target], swarm_id: str, workdir: Path, quick:
 
 def describe(stage: int, case: dict) -> str:
     lines = [f"stage-{stage} target: {case['name']} -> {case['outcome']}: {case.get('detail', '')}"]
-    if case.get("known_bug"):
-        lines.append(f"    known bug: {case['known_bug']}")
     for tb in case.get("log_tracebacks", [])[:1]:
         lines.append("    log: " + tb.replace("\n", "\n         ")[:900])
     if not case.get("log_tracebacks"):
