@@ -24,7 +24,9 @@ not either. So the window also keeps the round trips it measures within DEADLINE
 deadline, as delay-based congestion control does: a microbatch back later than that came back from
 about `size` in flight, so the size is cut to what would have fit, size x budget / round trip
 (at most once per round trip, never below the floor); while round trips fit, the cut is lifted
-again by one microbatch per completion.
+again by one microbatch per completion. A failed attempt cuts the same way, to FAILURE_CUT of the
+size (`on_failed`): a stage that refuses or evicts for lack of room is congestion neither the
+minimum RTT nor the delivery rate shows (docs/reliability.md, "Churn").
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ PROBE_QUIET = 3  # rate spans of quiet (no drain, no probe) before the next prob
 PROBE_GROWTH = 1.5  # a probe's window over the size it starts from
 PROBE_GAIN = 1.05  # what a probe must deliver over the span before it to be kept: above a shared host's noise
 DEADLINE_SHARE = 0.5  # round trips are kept within this share of the microbatch deadline
+FAILURE_CUT = 0.7  # the window after a failed attempt, x its size (CUBIC's beta): at most once per round trip
 
 
 @dataclass
@@ -127,6 +130,19 @@ class InFlightWindow:
             self._fit_deadline(now, round_trip)
             self.size = min(self._probed(now, round_trip, max(self._target(now), self.learned)), self.in_time)
         self._log_if_changed(now)
+        return self.size
+
+    def on_failed(self, now: float, started: float) -> int:
+        """Record an attempt that left at `started` and failed (refused by a full stage, its stored
+        activations evicted, lost with a peer); the new size. The delivery rate and the minimum RTT
+        cannot see an overfull stage that refuses or evicts: the window takes a failure as loss-based
+        congestion control does, cut to FAILURE_CUT of its size, once per round trip (attempts that
+        left before a cut fail with it), and lifted again by one per completion that fits."""
+        if started >= self._cut_at:
+            self.in_time = max(self.floor, math.floor(self.size * FAILURE_CUT))
+            self._cut_at = now
+            self.size = min(self.size, self.in_time)
+            self._log_if_changed(now)
         return self.size
 
     def _check_after_drain(self, now: float, round_trip: float) -> None:

@@ -415,6 +415,7 @@ class Pipeline:
                 return loss
             except (TimeoutError, TransportError) as e:
                 logger.info(f"microbatch {microbatch_id} failed (attempt {attempt + 1}): {e!r}")
+                self.window.on_failed(time.monotonic(), ticket.started)
             finally:
                 self.in_flight.pop(microbatch_id, None)
                 if not ticket.done.done():

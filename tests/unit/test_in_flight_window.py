@@ -215,3 +215,33 @@ def test_round_trips_growing_past_half_the_deadline_cut_the_window_to_its_floor(
     outside_drains = [size for size in sizes if size > 1]
     assert outside_drains == sorted(outside_drains, reverse=True) and outside_drains[-1] == 4
     assert window.size == 4
+
+
+def test_a_failed_attempt_cuts_the_window_once_per_round_trip_and_completions_lift_it() -> None:
+    # a window grown to BBR's 40 (as above), then a stage that refuses or evicts: attempts fail
+    window = InFlightWindow(4, 64, deadline=60.0)
+    now = 0.0
+    for _ in range(120):
+        now += 1.0
+        window.on_completed(now, round_trip=20.0)
+    before = window.size
+    assert before >= 40
+    assert window.on_failed(now, started=now - 20.0) == int(before * 0.7)
+    # the other attempts that left before the cut fail with it: no second cut for them
+    assert window.on_failed(now + 0.5, started=now - 19.0) == int(before * 0.7)
+    # an attempt sent after the cut fails too: cut again
+    assert window.on_failed(now + 30.0, started=now + 1.0) == int(int(before * 0.7) * 0.7)
+    # completions in time lift the cap by one each, back to BBR's target
+    cut = window.size
+    sizes = []
+    for _ in range(60):
+        now += 1.0
+        sizes.append(window.on_completed(now + 30.0, round_trip=20.0))
+    assert sizes[0] == cut + 1 and max(sizes) >= before - 2
+
+
+def test_failures_never_cut_below_the_floor() -> None:
+    window = InFlightWindow(4, 32, deadline=10.0)
+    for second in range(10):
+        window.on_failed(float(second), started=float(second) - 0.1)
+    assert window.size == 4
