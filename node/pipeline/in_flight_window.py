@@ -24,9 +24,12 @@ not either. So the window also keeps the round trips it measures within DEADLINE
 deadline, as delay-based congestion control does: a microbatch back later than that came back from
 about `size` in flight, so the size is cut to what would have fit, size x budget / round trip
 (at most once per round trip, never below the floor); while round trips fit, the cut is lifted
-again by one microbatch per completion. A failed attempt cuts the same way, to FAILURE_CUT of the
-size (`on_failed`): a stage that refuses or evicts for lack of room is congestion neither the
-minimum RTT nor the delivery rate shows (docs/reliability.md, "Churn").
+again by one microbatch per completion. A failed attempt caps the window at FAILURE_CUT of its
+size (`on_failed`), once per round trip, and the cap is lifted by one per round trip (additive
+increase, multiplicative decrease, as loss-based congestion control does): a stage that evicts or
+refuses for lack of room, or that lost a replica and serves twice its share until a replacement
+comes, is congestion neither the minimum RTT nor the delivery rate shows (docs/reliability.md,
+"Churn").
 """
 
 from __future__ import annotations
@@ -86,6 +89,9 @@ class InFlightWindow:
         self.deadline = deadline
         self.in_time = ceiling  # the largest size whose round trips fit DEADLINE_SHARE of the deadline
         self._cut_at = -math.inf  # when `in_time` was last cut
+        self.after_failures = ceiling  # the cap failed attempts left (on_failed), lifted by one per round trip
+        self._failure_cut_at = -math.inf
+        self._lifted_at = -math.inf  # when `after_failures` was last lifted
         self.gain = gain
         self.min_rtt: float | None = None
         self._min_rtt_at = 0.0
@@ -128,7 +134,10 @@ class InFlightWindow:
             self.size = 1
         else:
             self._fit_deadline(now, round_trip)
-            self.size = min(self._probed(now, round_trip, max(self._target(now), self.learned)), self.in_time)
+            if self.after_failures < self.ceiling and now - round_trip >= self._lifted_at:  # sent after the last lift
+                self.after_failures, self._lifted_at = self.after_failures + 1, now
+            wanted = self._probed(now, round_trip, max(self._target(now), self.learned))
+            self.size = min(wanted, self.in_time, self.after_failures)
         self._log_if_changed(now)
         return self.size
 
@@ -138,10 +147,10 @@ class InFlightWindow:
         cannot see an overfull stage that refuses or evicts: the window takes a failure as loss-based
         congestion control does, cut to FAILURE_CUT of its size, once per round trip (attempts that
         left before a cut fail with it), and lifted again by one per completion that fits."""
-        if started >= self._cut_at:
-            self.in_time = max(self.floor, math.floor(self.size * FAILURE_CUT))
-            self._cut_at = now
-            self.size = min(self.size, self.in_time)
+        if started >= self._failure_cut_at:
+            self.after_failures = max(self.floor, math.floor(self.size * FAILURE_CUT))
+            self._failure_cut_at = self._lifted_at = now
+            self.size = min(self.size, self.after_failures)
             self._log_if_changed(now)
         return self.size
 

@@ -217,7 +217,7 @@ def test_round_trips_growing_past_half_the_deadline_cut_the_window_to_its_floor(
     assert window.size == 4
 
 
-def test_a_failed_attempt_cuts_the_window_once_per_round_trip_and_completions_lift_it() -> None:
+def test_a_failed_attempt_cuts_the_window_once_per_round_trip_and_each_round_trip_lifts_it_by_one() -> None:
     # a window grown to BBR's 40 (as above), then a stage that refuses or evicts: attempts fail
     window = InFlightWindow(4, 64, deadline=60.0)
     now = 0.0
@@ -230,14 +230,16 @@ def test_a_failed_attempt_cuts_the_window_once_per_round_trip_and_completions_li
     # the other attempts that left before the cut fail with it: no second cut for them
     assert window.on_failed(now + 0.5, started=now - 19.0) == int(before * 0.7)
     # an attempt sent after the cut fails too: cut again
-    assert window.on_failed(now + 30.0, started=now + 1.0) == int(int(before * 0.7) * 0.7)
-    # completions in time lift the cap by one each, back to BBR's target
-    cut = window.size
+    now += 1.0
+    cut = window.on_failed(now, started=now - 0.5)
+    assert cut == int(int(before * 0.7) * 0.7)
+    # completions lift the cap by one per round trip (20 s here), not one per completion
     sizes = []
-    for _ in range(60):
+    for _ in range(70):
         now += 1.0
-        sizes.append(window.on_completed(now + 30.0, round_trip=20.0))
-    assert sizes[0] == cut + 1 and max(sizes) >= before - 2
+        sizes.append(window.on_completed(now, round_trip=20.0))
+    assert sizes[:19] == [cut] * 19
+    assert sizes[-1] == cut + 3  # lifted at 20, 40 and 60 s
 
 
 def test_failures_never_cut_below_the_floor() -> None:
