@@ -195,13 +195,19 @@ def test_the_window_keeps_its_round_trips_within_half_the_deadline() -> None:
     assert set(sizes) == {4}
 
 
-def test_round_trips_growing_past_half_the_deadline_cut_the_window_to_its_floor() -> None:
-    # 1 microbatch/s back after 20 s each: BBR's 2 x 1/s x 20 s = 40 in flight, within a 60 s deadline
+def grown_to_40() -> tuple[InFlightWindow, float]:
+    """1 microbatch/s back after 20 s each for 120 s: BBR's 2 x 1/s x 20 s = 40 in flight, within a
+    60 s deadline. The window and the clock."""
     window = InFlightWindow(4, 64, deadline=60.0)
     now = 0.0
     for _ in range(120):
         now += 1.0
         window.on_completed(now, round_trip=20.0)
+    return window, now
+
+
+def test_round_trips_growing_past_half_the_deadline_cut_the_window_to_its_floor() -> None:
+    window, now = grown_to_40()
     assert 40 <= window.size <= 42  # BBR's target, give or take the delivery rate's rounding
     before = window.size
     # then the round trips grow to 50 s (a stage slowed down): cut to size x 30/50 at once, and again
@@ -218,12 +224,7 @@ def test_round_trips_growing_past_half_the_deadline_cut_the_window_to_its_floor(
 
 
 def test_a_failed_attempt_cuts_the_window_once_per_round_trip_and_each_round_trip_lifts_it_by_one() -> None:
-    # a window grown to BBR's 40 (as above), then a stage that refuses or evicts: attempts fail
-    window = InFlightWindow(4, 64, deadline=60.0)
-    now = 0.0
-    for _ in range(120):
-        now += 1.0
-        window.on_completed(now, round_trip=20.0)
+    window, now = grown_to_40()  # then a stage that refuses or evicts: attempts fail
     before = window.size
     assert before >= 40
     assert window.on_failed(now, started=now - 20.0) == int(before * 0.7)
