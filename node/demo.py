@@ -220,9 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     timing = workdir / "demo.toml"
     timing.write_text(DEMO_TIMING.format(num_stages=args.stages))
-    from node.config import load_config
+    from node.config import read_config
 
-    config = load_config(timing)
+    config = read_config(timing)
     source = markov_source(config, 0)  # what the default config (data.source = markov) trains on
     floor = source.floor_at(config.training.sequence_length)
     failures = []

@@ -53,8 +53,8 @@ __all__ = [
     "TrainingConfig",
     "ValidationConfig",
     "VerificationConfig",
-    "load_config",
     "load_toml",
+    "read_config",
     "synthetic_source",
 ]
 
@@ -476,9 +476,10 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: {e.strerror}") from e
 
 
-def load_config(path: str | Path | Mapping[str, Any] | None = None, **overrides: Any) -> SwarmConfig:
+def read_config(path: str | Path | Mapping[str, Any] | None = None, **overrides: Any) -> SwarmConfig:
     """Defaults, then the TOML file (or its parsed table), then explicit overrides (flags); None
-    overrides are ignored. A [model] preset is resolved by node.model.presets.load_config."""
+    overrides are ignored. A [model] preset is refused here: node.model.presets.load_config resolves it
+    (and is what the CLI reads a config with)."""
     raw: dict[str, Any] = SwarmConfig().to_dict()
     if path is not None:
         for key, value in (path if isinstance(path, Mapping) else load_toml(path)).items():

@@ -38,7 +38,7 @@ file and the code disagree).
   announced, so every value here is the same on every peer; changing one means a new swarm.
 - Per-peer settings (listen address, `--stage`, `--device`, `--data`, `--threads`, ...) are flags of
   `node join`, not config; `node join --swarm ID` picks the swarm when several share one DHT.
-- In Python: `load_config("swarm.toml", **{"gossip.inner_steps": 20})` (None values are ignored)
+- In Python: `node.model.presets.load_config("swarm.toml", **{"gossip.inner_steps": 20})` (None values are ignored; a preset is resolved)
   and `config.replace(gossip={"inner_steps": 20})`.
 
 | `node bootstrap` flag | key |

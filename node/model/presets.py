@@ -18,7 +18,7 @@ attention, no biases), so the published parameter count checks the shape. Those 
 LM head to the embedding; pipeswarm does not (stage 0 holds both, docs/model.md), so a preset has
 exactly vocab_size x hidden_size parameters more than the model it follows.
 
-No torch here; only `load_config` reads a file. `node.config.load_config` alone refuses a [model]
+No torch here; only `load_config` reads a file. `node.config.read_config` alone refuses a [model]
 preset: presets sit above the config module, which must not import them back.
 """
 
@@ -300,7 +300,7 @@ PRESET_SECTIONS = ("model", "training")  # the sections a preset fills keys of
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> SwarmConfig:
-    """node.config.load_config with a model preset resolved: `overrides["model.preset"]` (the
+    """node.config.read_config with a model preset resolved: `overrides["model.preset"]` (the
     --preset flag), else the TOML's [model] preset, fills the [model] and [training] keys and the
     num_stages that neither the TOML nor the overrides set. The
     preset's name is dropped: it is no part of the config or its hash."""
@@ -313,7 +313,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> SwarmConfig
     flag_preset = overrides.pop("model.preset", None)
     name = toml_preset if flag_preset is None else flag_preset
     if name is None:
-        return node_config.load_config(table, **overrides)
+        return node_config.read_config(table, **overrides)
     preset = preset_named(name)
     written = {
         f"{section}.{key}": value
@@ -326,7 +326,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> SwarmConfig
     if num_stages is None:
         num_stages = table.get("num_stages", preset.num_stages or SwarmConfig.num_stages)
     filled = {"num_stages": num_stages, **preset_values(name, num_stages, written)}
-    return node_config.load_config(table, **{**filled, **{k: v for k, v in overrides.items() if v is not None}})
+    return node_config.read_config(table, **{**filled, **{k: v for k, v in overrides.items() if v is not None}})
 
 
 def preset_of(config: SwarmConfig) -> PresetName | None:

@@ -33,13 +33,13 @@ import time
 from collections.abc import Callable
 from enum import StrEnum
 from functools import partial
-from typing import Protocol
 
 import torch
 
 from dht.announcer import PeerAnnouncer
 from dht.records import PeerState, short_peer_id
 from node.config import SwarmConfig, TrainingConfig
+from node.model.data import TokenSource
 from node.p2p.transport import Transport, TransportError
 from node.pipeline.abort_notices import AbortNotices
 from node.pipeline.activation_store import UnknownMicrobatch
@@ -74,10 +74,6 @@ class PipelineService(StrEnum):
 
 
 FORWARD, BACKWARD, ABORT = PipelineService.FORWARD, PipelineService.BACKWARD, PipelineService.ABORT
-
-
-class TokenBatches(Protocol):
-    def next_batch(self, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def _no_op() -> None:
@@ -359,7 +355,7 @@ class Pipeline:
 
     # ---- stage 0: the microbatch driver ------------------------------------------------------------
 
-    async def drive(self, source: TokenBatches, stop: asyncio.Event, ready: Callable[[], bool] = lambda: True) -> None:
+    async def drive(self, source: TokenSource, stop: asyncio.Event, ready: Callable[[], bool] = lambda: True) -> None:
         """Keep the in-flight window full of microbatches until `stop`; while `ready()` is false (a
         stage has no peer) start none, instead of failing them one by one."""
         training = self.config.training

@@ -298,7 +298,8 @@ def check_compatible(record: ConfigRecord) -> SwarmConfig:
     return config
 
 
-StageService = Callable[[Network, SwarmConfig, PeerAnnouncer, asyncio.Event], Awaitable[None]]
+# what `join` runs once the peer holds its place (node/server/stage_service.py: serve_stage)
+ServeStage = Callable[[Network, SwarmConfig, PeerAnnouncer, asyncio.Event], Awaitable[None]]
 
 
 def stages_this_device_holds(config: SwarmConfig, device: str | None) -> frozenset[int] | None:
@@ -323,7 +324,7 @@ def stages_this_device_holds(config: SwarmConfig, device: str | None) -> frozens
     return allowed
 
 
-async def join(options: NodeOptions, serve: StageService | None = None) -> int:
+async def join(options: NodeOptions, serve: ServeStage | None = None) -> int:
     """Join a swarm and serve a stage until stopped. `serve` runs the stage's work (the training
     runtime); without it the peer only holds its place in the registry."""
     stop = install_stop_signals()

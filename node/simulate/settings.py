@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from node.config import RoutingMode, SwarmConfig, load_config
+from node.config import RoutingMode, SwarmConfig, read_config
 from node.model.corpus import load_prepared
 from node.simulate.links import DEFAULT_BANDWIDTH_MBIT, DEFAULT_LATENCY_MS, LinkModel
 
@@ -75,4 +75,4 @@ class SimSettings:
                 }
             )
         values.update(overrides)
-        return load_config(None, swarm_id="simulate", seed=self.seed, num_stages=self.stages, **values)
+        return read_config(None, swarm_id="simulate", seed=self.seed, num_stages=self.stages, **values)

@@ -47,7 +47,7 @@ import torch  # noqa: E402
 from node.averaging.gossip import Gossip  # noqa: E402
 from node.averaging.gossip_wire import GOSSIP_CHUNKS, GOSSIP_COMPRESSION  # noqa: E402
 from node.averaging.outer_replica import STEPPED, RoundStatus  # noqa: E402
-from node.config import load_config  # noqa: E402
+from node.config import read_config  # noqa: E402
 from node.p2p.tensor_stream import Session  # noqa: E402
 from node.p2p.transport import Transport  # noqa: E402
 from node.simulate.collectives import noloco_round_seconds, tree_allreduce_seconds  # noqa: E402
@@ -64,7 +64,7 @@ PROBE_REPS = 7
 
 
 def config_for(hidden: int, layers: int, round_timeout: float = 30.0):
-    return load_config(
+    return read_config(
         None,
         swarm_id="bench-gossip-round",
         num_stages=2,

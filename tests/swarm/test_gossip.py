@@ -19,7 +19,7 @@ from node.averaging.gossip import Gossip
 from node.averaging.gossip_codec import GossipCodec, PhiDither, pack_bits, unpack_bits
 from node.averaging.gossip_wire import STALL_TIMEOUT
 from node.averaging.noloco import OuterState, diloco_outer_step, outer_step, pseudo_gradient, relative_distance
-from node.config import GossipConfig, load_config
+from node.config import GossipConfig, read_config
 from node.p2p.tensor_stream import Session
 from protocol import MessageKind, recv_message, send_message
 from tests.helpers.inprocess_swarm import inprocess_swarm
@@ -29,7 +29,7 @@ RIPE = 600  # >= H/2: enough to answer a partner
 
 
 def gossip_config():
-    return load_config(
+    return read_config(
         None,
         swarm_id="gossip-test",
         num_stages=2,

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from node.config import load_config
+from node.config import read_config
 from node.model.data import open_source
 from node.model.llama import ReferenceModel
 from node.pipeline.evaluation import MicrobatchPurpose
@@ -20,7 +20,7 @@ from tests.helpers.inprocess_swarm import inprocess_swarm
 
 
 def exact_config(microbatches_per_step: int):
-    return load_config(
+    return read_config(
         None,
         swarm_id="correctness",
         num_stages=3,

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from node.config import Precision, load_config
+from node.config import Precision, read_config
 from node.model.data import open_source
 from tests.helpers.inprocess_swarm import inprocess_swarm
 
@@ -18,7 +18,7 @@ MICROBATCHES = 30
 
 @pytest.mark.timeout(240)
 def test_a_swarm_trains_in_bf16_on_cpu():
-    config = load_config(
+    config = read_config(
         None,
         swarm_id="precision",
         num_stages=3,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dht.records import PeerRecord
-from node.config import load_config
+from node.config import read_config
 from node.p2p.network import Network, start_network
 from node.p2p.transport import Transport, TransportError
 from node.pipeline.stage_worker import StageWorker
@@ -36,7 +36,7 @@ CHUNK = 16 << 10  # small chunks: a tiny stage still streams as many chunks
 
 
 def tiny_config():
-    return load_config(
+    return read_config(
         None,
         swarm_id="state-test",
         num_stages=3,

@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 import torch
 
-from node.config import RecoveryStrategy, load_config
+from node.config import RecoveryStrategy, read_config
 from node.model.llama import build_stage
 from node.pipeline.stage_worker import StageWorker
 from node.recovery.checkfree import execute_rebuild, plan_rebuild, recovered_lr_scale
@@ -52,7 +52,7 @@ STRATEGIES = (RecoveryStrategy.CHECKFREE, RecoveryStrategy.COPY, RecoveryStrateg
 
 
 def experiment_config(seed: int):
-    return load_config(
+    return read_config(
         None,
         swarm_id="checkfree-experiment",
         seed=seed,
@@ -187,7 +187,7 @@ MARGIN_DAMAGE = 0.006
 
 
 def repeated_config(seed: int, hidden: int, layers: int, block_stages: int, total_steps: int):
-    return load_config(
+    return read_config(
         None,
         swarm_id="checkfree-repeated",
         seed=seed,

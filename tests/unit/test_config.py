@@ -28,7 +28,7 @@ from node.config import (
     RoutingMode,
     SwarmConfig,
     TrainingConfig,
-    load_config,
+    read_config,
 )
 from node.config.reference import field_docs, render_reference
 from protocol.tensors import Compression
@@ -43,7 +43,7 @@ TOP_LEVEL = [f.name for f in dataclasses.fields(SwarmConfig) if f.name not in SE
 
 
 def all_keys() -> list[str]:
-    """Every settable key, as `load_config` overrides spell it: `seed`, `gossip.mode`, ..."""
+    """Every settable key, as `read_config` overrides spell it: `seed`, `gossip.mode`, ..."""
     return TOP_LEVEL + [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
 
 
@@ -63,7 +63,7 @@ def with_value(key: str, value: Any) -> SwarmConfig:
 
 def test_the_default_config_hash_is_unchanged_so_older_peers_still_agree():
     assert SwarmConfig().config_hash() == DEFAULT_HASH
-    assert load_config().config_hash() == DEFAULT_HASH
+    assert read_config().config_hash() == DEFAULT_HASH
 
 
 def test_the_hash_is_sha256_of_the_canonical_json_with_the_protocol_version():
@@ -324,7 +324,7 @@ def test_enum_values_are_accepted_as_strings_or_members():
 
 
 # ------------------------------------------------------------------------------------------------
-# load_config: defaults < TOML file < overrides; replace
+# read_config: defaults < TOML file < overrides; replace
 
 
 TOML = """\
@@ -343,7 +343,7 @@ mode = "diloco"
 def test_load_config_layers_defaults_then_the_toml_file_then_overrides(tmp_path):
     path = tmp_path / "swarm.toml"
     path.write_text(TOML)
-    from_file = load_config(path)
+    from_file = read_config(path)
     assert (from_file.num_stages, from_file.seed) == (4, 7)
     assert from_file.training.learning_rate == 0.01 and from_file.training.wire_compression is Compression.INT8
     assert from_file.gossip.mode is GossipMode.DILOCO
@@ -352,46 +352,46 @@ def test_load_config_layers_defaults_then_the_toml_file_then_overrides(tmp_path)
     assert from_file.gossip.inner_steps == GossipConfig().inner_steps
     assert from_file.swarm_id == SwarmConfig().swarm_id and from_file.model == ModelConfig()
 
-    flagged = load_config(
+    flagged = read_config(
         path, num_stages=5, swarm_id="other", **{"training.learning_rate": 0.02, "heartbeat.ttl": 30.0}
     )
     assert (flagged.num_stages, flagged.swarm_id, flagged.seed) == (5, "other", 7)
     assert flagged.training.learning_rate == 0.02 and flagged.training.wire_compression is Compression.INT8
     assert flagged.heartbeat == HeartbeatConfig(period=5.0, ttl=30.0)
-    assert load_config(None, **{"gossip.inner_steps": 3}).gossip.inner_steps == 3
+    assert read_config(None, **{"gossip.inner_steps": 3}).gossip.inner_steps == 3
 
 
 def test_none_overrides_are_ignored_like_flags_left_out(tmp_path):
     path = tmp_path / "swarm.toml"
     path.write_text(TOML)
-    assert load_config(
+    assert read_config(
         path, num_stages=None, seed=None, **{"heartbeat.ttl": None, "training.learning_rate": None}
-    ) == load_config(path)
-    assert load_config(None, swarm_id=None, **{"heartbeat.period": None}) == SwarmConfig()
+    ) == read_config(path)
+    assert read_config(None, swarm_id=None, **{"heartbeat.period": None}) == SwarmConfig()
 
 
 def test_load_config_validates_the_merged_result(tmp_path):
     path = tmp_path / "swarm.toml"
     path.write_text("[heartbeat]\nperiod = 10.0\n")
-    assert load_config(path).heartbeat.period == 10.0
+    assert read_config(path).heartbeat.period == 10.0
     with pytest.raises(ConfigError, match="heartbeat: 0 < period < ttl"):
-        load_config(path, **{"heartbeat.ttl": 8.0})
+        read_config(path, **{"heartbeat.ttl": 8.0})
     path.write_text("[model]\nhiden_size = 64\n")
     with pytest.raises(ConfigError, match=re.escape("model: unknown keys ['hiden_size']")):
-        load_config(path)
+        read_config(path)
     path.write_text("model = 3\n")
     with pytest.raises(ConfigError, match="model: expected a table"):
-        load_config(path)
+        read_config(path)
 
 
 def test_an_unreadable_or_malformed_toml_file_is_a_config_error_naming_it(tmp_path):
     missing = tmp_path / "missing.toml"
     with pytest.raises(ConfigError, match=re.escape(str(missing))):
-        load_config(missing)
+        read_config(missing)
     broken = tmp_path / "broken.toml"
     broken.write_text("num_stages = = 3\n")
     with pytest.raises(ConfigError, match=re.escape(str(broken))):
-        load_config(broken)
+        read_config(broken)
 
 
 def test_replace_overrides_top_level_values_and_merges_section_fields():

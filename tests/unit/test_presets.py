@@ -142,7 +142,7 @@ def test_node_config_alone_refuses_a_preset_it_cannot_resolve(tmp_path):
     import node.config
 
     with pytest.raises(ConfigError, match=r"model: unknown keys \['preset'\]"):
-        node.config.load_config(write_toml(tmp_path, '[model]\npreset = "15m"\n'))
+        node.config.read_config(write_toml(tmp_path, '[model]\npreset = "15m"\n'))
 
 
 def test_an_unknown_or_mistyped_preset_is_refused_with_the_choices(tmp_path):

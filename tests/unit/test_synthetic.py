@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from node.config import ConfigError, SwarmConfig, SyntheticSource, load_config, synthetic_source
+from node.config import ConfigError, SwarmConfig, SyntheticSource, read_config, synthetic_source
 from node.model.data import open_source
 from node.model.llama import ReferenceModel, build_stage
 from node.model.synthetic import DRAWN_ROWS, SyntheticMarkovSource, de_bruijn, markov_source
@@ -141,20 +141,20 @@ def test_config_names_the_source() -> None:
     assert CFG.data.source == SyntheticSource.MARKOV == "markov"
     assert synthetic_source("markov") is synthetic_source("synthetic") is SyntheticSource.MARKOV
     assert synthetic_source("corpus.txt") is None
-    old = load_config({"data": {"source": "synthetic"}})
+    old = read_config({"data": {"source": "synthetic"}})
     assert old.data.source == "markov" and old.config_hash() == CFG.config_hash()
     src = open_source(CFG, None, stream_id=1)
     assert isinstance(src, SyntheticMarkovSource) and (src.order, src.alphabet, src.branching) == (2, 16, 3)
     assert src.loss_floor == src.floor_at(CFG.training.sequence_length) == loss_floor(CFG)
     assert isinstance(open_source(CFG, "markov", 1), SyntheticMarkovSource)  # --data markov
     with pytest.raises(ConfigError, match="4096 contexts"):
-        load_config({"data": {"markov_order": 3}})
+        read_config({"data": {"markov_order": 3}})
     with pytest.raises(ConfigError, match="markov_order"):
-        load_config({"data": {"markov_order": 0}})
+        read_config({"data": {"markov_order": 0}})
     # the limit is on the chain actually built: the alphabet is clipped to the vocabulary
-    assert load_config({"model": {"vocab_size": 8}, "data": {"markov_order": 3}}).data.markov_order == 3
+    assert read_config({"model": {"vocab_size": 8}, "data": {"markov_order": 3}}).data.markov_order == 3
     # a file source has no floor, and no chain limits apply to it
-    corpus = load_config({"data": {"source": "corpus.bin", "markov_order": 9}})
+    corpus = read_config({"data": {"source": "corpus.bin", "markov_order": 9}})
     assert loss_floor(corpus) is None
 
 
