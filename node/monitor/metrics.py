@@ -73,6 +73,7 @@ SERVICE_COUNTERS: dict[str, str] = {
     "busy_replies": "BUSY replies given (queue full, unknown sender) or received",
     "bans": "peers banned (errors, invalid tensors or gossip; until their DHT record expires)",
     "refused_streams": "incoming streams refused at the door (limits or bans)",
+    "activations_evicted": "stored activations dropped for room (the store was full): that microbatch's backward fails here",
 }
 
 
@@ -94,6 +95,7 @@ def service_counters(service: StageService) -> Counter[str]:
         busy_replies=stats.busy_replies,
         bans=service.router.bans.total,
         refused_streams=service.transport.conduct.refused,
+        activations_evicted=service.worker.evicted,
     )
     outcomes = service.gossip.rounds.outcomes
     for status in RoundStatus:

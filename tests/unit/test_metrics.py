@@ -112,6 +112,7 @@ def fake_service(
             inner_step=7,
             throughput=3.5,
             num_stored=1,
+            evicted=completed,
             microbatches_done=processed,
             transfers=DeviceTransfers("cpu"),
         ),
@@ -143,6 +144,7 @@ def test_counters_keep_growing_when_the_peer_moves_to_another_stage():
     assert after[("pipeswarm_microbatches_completed_total", ())] == 6
     assert after[("pipeswarm_bans_total", ())] == 1
     assert after[("pipeswarm_routing_retries_total", ())] == 4
+    assert after[("pipeswarm_activations_evicted_total", ())] == 6
     assert after[("pipeswarm_gossip_rounds_total", (("outcome", "rejected"),))] == 2
     assert after[("pipeswarm_stage", ())] == 0
     for name in SERVICE_COUNTERS:
