@@ -145,8 +145,8 @@ class InFlightWindow:
         """Record an attempt that left at `started` and failed (refused by a full stage, its stored
         activations evicted, lost with a peer); the new size. The delivery rate and the minimum RTT
         cannot see an overfull stage that refuses or evicts: the window takes a failure as loss-based
-        congestion control does, cut to FAILURE_CUT of its size, once per round trip (attempts that
-        left before a cut fail with it), and lifted again by one per completion that fits."""
+        congestion control does, capped at FAILURE_CUT of its size, once per round trip (attempts
+        that left before a cut fail with it); on_completed lifts the cap by one per round trip."""
         if started >= self._failure_cut_at:
             self.after_failures = max(self.floor, math.floor(self.size * FAILURE_CUT))
             self._failure_cut_at = self._lifted_at = now

@@ -3,15 +3,17 @@
 A stage whose peers all died still looks served until their records expire: attempts spent at once
 all fail on the dead peers, and the microbatch is dropped before the swarm view even knows the
 stage is gone. So the pauses between attempts double and add up to a record's lifetime (heartbeat
-ttl + period), and the last attempt comes after the view dropped the dead records. After each pause,
-while some stage has no online peer at all, the attempt waits for one (a join and a CheckFree
-rebuild, docs/algorithms.md) instead of being spent where no peer can take it: up to the
-microbatch's whole budget of `retries + 1` deadlines, because a rebuild (the lost grace, a
-replacement's start, its state download) outlasts one deadline on a loaded machine. Once the stage is back in this peer's view, the attempt waits one heartbeat period more:
-the other stages' peers see the newcomer only at their next view refresh (every half period), and
-an attempt sent before that is refused along the path ("no peer of stage S took it") and wasted.
-The attempts spent before the view knew of the outage are then given back, once. Measured under
-churn in docs/reliability.md ("Churn").
+ttl + period), and the last attempt comes after the view dropped the dead records.
+
+After each pause, while some stage has no online peer at all, the attempt waits for one (a join and
+a CheckFree rebuild, docs/algorithms.md) instead of being spent where no peer can take it: up to
+the microbatch's whole budget of `retries + 1` deadlines, because a rebuild (the lost grace, a
+replacement's start, its state download) outlasts one deadline on a loaded machine. Once the stage
+is back in this peer's view, the attempt waits one heartbeat period more: the other stages' peers
+see the newcomer only at their next view refresh (every half period), and an attempt sent before
+that is refused along the path ("no peer of stage S took it") and wasted. The attempts spent
+before the view knew of the outage are then given back, once. Measured under churn in
+docs/reliability.md ("Churn").
 """
 
 from __future__ import annotations
