@@ -198,15 +198,15 @@ class RoundContext:
     def record(self, outcome: RoundOutcome) -> RoundOutcome:
         self.history.append(outcome)
         self.outcomes[outcome.status] += 1
+        who = ",".join(short_peer_id(p) for p in outcome.partners) or "alone"
         if outcome.status in STEPPED:
-            who = ",".join(short_peer_id(p) for p in outcome.partners) or "alone"
             div = "" if outcome.divergence is None else f", divergence {outcome.divergence:.3g}"
             moved = ""
             if outcome.sent_bytes is not None and outcome.seconds is not None:
                 moved = f", sent {outcome.sent_bytes} bytes in {outcome.seconds:.2f} s"
             logger.info(f"outer round {outcome.round} -> {outcome.round + 1} with {who}{div}{moved}")
         elif outcome.status in (RoundStatus.ABORTED, RoundStatus.REJECTED):
-            logger.info(f"gossip round {outcome.round} {outcome.status}: {outcome.detail}")
+            logger.info(f"gossip round {outcome.round} with {who} {outcome.status}: {outcome.detail}")
         return outcome
 
     def lags_behind(self, partner: str) -> bool:

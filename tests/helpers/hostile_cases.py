@@ -9,7 +9,9 @@ cannot share a process with hivemind.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
+import re
 import struct
 import time
 from collections.abc import Awaitable, Callable
@@ -31,8 +33,11 @@ HANG = "hang"
 INCONCLUSIVE = "inconclusive"
 HARNESS_ERROR = "harness-error"
 NOT_RUN = "not-run"
+# refused, but the check the case is named for never spoke: an earlier gate stopped it, so the
+# case covers less than its name says
+OTHER_CHECK = "refused-by-another-check"
 # worst first: a case that sends several inputs reports its worst answer
-SEVERITY = [HARNESS_ERROR, CRASHED, HANG, ACCEPTED, INCONCLUSIVE, REJECTED]
+SEVERITY = [HARNESS_ERROR, CRASHED, HANG, ACCEPTED, OTHER_CHECK, INCONCLUSIVE, REJECTED]
 
 HEADER = struct.Struct(">Q")
 CHUNK_ELEMENTS = 1 << 18  # what the node's gossip sends per GOSSIP_CHUNK (node/averaging/gossip_wire.py)
@@ -41,6 +46,7 @@ CHUNK_ELEMENTS = 1 << 18  # what the node's gossip sends per GOSSIP_CHUNK (node/
 # seed (node/averaging/gossip_codec.py)
 GOSSIP_CODEC = GossipCodec()
 PHI_KEY = PhiDither(0)
+FULL_QUEUE_ATTEMPTS = 10  # bare BUSY answers (a full queue) a case sends through before it gives up
 EMFILE_MARKERS = ("too many open files", "emfile", "out of system resource")  # matched lowercased
 
 
@@ -67,6 +73,8 @@ class Result:
     identity: Any = None  # the case's own peer id (fresh per case: nodes ban misbehaving peers)
     prober: Any = None  # a well-behaved peer id of the case, for "is the node still serving?"
     log_mark: int = 0  # size of the target's log when the case started
+    peers: list[str] = field(default_factory=list)  # every peer id the case spoke as
+    microbatches: list[int] = field(default_factory=list)  # every microbatch id it named
 
     def set(self, outcome: str, detail: str) -> None:
         self.outcome, self.detail = outcome, detail
@@ -120,23 +128,75 @@ class Result:
 
 @dataclass
 class Case:
+    """One row of the table: what is sent, what a correct node does, and the check that must be
+    the one refusing it. `refused_by` are patterns (regular expressions, case-insensitive) that
+    must all turn up in the case's evidence (`evidence`) when it is rejected: one per input the
+    case sends, each naming its check's own refusal. `refused_by_stage0`, where given, replaces them
+    against a stage-0 target, whose handlers differ (a FORWARD there is a last hop, taken only for
+    a microbatch the target started)."""
+
     name: str
     service: str
     sent: str  # what goes on the wire, in words
     expected: str  # what a correct node does
     run: Callable[[Any, Result], Awaitable[None]]
+    refused_by: tuple[str, ...]
+    refused_by_stage0: tuple[str, ...] | None = None
     timeout: float | None = None
+
+    def checks(self, stage: int) -> tuple[str, ...]:
+        return self.refused_by_stage0 if stage == 0 and self.refused_by_stage0 is not None else self.refused_by
 
 
 CASES: list[Case] = []
 
 
-def case(name: str, service: str, sent: str, expected: str, timeout: float | None = None):
+def case(
+    name: str,
+    service: str,
+    sent: str,
+    expected: str,
+    *,
+    refused_by: tuple[str, ...],
+    refused_by_stage0: tuple[str, ...] | None = None,
+    timeout: float | None = None,
+):
+    if not refused_by:
+        raise ValueError(f"case {name} names no check that must refuse it")
+
     def register(fn: Callable[[Any, Result], Awaitable[None]]) -> Callable[[Any, Result], Awaitable[None]]:
-        CASES.append(Case(name, service, sent, expected, fn, timeout))
+        CASES.append(Case(name, service, sent, expected, fn, refused_by, refused_by_stage0, timeout))
         return fn
 
     return register
+
+
+class NoMembersLeft(Exception):
+    """The run has no member identity left for a case that must pass the membership gate."""
+
+
+def evidence(res: Result, log_text: str) -> str:
+    """Everything that can name the check that refused a case: its replies and notices (their
+    reasons), its measurements, and the lines of the target's log that name one of its peer ids or
+    microbatch ids (a refusal whose reply was lost, e.g. after our end of stream, is logged)."""
+    parts = []  # not res.detail: the harness's own words prove nothing
+    for r in res.replies:
+        parts.append(" ".join(str(r[key]) for key in ("label", "status", "kind", "reason", "detail") if r.get(key)))
+    parts += [f"{n['service']} {n['kind']} {n['reason']}" for n in res.notices]
+    parts.append(json.dumps(res.measurements, default=str))
+    names = [peer[-8:] for peer in res.peers] + [str(mb) for mb in res.microbatches]
+    parts += [line for line in log_text.splitlines() if any(name in line for name in names)]
+    return "\n".join(parts)
+
+
+def confirm_check(case: Case, res: Result, stage: int, log_text: str) -> None:
+    """A rejected case must have been refused by the checks it targets: else OTHER_CHECK."""
+    if res.outcome != REJECTED:
+        return
+    text = evidence(res, log_text)
+    missing = [pattern for pattern in case.checks(stage) if not re.search(pattern, text, re.IGNORECASE)]
+    if missing:
+        res.set(OTHER_CHECK, f"refused, but nothing shows {missing}: {res.detail}"[:400])
 
 
 def select(spec: str | None) -> list[Case]:
@@ -268,10 +328,24 @@ async def case_identity(ctx, res: Result):
     return res.identity
 
 
+async def member_identity(ctx, res: Result):
+    """The case's peer id as a member of the swarm: its input reaches the checks behind the
+    membership gate. One per case (its strikes are its own)."""
+    if res.identity is None:
+        res.identity = await ctx.member(res.name, res.nursery)
+    return res.identity
+
+
 async def prober(ctx, res: Result):
     if res.prober is None:
         res.prober = await ctx.identity(f"{res.name}-prober", res.nursery)
     return res.prober
+
+
+def count_reason(reasons: dict[str, int], reply: Any) -> None:
+    """Tally a reply's refusal reason (floods keep counts, not every reply)."""
+    if reply.is_message and reply.reason:
+        reasons[reply.reason[:120]] = reasons.get(reply.reason[:120], 0) + 1
 
 
 def banned(reply: Any) -> bool:
@@ -366,13 +440,25 @@ async def must_reject(
         res.worst(outcome, detail)
 
 
+async def exchange_past_full_queue(ctx, res: Result, label: str, service: str, data: bytes, *, ident) -> Any:
+    """`exchange`, sent again while the target answers a bare BUSY (its queue is full of honest
+    traffic; an honest sender tries again too): the check the case targets sits behind the queue.
+    A BUSY with a reason (e.g. "not a member") is an answer, returned as it is."""
+    for attempt in range(FULL_QUEUE_ATTEMPTS):
+        reply = await exchange(ctx, res, f"{label} #{attempt + 1}", service, data, ident=ident)
+        if not (reply.is_message and reply.kind == "busy" and not reply.reason):
+            break
+        await trio.sleep(0.5)
+    return reply
+
+
 async def send_and_follow(
     ctx, res: Result, label: str, service: str, msg, microbatch_id: int, *, ident=None, notice_wait: float | None = None
 ) -> tuple[Any, list]:
     """Send one pipeline message; when it is ACKed, wait for what the node does with it next: an
     ABORT notice (a deferred rejection) or a computed answer (FORWARD / BACKWARD to us)."""
     since = time.monotonic()
-    reply = await exchange(ctx, res, label, service, encoded(ctx, msg), ident=ident)
+    reply = await exchange_past_full_queue(ctx, res, label, service, encoded(ctx, msg), ident=ident)
     if not (reply.is_message and reply.kind == "ack"):
         res.worst(*judge_any(reply))
         return reply, []
@@ -397,7 +483,7 @@ async def own_forward(ctx, res: Result, ident, microbatch_id: int) -> bool:
     backward cases. True when its output came back, i.e. the activations are stored there."""
     msg = forward_message(ctx, ident.peer_id, microbatch_id)
     since = time.monotonic()
-    reply = await exchange(ctx, res, "setup: own forward", "forward", encoded(ctx, msg), ident=ident)
+    reply = await exchange_past_full_queue(ctx, res, "setup: own forward", "forward", encoded(ctx, msg), ident=ident)
     if not (reply.is_message and reply.kind == "ack"):
         return False
     notices = await ctx.wait_notice(
@@ -443,6 +529,7 @@ def log_has(ctx, res: Result, markers: tuple[str, ...]) -> list[str]:
     "forward",
     "4 KiB of random bytes, then end of stream",
     "ERROR reply (its first 8 bytes declare an absurd frame) or a closed stream",
+    refused_by=(r"frame declares \d+ bytes > max_frame_bytes",),
 )
 async def random_bytes(ctx, res: Result) -> None:
     data = bytes(ctx.rng.randrange(256) for _ in range(4096))
@@ -455,6 +542,7 @@ async def random_bytes(ctx, res: Result) -> None:
     "forward",
     "open a stream and end it without a byte",
     "ERROR reply ('stream closed at a frame boundary') or a closed stream",
+    refused_by=("stream closed at a frame boundary",),
 )
 async def empty_stream(ctx, res: Result) -> None:
     res.sent.append("nothing, then end of stream")
@@ -466,6 +554,7 @@ async def empty_stream(ctx, res: Result) -> None:
     "backward",
     "3 of the 8 length bytes, then end of stream",
     "ERROR reply ('inside the length header') or a closed stream",
+    refused_by=("inside the length header",),
 )
 async def truncated_header(ctx, res: Result) -> None:
     res.sent.append("b'\\x00\\x00\\x00' then EOF")
@@ -477,6 +566,7 @@ async def truncated_header(ctx, res: Result) -> None:
     "forward",
     "a frame declaring 4096 bytes with 100 of them, then end of stream",
     "ERROR reply ('closed mid-frame') or a closed stream",
+    refused_by=(r"closed mid-frame \(100 of 4096 bytes\)",),
 )
 async def truncated_frame(ctx, res: Result) -> None:
     full = encoded(ctx, forward_message(ctx, "x", ctx.microbatch_id()))
@@ -490,6 +580,10 @@ async def truncated_frame(ctx, res: Result) -> None:
     "forward",
     "a length prefix of 8 GiB followed by 1 KiB, stream left open",
     "an immediate ERROR (declared length over max_frame_bytes), no read of the payload, no allocation",
+    refused_by=(
+        "frame declares 8589934592 bytes > max_frame_bytes",
+        "frame declares 18446744073709551615 bytes > max_frame_bytes",
+    ),
 )
 async def huge_length_prefix(ctx, res: Result) -> None:
     data = HEADER.pack(8 << 30) + bytes(1024)
@@ -505,6 +599,7 @@ async def huge_length_prefix(ctx, res: Result) -> None:
     "forward",
     "a well-formed frame whose payload is the current version then invalid msgpack",
     "ERROR ('malformed msgpack')",
+    refused_by=("malformed msgpack",),
 )
 async def garbage_msgpack(ctx, res: Result) -> None:
     res.sent.append("frame(version byte + b'\\xc1' * 16)")
@@ -516,6 +611,17 @@ async def garbage_msgpack(ctx, res: Result) -> None:
     "forward",
     "envelopes whose fields have the wrong msgpack types",
     "ERROR for each (header/meta/tensor types are validated)",
+    refused_by=(
+        "envelope must be a map",
+        "sender_stage must be an int",
+        "request_id must be an unsigned",
+        "meta must be a map",
+        "tensors must be a map",
+        "'microbatch_id' must be int",
+        "'hop' must be int",
+        "'path' must be list",
+        "int is not allowed for map key",
+    ),
 )
 async def wrong_msgpack_types(ctx, res: Result) -> None:
     variants = {
@@ -545,7 +651,13 @@ async def wrong_msgpack_types(ctx, res: Result) -> None:
         )
 
 
-@case("unknown_kind", "forward", "a valid envelope with kind 'detonate'", "ERROR ('unknown message kind')")
+@case(
+    "unknown_kind",
+    "forward",
+    "a valid envelope with kind 'detonate'",
+    "ERROR ('unknown message kind')",
+    refused_by=("unknown message kind 'detonate'",),
+)
 async def unknown_kind(ctx, res: Result) -> None:
     res.sent.append("kind='detonate'")
     data = frame(raw_message(PROTOCOL_VERSION, body(ctx, "detonate", {})))
@@ -557,6 +669,7 @@ async def unknown_kind(ctx, res: Result) -> None:
     "forward",
     "a valid FORWARD under protocol versions 99 and 2**40",
     "ERROR ('protocol version ... not supported')",
+    refused_by=("protocol version 99 not supported", "protocol version 1099511627776 not supported"),
 )
 async def unknown_version(ctx, res: Result) -> None:
     for version in (99, 1 << 40):
@@ -579,6 +692,7 @@ async def unknown_version(ctx, res: Result) -> None:
     "forward",
     "a valid FORWARD naming another swarm; and a stream to another swarm's protocol",
     "ERROR ('message for swarm ...'), and the other swarm's protocol refused at negotiation",
+    refused_by=("message for swarm 'some-other-swarm'", "protocol swarm#1 refused StreamFailure"),
 )
 async def wrong_swarm_id(ctx, res: Result) -> None:
     me = (await case_identity(ctx, res)).peer_id
@@ -616,6 +730,7 @@ def _forward_with(ctx, me: str, mb: int, tensor_obj: dict) -> bytes:
     "forward",
     "FORWARD whose hidden declares [1,T,H] float32 but carries 100 bytes",
     "ERROR ('tensor data has 100 bytes ...')",
+    refused_by=("tensor data has 100 bytes",),
 )
 async def tensor_byte_count(ctx, res: Result) -> None:
     obj = encode_tensor(hidden(ctx))
@@ -631,6 +746,7 @@ async def tensor_byte_count(ctx, res: Result) -> None:
     "forward",
     "FORWARD whose hidden has dtype 'complex128', and one with codec 'zip'",
     "ERROR ('unsupported tensor dtype' / 'unknown tensor codec')",
+    refused_by=("unsupported tensor dtype 'complex128'", "unknown tensor codec 'zip'"),
 )
 async def tensor_bad_dtype(ctx, res: Result) -> None:
     for key, value in (("dtype", "complex128"), ("codec", "zip")):
@@ -653,6 +769,7 @@ async def tensor_bad_dtype(ctx, res: Result) -> None:
     "forward",
     "FORWARD whose hidden says float16 but carries float32 bytes",
     "ERROR (byte count does not match shape x itemsize)",
+    refused_by=(r"tensor data has \d+ bytes, shape \[[\d, ]+\] with codec 'none' needs",),
 )
 async def tensor_dtype_disagrees(ctx, res: Result) -> None:
     obj = encode_tensor(hidden(ctx))
@@ -668,9 +785,11 @@ async def tensor_dtype_disagrees(ctx, res: Result) -> None:
     "forward",
     "FORWARD whose hidden is a well-formed int64 tensor",
     "rejected: ERROR, or ACK then an ABORT notice ('expected a floating-point tensor')",
+    refused_by=("expected a floating-point tensor, got torch.int64",),
+    refused_by_stage0=("unknown microbatch",),
 )
 async def tensor_int_hidden(ctx, res: Result) -> None:
-    ident = await case_identity(ctx, res)
+    ident = await member_identity(ctx, res)
     mb = ctx.microbatch_id()
     t = torch.ones((1, ctx.seq_len, ctx.hidden_size), dtype=torch.int64)
     res.sent.append("hidden int64 [1,T,H]")
@@ -682,9 +801,11 @@ async def tensor_int_hidden(ctx, res: Result) -> None:
     "forward",
     "FORWARD whose hidden is [1,T,H+1] and one of [1,T] (both well-formed)",
     "rejected: ERROR, or ACK then an ABORT notice (hidden size / dims)",
+    refused_by=(r"hidden size \d+ != \d+", r"expected \[batch, seq, hidden\]"),
+    refused_by_stage0=("unknown microbatch",),
 )
 async def tensor_shape_disagrees(ctx, res: Result) -> None:
-    ident = await case_identity(ctx, res)
+    ident = await member_identity(ctx, res)
     for shape in ((1, ctx.seq_len, ctx.hidden_size + 1), (1, ctx.seq_len)):
         mb = ctx.microbatch_id()
         res.sent.append(f"hidden {list(shape)}")
@@ -703,6 +824,7 @@ async def tensor_shape_disagrees(ctx, res: Result) -> None:
     "forward",
     "FORWARD whose hidden declares shape [2**40, 2**40, 64] (and [2**62]) with 16 bytes",
     "ERROR before any allocation ('needs ... bytes > max_tensor_bytes')",
+    refused_by=("bytes > max_tensor_bytes",),
 )
 async def absurd_shape(ctx, res: Result) -> None:
     for shape in ([1 << 40, 1 << 40, 64], [1 << 62], [0, 1 << 62, 1 << 62]):
@@ -724,6 +846,7 @@ async def absurd_shape(ctx, res: Result) -> None:
     "forward",
     "FORWARD whose hidden has 64 dims of size 1, and one with a negative dim",
     "ERROR ('dims > max_tensor_dims' / 'non-negative ints')",
+    refused_by=("dims > max_tensor_dims", "non-negative"),
 )
 async def absurd_dims(ctx, res: Result) -> None:
     for shape in ([1] * 64, [-1, ctx.seq_len, ctx.hidden_size]):
@@ -745,9 +868,11 @@ async def absurd_dims(ctx, res: Result) -> None:
     "forward",
     "FORWARD whose hidden holds NaN, and one holding +Inf",
     "rejected: ERROR, or ACK then an ABORT notice ('contains NaN or infinite values')",
+    refused_by=("contains NaN or infinite values",),
+    refused_by_stage0=("unknown microbatch",),
 )
 async def nan_activations(ctx, res: Result) -> None:
-    ident = await case_identity(ctx, res)
+    ident = await member_identity(ctx, res)
     for value in (math.nan, math.inf):
         mb = ctx.microbatch_id()
         t = hidden(ctx)
@@ -765,6 +890,7 @@ async def nan_activations(ctx, res: Result) -> None:
     "forward",
     "FORWARD whose path does not end with the sender, and one with an invalid order",
     "ERROR ('inconsistent hop' / 'bad stage order')",
+    refused_by=("inconsistent hop", "bad stage order"),
 )
 async def forward_bad_path(ctx, res: Result) -> None:
     ident = await case_identity(ctx, res)
@@ -785,6 +911,8 @@ async def forward_bad_path(ctx, res: Result) -> None:
     "forward",
     "a valid FORWARD from a peer that is in no DHT record and on no path",
     "refused: the node computes only for microbatches of peers of the swarm",
+    refused_by=("not a member of this swarm",),
+    refused_by_stage0=("unknown microbatch",),
 )
 async def stranger_forward(ctx, res: Result) -> None:
     ident = await ctx.identity("stranger", res.nursery)
@@ -802,11 +930,14 @@ async def stranger_forward(ctx, res: Result) -> None:
     "forward",
     "many valid FORWARDs from one stranger, 8 at a time",
     "refused (as stranger_forward); at least BUSY beyond the queue",
+    refused_by=("not a member of this swarm",),
+    refused_by_stage0=("unknown microbatch",),
 )
 async def forward_flood(ctx, res: Result) -> None:
     ident = await ctx.identity("flooder", res.nursery)
     count = 24 if ctx.settings.quick else 300
     statuses: dict[str, int] = {}
+    reasons: dict[str, int] = {}
     ids = [ctx.microbatch_id() for _ in range(count)]
     since = time.monotonic()
     limiter = trio.Semaphore(8)
@@ -823,6 +954,7 @@ async def forward_flood(ctx, res: Result) -> None:
             )
             key = reply.kind if reply.is_message else reply.status
             statuses[key] = statuses.get(key, 0) + 1
+            count_reason(reasons, reply)
 
     async with trio.open_nursery() as nursery:
         for mb in ids:
@@ -832,7 +964,9 @@ async def forward_flood(ctx, res: Result) -> None:
     answered = [n for n in ctx.notices if n.microbatch_id in wanted and n.at >= since and n.service == "forward"]
     aborted = [n for n in ctx.notices if n.microbatch_id in wanted and n.at >= since and n.service == "abort"]
     res.sent.append(f"{count} valid FORWARDs")
-    res.measurements.update(replies=statuses, computed_and_answered=len(answered), aborted=len(aborted))
+    res.measurements.update(
+        replies=statuses, reasons=reasons, computed_and_answered=len(answered), aborted=len(aborted)
+    )
     if statuses.get("ack"):
         res.set(
             ACCEPTED,
@@ -859,9 +993,11 @@ class _Sink(Result):
     "backward",
     "after our own FORWARD was computed, a BACKWARD whose grad holds NaN",
     "rejected: ERROR, or ACK then an ABORT notice ('contains NaN or infinite values'); no step poisoned",
+    refused_by=("contains NaN or infinite values",),
+    refused_by_stage0=("unknown microbatch",),
 )
 async def nan_gradient(ctx, res: Result) -> None:
-    ident = await ctx.identity("nan-grad", res.nursery)
+    ident = await member_identity(ctx, res)
     mb = ctx.microbatch_id()
     stored = ctx.stage >= 1 and await own_forward(ctx, res, ident, mb)
     res.measurements["own_forward_stored"] = stored
@@ -877,6 +1013,8 @@ async def nan_gradient(ctx, res: Result) -> None:
     "backward",
     "a BACKWARD for a microbatch we never forwarded there",
     "rejected: ERROR ('unknown microbatch'), or ACK then an ABORT notice",
+    refused_by=("is unknown, finished, dropped or expired",),
+    refused_by_stage0=("unknown microbatch",),
 )
 async def backward_never_sent(ctx, res: Result) -> None:
     ident = await case_identity(ctx, res)
@@ -891,9 +1029,11 @@ async def backward_never_sent(ctx, res: Result) -> None:
     "backward",
     "after our own FORWARD was computed, a BACKWARD of 3e38 per element (finite in fp32)",
     "rejected, or at most this microbatch dropped: the honest gradients accumulated for the step survive",
+    refused_by=("norm is not finite",),
+    refused_by_stage0=("unknown microbatch",),
 )
 async def backward_huge_gradient(ctx, res: Result) -> None:
-    ident = await ctx.identity("huge-grad", res.nursery)
+    ident = await member_identity(ctx, res)
     mb = ctx.microbatch_id()
     stored = ctx.stage >= 1 and await own_forward(ctx, res, ident, mb)
     res.measurements["own_forward_stored"] = stored
@@ -927,6 +1067,7 @@ async def backward_huge_gradient(ctx, res: Result) -> None:
     "abort",
     "an ABORT (ERROR on the abort service) whose microbatch_id is a list",
     "ERROR ('bad request') or ACK; no exception in the handler",
+    refused_by=("'microbatch_id' must be an integer",),
 )
 async def abort_list_id(ctx, res: Result) -> None:
     msg = ctx.message(MessageKind.ERROR, {"reason": "hostile", "microbatch_id": [1, 2, 3], "token": token_for(1)})
@@ -939,6 +1080,7 @@ async def abort_list_id(ctx, res: Result) -> None:
     "abort",
     "an ABORT for a microbatch the sender is on no path of",
     "ERROR (the sender is not on the microbatch's path / unknown microbatch)",
+    refused_by=("unknown microbatch",),
 )
 async def abort_unrelated(ctx, res: Result) -> None:
     ident = await ctx.identity("aborter", res.nursery)
@@ -961,6 +1103,7 @@ async def abort_unrelated(ctx, res: Result) -> None:
     "state",
     "a STATE_REQUEST for a stage the peer does not serve",
     "ERROR ('this peer serves stage ...')",
+    refused_by=(r"cannot serve stage \d+ part 'stage'",),
 )
 async def state_wrong_stage(ctx, res: Result) -> None:
     for stage in (ctx.stage + 7, (1 << 31) - 1):
@@ -974,6 +1117,7 @@ async def state_wrong_stage(ctx, res: Result) -> None:
     "state",
     "a STATE_REQUEST for an unknown part, and a FORWARD sent to the state service",
     "ERROR for both",
+    refused_by=(r"cannot serve stage \d+ part '../../private_key'", "expected a state request, got forward"),
 )
 async def state_bad_request(ctx, res: Result) -> None:
     msg = ctx.message(MessageKind.STATE_REQUEST, {"stage": ctx.stage, "part": "../../private_key"})
@@ -1186,6 +1330,7 @@ async def material(ctx, res: Result) -> tuple[list[str], list[torch.Tensor], lis
     "gossip",
     "a GOSSIP_REQUEST claiming another stage, and one with wrong tensor counts",
     "ERROR ('this peer serves stage ...' / 'num_tensors ... != ...')",
+    refused_by=(r"this peer serves stage \d+, not \d+", r"num_tensors 100000 != \d+"),
 )
 async def gossip_wrong_stage(ctx, res: Result) -> None:
     ident = await ctx.identity("gossip-wrong", res.nursery)
@@ -1215,6 +1360,7 @@ async def gossip_wrong_stage(ctx, res: Result) -> None:
     "gossip",
     "an accepted round whose first chunk has the wrong shape (2-D, too long)",
     "the stream closed or an ERROR; no ban of anyone honest, the slot freed",
+    refused_by=(r"as responder: ProtocolError\('chunk 0 has \d+ torch.float32 elements \(2-D\)",),
 )
 async def gossip_chunk_shape(ctx, res: Result) -> None:
     found = await material(ctx, res)
@@ -1239,6 +1385,7 @@ async def gossip_chunk_shape(ctx, res: Result) -> None:
     "gossip",
     "an accepted round whose Delta holds a NaN (phi's residues decode to finite values whatever they hold)",
     "GOSSIP_DONE accept=False ('holds NaN or Inf'), the sender banned",
+    refused_by=(r"gossip_done phi: tensor \d+ holds NaN or Inf",),
 )
 async def gossip_nan_weights(ctx, res: Result) -> None:
     found = await material(ctx, res)
@@ -1256,6 +1403,7 @@ async def gossip_nan_weights(ctx, res: Result) -> None:
     "gossip",
     "an accepted round whose Delta is the target's x 1e6 (its grid steps too, so phi may decode far off)",
     "GOSSIP_DONE accept=False ('norm ... exceeds ...'), the sender banned",
+    refused_by=(r"gossip_done (phi|delta): norm [\d.e+]+ exceeds",),
 )
 async def gossip_huge_weights(ctx, res: Result) -> None:
     found = await material(ctx, res)
@@ -1271,6 +1419,7 @@ async def gossip_huge_weights(ctx, res: Result) -> None:
     "gossip",
     "an accepted round whose phi and Delta are the target's own, negated",
     "GOSSIP_DONE accept=False: a partner pointing the opposite way is not an honest replica",
+    refused_by=(r"gossip_done (phi|delta): ",),
 )
 async def gossip_negated_weights(ctx, res: Result) -> None:
     found = await material(ctx, res)
@@ -1288,6 +1437,7 @@ async def gossip_negated_weights(ctx, res: Result) -> None:
     "a valid GOSSIP_REQUEST, then silence after the target's ACCEPT (its chunks are read, none sent)",
     "the node drops a silent partner quickly; honest partners are not kept BUSY for the round timeout",
     timeout=180,
+    refused_by=("went silent mid-exchange",),
 )
 async def gossip_accept_then_silence(ctx, res: Result) -> None:
     found = await material(ctx, res)
@@ -1368,11 +1518,13 @@ async def gossip_accept_then_silence(ctx, res: Result) -> None:
     "hundreds of malformed requests, each on its own stream, many at once",
     "every one answered ERROR (or refused) within the deadline; the node keeps serving",
     timeout=300,
+    refused_by=("malformed msgpack",),
 )
 async def request_flood(ctx, res: Result) -> None:
     s = ctx.settings
     ident = await case_identity(ctx, res)
     statuses: dict[str, int] = {}
+    reasons: dict[str, int] = {}
     latencies: list[float] = []
     limiter = trio.Semaphore(s.flood_concurrency)
     sink = _Sink()
@@ -1385,6 +1537,7 @@ async def request_flood(ctx, res: Result) -> None:
             latencies.append(time.monotonic() - t0)
             key = reply.kind if reply.is_message else reply.status
             statuses[key] = statuses.get(key, 0) + 1
+            count_reason(reasons, reply)
 
     async with trio.open_nursery() as nursery:
         for _ in range(s.flood_requests):
@@ -1395,6 +1548,7 @@ async def request_flood(ctx, res: Result) -> None:
     res.sent.append(f"{s.flood_requests} malformed frames, {s.flood_concurrency} at a time")
     res.measurements.update(
         replies=statuses,
+        reasons=reasons,
         seconds=round(elapsed, 2),
         rate=round(s.flood_requests / elapsed, 1),
         p50=q(0.5),
@@ -1424,6 +1578,7 @@ async def request_flood(ctx, res: Result) -> None:
     "streams that drip a (malformed) frame one byte at a time",
     "each answered ERROR once complete (or cut at the read timeout); other requests served meanwhile",
     timeout=150,
+    refused_by=("malformed msgpack",),
 )
 async def slow_senders(ctx, res: Result) -> None:
     s = ctx.settings
@@ -1431,6 +1586,7 @@ async def slow_senders(ctx, res: Result) -> None:
     results: list[str] = []
     forever: list[str] = []
     probes: list[bool] = []
+    reasons: dict[str, int] = {}
 
     async def drip(ident) -> None:
         try:
@@ -1444,6 +1600,7 @@ async def slow_senders(ctx, res: Result) -> None:
                 await trio.sleep(s.slow_byte_interval)
             reply = await wire.read_message(s.reply_timeout)
             results.append(reply.kind if reply.is_message else reply.status)
+            count_reason(reasons, reply)
         except Exception as e:
             results.append(f"write failed {type(e).__name__}")
         finally:
@@ -1494,7 +1651,7 @@ async def slow_senders(ctx, res: Result) -> None:
             nursery.start_soon(drip_forever, ident)
         await trio.sleep(len(data) * s.slow_byte_interval / 2)
         probes.append(await probe(ctx, res, "during slow senders"))
-    res.measurements.update(slow_replies=results, never_finishing=forever, probes_ok=probes)
+    res.measurements.update(slow_replies=results, reasons=reasons, never_finishing=forever, probes_ok=probes)
     if not all(probes):
         res.set(ACCEPTED, f"the node stopped answering others while {s.slow_streams} slow senders were connected")
     elif any(r in ("timeout",) for r in results):
@@ -1526,6 +1683,7 @@ class contextlib_suppress:
     "many streams opened and left idle (no byte sent), spread over several peer ids",
     "refused beyond a per-peer limit or closed early; the node keeps serving others",
     timeout=240,
+    refused_by=("too many streams from this peer",),
 )
 async def half_open_streams(ctx, res: Result) -> None:
     s = ctx.settings
@@ -1534,6 +1692,7 @@ async def half_open_streams(ctx, res: Result) -> None:
     wires: list = []
     failures: list[str] = []
     ended: dict[str, int] = {}
+    reasons: dict[str, int] = {}
     start = time.monotonic()
     await prober(ctx, res)  # connected before the streams pile up: "an existing peer"
     idents = []
@@ -1556,6 +1715,7 @@ async def half_open_streams(ctx, res: Result) -> None:
         if reply.status != "timeout":
             key = reply.kind if reply.is_message else reply.status
             ended[key] = ended.get(key, 0) + 1
+            count_reason(reasons, reply)
 
     for wave in range(2):  # a second wave for what failed: a loaded node is slow to take streams
         missing = count - len(wires)
@@ -1597,6 +1757,7 @@ async def half_open_streams(ctx, res: Result) -> None:
         open_failures=len(failures),
         first_open_failures=first_failures,
         ended_by_node_during_hold=ended,
+        reasons=reasons,
         probes=probes,
         log_emfile=emfile,
         open_seconds=round(opened_in, 1),

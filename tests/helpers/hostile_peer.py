@@ -11,13 +11,22 @@ reason, a closed or reset stream, or nothing within the deadline), what the node
 on its own (ABORT notices, forwarded results), the new lines of the target's log (--target-log)
 and its timing, and ends as one outcome:
 
-    rejected                      an ERROR/BUSY reply, a closed or reset stream, or a deferred ABORT
+    rejected                      an ERROR/BUSY reply, a closed or reset stream, or a deferred ABORT,
+                                  and the case's evidence (replies, notices, the target's log lines
+                                  naming the case's peer or microbatch ids) shows the refusal of
+                                  each check the case targets (`refused_by` in its table row)
+    refused-by-another-check      refused, but not by the check the case is named for: an earlier
+                                  gate stopped it (a stranger's tensors stop at the membership gate)
     accepted                      the node took it (ACK with no later rejection, a computed answer,
                                   an accepting gossip round, a held slot, exhausted resources)
     crashed-handler (traceback)   an "internal error" reply or a new Traceback in the target's log
     hang                          nothing within the case's deadline
     inconclusive                  the case could not set itself up (e.g. the target never free)
     harness-error                 a bug of this script (its traceback is in the report)
+
+Cases that must pass the membership gate (the tensor checks of a block stage) send as members:
+RSA identities from --member-keys whose `joining` records tests/helpers/member_records.py keeps in
+the swarm's DHT. Everything else is sent by strangers, fresh peer ids with no record.
 
 Bounded: each case has a deadline, every loop a count, the whole run --max-seconds; the script
 exits by itself. Exit code 0 when every case was rejected, 1 otherwise, 2 when the target could
@@ -60,9 +69,11 @@ for path in (str(REPO), str(HERE)):
 import hostile_cases  # noqa: E402
 import multiaddr  # noqa: E402
 import trio  # noqa: E402
-from hostile_cases import ACCEPTED, CRASHED, HANG, HARNESS_ERROR, NOT_RUN, REJECTED  # noqa: E402
+from hostile_cases import ACCEPTED, CRASHED, HANG, HARNESS_ERROR, INCONCLUSIVE, NOT_RUN, REJECTED  # noqa: E402
 from libp2p import create_mplex_muxer_option, create_yamux_muxer_option, new_host  # noqa: E402
 from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
+from libp2p.crypto.keys import KeyPair  # noqa: E402
+from libp2p.crypto.serialization import deserialize_private_key  # noqa: E402
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair  # noqa: E402
 from libp2p.custom_types import TProtocol  # noqa: E402
 from libp2p.peer.peerinfo import info_from_p2p_addr  # noqa: E402
@@ -303,6 +314,9 @@ class Context:
         self._notice_event = trio.Event()
         self.identities: list[Identity] = []
         self._main: Identity | None = None
+        # RSA keys whose DHT records tests/helpers/member_records.py keeps: members of the swarm
+        self._member_keys = sorted(Path(args.member_keys).glob("*.key")) if args.member_keys else []
+        self.current: hostile_cases.Result | None = None  # the running case: its ids are its evidence
         self.log_path = Path(args.target_log) if args.target_log else None
         self.started = time.monotonic()
 
@@ -334,7 +348,10 @@ class Context:
         return msg
 
     def microbatch_id(self) -> int:
-        return self.rng.randrange(1 << 50, 1 << 60)
+        microbatch_id = self.rng.randrange(1 << 50, 1 << 60)
+        if self.current is not None:
+            self.current.microbatches.append(microbatch_id)
+        return microbatch_id
 
     # ---- identities ---------------------------------------------------------------------------
 
@@ -346,10 +363,13 @@ class Context:
     def _muxer(self) -> dict:
         return create_mplex_muxer_option() if self.args.muxer == "mplex" else create_yamux_muxer_option()
 
-    async def identity(self, label: str, nursery: trio.Nursery | None = None, timeout: float | None = None) -> Identity:
+    async def identity(
+        self, label: str, nursery: trio.Nursery | None = None, timeout: float | None = None, key_pair: Any = None
+    ) -> Identity:
         """A fresh peer id (its own host and connection to the target), serving the notice inbox.
-        It lives until `nursery` is cancelled (default: the end of the run)."""
-        key_pair = create_new_key_pair()
+        It lives until `nursery` is cancelled (default: the end of the run). A stranger unless
+        `key_pair` is given (see `member`)."""
+        key_pair = key_pair or create_new_key_pair()
         host = new_host(key_pair=key_pair, sec_opt=self._security(key_pair), muxer_opt=self._muxer())
 
         async def serve(task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -365,7 +385,18 @@ class Context:
         with trio.fail_after(timeout or self.settings.open_timeout):
             await host.connect(self.target_info)
         self.identities.append(ident)
+        if self.current is not None:
+            self.current.peers.append(ident.peer_id)
         return ident
+
+    async def member(self, label: str, nursery: trio.Nursery | None = None) -> Identity:
+        """A peer id the swarm counts as a member (a record in the DHT), each used by one case only:
+        a member that misbehaves collects strikes like anyone. NoMembersLeft when --member-keys
+        gave none, or they are used up."""
+        if not self._member_keys:
+            raise hostile_cases.NoMembersLeft("no member identity left (--member-keys)")
+        private = deserialize_private_key(self._member_keys.pop(0).read_bytes())
+        return await self.identity(label, nursery, key_pair=KeyPair(private, private.get_public_key()))
 
     async def main_identity(self) -> Identity:
         """One long-lived identity for cases that cannot get it banned."""
@@ -516,6 +547,7 @@ async def run_case(ctx: Context, case: hostile_cases.Case) -> dict:
     result = hostile_cases.Result(case.name, case.service, case.expected)
     mark = result.log_mark = ctx.log_mark()
     start = time.monotonic()
+    ctx.current = result
     async with trio.open_nursery() as nursery:  # the case's own identities live here
         result.nursery = nursery
         try:
@@ -523,13 +555,18 @@ async def run_case(ctx: Context, case: hostile_cases.Case) -> dict:
                 await case.run(ctx, result)
             if scope.cancelled_caught and result.outcome is None:
                 result.set(HANG, f"case deadline of {case.timeout or ctx.settings.case_timeout:.0f}s passed")
+        except hostile_cases.NoMembersLeft as e:
+            result.set(INCONCLUSIVE, str(e))
         except Exception as e:
             result.set(HARNESS_ERROR, f"{type(e).__name__}: {e}"[:300])
             result.traceback = traceback.format_exc()[-3000:]
         nursery.cancel_scope.cancel()
+    ctx.current = None
     await trio.sleep(0.3 if ctx.settings.quick else 1.0)  # let the node log what it did
     result.seconds = time.monotonic() - start
-    tracebacks, notable = log_evidence(ctx.log_since(mark))
+    log_text = ctx.log_since(mark)
+    hostile_cases.confirm_check(case, result, ctx.stage, log_text)
+    tracebacks, notable = log_evidence(log_text)
     result.log_tracebacks = tracebacks
     result.log_lines = notable
     if result.outcome is None:
@@ -632,6 +669,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=8, help="sequence length of the activations we send")
     parser.add_argument("--target-log", help="the target's log file: new lines become each case's evidence")
     parser.add_argument("--report", help="write the JSON report here")
+    parser.add_argument(
+        "--member-keys",
+        help="a directory of RSA identity files (*.key) whose DHT records someone keeps "
+        "(tests/helpers/member_records.py): the cases that must pass the membership gate send as these",
+    )
     parser.add_argument("--cases", help="comma-separated case names or prefixes (default: all); --list shows them")
     parser.add_argument("--list", action="store_true", help="print the case names and exit")
     parser.add_argument("--quick", action="store_true", help="short run: few repetitions, small floods and holds")

@@ -8,6 +8,11 @@ honest and keep the pipeline going. Afterwards:
 
 - every input got a clean rejection: an ERROR/BUSY reply, a closed or reset stream, or a later
   ABORT notice; never acceptance, a handler exception or a hang past the case's deadline;
+- each rejection came from the check the case targets (its row's `refused_by`, matched in the
+  replies, notices and the target's log lines about the case): a case stopped by an earlier gate
+  fails. The tensor cases send as members of the swarm (RSA identities whose `joining` records a
+  helper process keeps in the DHT, tests/helpers/member_records.py), so a block stage's tensor
+  checks are reached and not only its membership gate;
 - both targets are alive, and no node's log holds a Traceback;
 - each target's RSS grew by less than 64 MiB over the run;
 - the swarm still trains: stage-0 steps keep growing, the stage-0 target's own included.
@@ -37,10 +42,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+from dht.signing import Identity
 from node.local_swarm import NodeProcess, Swarm, peers_by_stage, wait_for
 from tests.helpers.swarms import private_mode
 
 SCRIPT = Path(__file__).resolve().parent.parent / "helpers" / "hostile_peer.py"
+MEMBER_RECORDS = Path(__file__).resolve().parent.parent / "helpers" / "member_records.py"
+MEMBERS_PER_TARGET = 8  # one per case that must pass the membership gate (5), and spares
 NUM_STAGES = 2
 NOFILE = 1024
 # `python -c` instead of `python -m node`: the same CLI, with the descriptor limit of `ulimit -n
@@ -141,7 +149,37 @@ def start_swarm(swarm: Swarm, workdir: Path) -> dict[int, Target]:
     return targets
 
 
-def run_hostile(targets: dict[int, Target], swarm_id: str, workdir: Path, quick: bool) -> dict[int, dict]:
+def make_members(swarm: Swarm, swarm_id: str, workdir: Path) -> dict[int, Path]:
+    """RSA identities that count as members of the swarm, a directory of them per target: a process
+    of their own keeps their `joining` records in the DHT (tests/helpers/member_records.py), and the
+    swarm's view lists them before the hostile peers start."""
+    directories, keys = {}, []
+    for stage in range(NUM_STAGES):
+        directory = directories[stage] = workdir / f"members-stage{stage}"
+        directory.mkdir()
+        for i in range(MEMBERS_PER_TARGET):
+            identity = Identity.generate()
+            identity.save(str(directory / f"member{i}.key"))
+            keys.append(identity.peer_id)
+    records = swarm.spawn(
+        "members",
+        ["--initial-peers", *swarm.initial_peers, "--swarm-id", swarm_id, "--stage", "1", "--ttl", "5"]
+        + [str(path) for directory in directories.values() for path in sorted(directory.glob("*.key"))],
+        python_prefix=[str(MEMBER_RECORDS)],
+    )
+    wait_for(lambda: "MEMBERS ANNOUNCED" in records.log(), 60, lambda: f"members never announced:\n{records.log()}")
+    wait_for(
+        lambda: set(keys) <= set(peers_by_stage(swarm.observe(), states=("joining",)).get(1, [])),
+        30,
+        "the members' records never showed in the swarm",
+        interval=1.0,
+    )
+    return directories
+
+
+def run_hostile(
+    targets: dict[int, Target], swarm_id: str, workdir: Path, quick: bool, members: dict[int, Path]
+) -> dict[int, dict]:
     """One hostile peer per target, side by side; their JSON reports by stage."""
     processes = {}
     for stage, target in targets.items():
@@ -161,6 +199,8 @@ def run_hostile(targets: dict[int, Target], swarm_id: str, workdir: Path, quick:
             str(target.node.log_path),
             "--report",
             str(report),
+            "--member-keys",
+            str(members[stage]),
             *(["--quick"] if quick else []),
         ]
         out = open(workdir / f"hostile-stage{stage}.out", "wb")
@@ -237,13 +277,14 @@ def test_hostile_peer_gets_clean_rejections(swarm: Swarm, tmp_path: Path, mode: 
         lambda: (s := swarm.observe()) and stage0_steps(s) >= 4 and s, 120, "the swarm does not train: no stage-0 steps"
     )
     swarm_id = snapshot["swarm_id"]
+    members = make_members(swarm, swarm_id, tmp_path)
     swarm.refresh_families()
     baselines = settled_rss([target.node.pid for target in targets.values()])
     for target, baseline in zip(targets.values(), baselines, strict=True):
         target.rss_before = baseline
 
     started = time.monotonic()
-    reports = run_hostile(targets, swarm_id, tmp_path, quick=mode == "quick")
+    reports = run_hostile(targets, swarm_id, tmp_path, quick=mode == "quick", members=members)
     hostile_seconds = time.monotonic() - started
 
     problems = []

@@ -1,0 +1,75 @@
+#!/usr/bin/env python
+"""Keep DHT records for identities that are not nodes: makes the hostile peer a *member*.
+
+    python tests/helpers/member_records.py --initial-peers MADDR --swarm-id ID --stage 1 \\
+        --ttl 5 --period 1 --max-seconds 600 KEY_FILE [KEY_FILE ...]
+
+A node admits FORWARDs only from members of its swarm (a peer with a record in its view), so a
+stranger's tensors stop at that gate, BUSY, and never reach the checks the hostile cases are named
+for. The hostile peer (tests/helpers/hostile_peer.py, py-libp2p, which cannot share a process with
+hivemind) connects with these RSA keys; this process signs a `joining` record for each of them
+exactly as a joining node does (dht/signing.py `seal`, the key's own signature) and re-stores it
+every `--period` seconds through a client DHT node of its own. A joining record is never routed
+to, so honest traffic does not reach the hostile peer; it is what a stranger can publish for free
+today (docs/security.md, "Who may send").
+
+Prints `MEMBERS ANNOUNCED <count>` once every record was stored, then keeps them fresh until it is
+killed or `--max-seconds` pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from hivemind.utils import get_dht_time  # noqa: E402
+
+from dht.records import PeerRecord, PeerState, stage_key  # noqa: E402
+from dht.signing import Identity, seal  # noqa: E402
+from node.p2p.network import start_network  # noqa: E402
+
+
+async def keep_announced(args: argparse.Namespace) -> None:
+    members = [Identity.from_file(path) for path in args.keys]
+    network = await start_network(initial_peers=args.initial_peers, client_mode=True)
+    key = stage_key(args.swarm_id, args.stage)
+    deadline = time.monotonic() + args.max_seconds
+    first = True
+    try:
+        while time.monotonic() < deadline:
+            expiration = get_dht_time() + args.ttl
+            stored = 0
+            for member in members:
+                record = PeerRecord(peer_id=member.peer_id, stage=args.stage, state=PeerState.JOINING)
+                record.updated = get_dht_time()
+                envelope = seal(member, key, member.peer_id, record.to_wire(), expiration)
+                stored += bool(await network.dht.store(key, envelope, expiration, subkey=member.peer_id))
+            if first and stored == len(members):
+                print(f"MEMBERS ANNOUNCED {stored}", flush=True)
+                first = False
+            await asyncio.sleep(args.period)
+    finally:
+        await network.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--initial-peers", nargs="+", required=True)
+    parser.add_argument("--swarm-id", required=True)
+    parser.add_argument("--stage", type=int, required=True)
+    parser.add_argument("--ttl", type=float, default=5.0, help="each record's lifetime: the swarm's heartbeat TTL")
+    parser.add_argument("--period", type=float, default=1.0)
+    parser.add_argument("--max-seconds", type=float, default=900.0)
+    parser.add_argument("keys", nargs="+", help="libp2p RSA private key files (dht.signing.Identity.save)")
+    asyncio.run(keep_announced(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
