@@ -22,6 +22,18 @@ def private_mode() -> bool:
     return os.environ.get(PRIVATE_MODE_VAR, "") not in ("", "0")
 
 
+# the small test swarms' heartbeat: a record every second, living 5 s, so that a peer that died
+# leaves every view within seconds and a test need not wait out the default 30 s TTL
+FAST_HEARTBEAT = ("--heartbeat-period", "1", "--heartbeat-ttl", "5")
+
+
+def bootstrap_fast(swarm: Swarm, num_stages: int, config: Path | None = None, timeout: float = 60.0) -> NodeProcess:
+    """Start `swarm`'s founder for a small test swarm: `num_stages` stages, FAST_HEARTBEAT, and the
+    swarm config file `config` when given."""
+    extra = ("--config", str(config)) if config is not None else ()
+    return swarm.bootstrap("--num-stages", str(num_stages), *FAST_HEARTBEAT, *extra, timeout=timeout)
+
+
 def make_swarm(workdir: Path) -> Swarm:
     env: dict[str, str] = {}
     if private_mode():

@@ -33,23 +33,7 @@ COMMON = ("--threads", "1", "--quiet", "--join-jitter", "0")
 
 def start_two_home_swarm(bed: TestBed, swarm: Swarm, workdir: Path) -> tuple[dict[str, NodeProcess], dict[str, str]]:
     """The five peers above; their processes and peer ids by name."""
-    config = workdir / "swarm.toml"
-    config.write_text("[gossip]\ninner_steps = 10\n[training]\nhop_timeout = 10.0\n")
-    swarm.bootstrap(
-        "--num-stages",
-        "2",
-        "--heartbeat-period",
-        "2",
-        "--heartbeat-ttl",
-        "10",
-        "--reachability",
-        "public",
-        "--config",
-        str(config),
-        host=bed.address("boot"),
-        launcher=bed.launcher("boot"),
-        timeout=90,
-    )
+    bootstrap_on_boot(bed, swarm, workdir, stages=2, inner_steps=10)
     placement = {
         "public1": ("boot", "1", ()),
         "public0": ("pub", "0", ()),

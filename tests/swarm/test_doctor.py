@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from node.local_swarm import Swarm, peers_by_stage, wait_for
+from tests.helpers.swarms import bootstrap_fast
 
 # a node of another protocol version: the same code with PROTOCOL_VERSION patched before it runs
 OTHER_VERSION = [
@@ -62,7 +63,7 @@ def lines_by_check(output: str) -> dict[str, str]:
 
 @pytest.mark.timeout(300)
 def test_doctor_says_ready_for_a_live_swarm_and_names_what_is_wrong_otherwise(swarm: Swarm):
-    swarm.bootstrap("--num-stages", "3", "--heartbeat-period", "1", "--heartbeat-ttl", "5")
+    bootstrap_fast(swarm, 3)
     swarm.join("peer1", "--stage", "1", "--no-train")
     wait_for(lambda: peers_by_stage(swarm.observe()).get(1), 120, "the stage-1 peer never came online")
 

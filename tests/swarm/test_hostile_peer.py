@@ -44,7 +44,7 @@ import pytest
 
 from dht.signing import Identity
 from node.local_swarm import NodeProcess, Swarm, peers_by_stage, wait_for
-from tests.helpers.swarms import private_mode
+from tests.helpers.swarms import bootstrap_fast, private_mode
 
 SCRIPT = Path(__file__).resolve().parent.parent / "helpers" / "hostile_peer.py"
 MEMBER_RECORDS = Path(__file__).resolve().parent.parent / "helpers" / "member_records.py"
@@ -109,17 +109,7 @@ def start_swarm(swarm: Swarm, workdir: Path) -> dict[int, Target]:
     # in-flight window is pinned at 4: an adaptive one grows (more stored activations, legitimately)
     # while the attack runs, and the RSS check below is there to catch what the attack leaves behind
     config.write_text("[gossip]\ninner_steps = 4\n\n[training]\nmax_in_flight = 4\n")
-    swarm.bootstrap(
-        "--config",
-        str(config),
-        "--num-stages",
-        str(NUM_STAGES),
-        "--heartbeat-period",
-        "1",
-        "--heartbeat-ttl",
-        "5",
-        timeout=ONLINE_TIMEOUT,
-    )
+    bootstrap_fast(swarm, NUM_STAGES, config, timeout=ONLINE_TIMEOUT)
     targets = {}
     for stage in range(NUM_STAGES):
         port = free_port()

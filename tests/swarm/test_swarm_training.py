@@ -15,6 +15,7 @@ import time
 import pytest
 
 from node.local_swarm import Swarm, peers_by_stage, wait_for
+from tests.helpers.swarms import bootstrap_fast
 
 
 def stage0(snap: dict) -> list[dict]:
@@ -32,7 +33,7 @@ def total_steps(snap: dict, stage: int = 0) -> int:
 
 @pytest.mark.timeout(300)
 def test_three_by_two_swarm_trains_and_survives_a_killed_peer(swarm: Swarm):
-    swarm.bootstrap("--num-stages", "3", "--heartbeat-period", "1", "--heartbeat-ttl", "5")
+    bootstrap_fast(swarm, 3)
     nodes = [swarm.join(f"peer{i}", "--stage", str(i % 3), "--threads", "1", "--quiet") for i in range(6)]
     wait_for(
         lambda: sum(map(len, peers_by_stage(swarm.observe()).values())) == 6,
