@@ -46,6 +46,7 @@ CHUNK_ELEMENTS = 1 << 18  # what the node's gossip sends per GOSSIP_CHUNK (node/
 # seed (node/averaging/gossip_codec.py)
 GOSSIP_CODEC = GossipCodec()
 PHI_KEY = PhiDither(0)
+EVICTED_ATTEMPTS = 4  # own forwards a backward case sends before its gradient meets a stored microbatch
 FULL_QUEUE_ATTEMPTS = 10  # bare BUSY answers (a full queue) a case sends through before it gives up
 EMFILE_MARKERS = ("too many open files", "emfile", "out of system resource")  # matched lowercased
 
@@ -1004,15 +1005,31 @@ class _Sink(Result):
     refused_by_stage0=("unknown microbatch",),
 )
 async def nan_gradient(ctx, res: Result) -> None:
-    ident = await member_identity(ctx, res)
-    mb = ctx.microbatch_id()
-    stored = ctx.stage >= 1 and await own_forward(ctx, res, ident, mb)
-    res.measurements["own_forward_stored"] = stored
     grad = hidden(ctx)
     grad[0, 0, 0] = math.nan
-    res.sent.append("BACKWARD grad with one NaN" + (" after our computed forward" if stored else ""))
-    msg = ctx.message(MessageKind.BACKWARD, backward_meta(ctx, ident.peer_id, mb), {"grad": grad})
-    await send_and_follow(ctx, res, "nan grad", "backward", msg, mb, ident=ident)
+    res.sent.append("BACKWARD grad with one NaN, after our own forward (block stages)")
+    await backward_after_own_forward(ctx, res, grad, "nan grad")
+
+
+async def backward_after_own_forward(ctx, res: Result, grad: torch.Tensor, label: str) -> list:
+    """As a member: our own FORWARD computed by a block-stage target (its activations stored), then
+    a BACKWARD carrying `grad` for it; the notices that followed. A target whose store evicted our
+    microbatch for honest ones before the gradient came (its store holds one origin's window, and
+    two stage-0 peers feed it) answers "backward failed" without reaching its gradient checks: that
+    is tried again, a bounded number of times, with a new microbatch."""
+    ident = await member_identity(ctx, res)
+    notices: list = []
+    for attempt in range(EVICTED_ATTEMPTS):
+        mb = ctx.microbatch_id()
+        stored = ctx.stage >= 1 and await own_forward(ctx, res, ident, mb)
+        res.measurements["own_forward_stored"] = stored
+        msg = ctx.message(MessageKind.BACKWARD, backward_meta(ctx, ident.peer_id, mb), {"grad": grad})
+        _, notices = await send_and_follow(ctx, res, label, "backward", msg, mb, ident=ident)
+        evicted = stored and any(n.service == "abort" and "rejected" not in (n.reason or "") for n in notices)
+        if not evicted:
+            break
+        res.measurements["evicted_before_backward"] = attempt + 1
+    return notices
 
 
 @case(
@@ -1040,15 +1057,9 @@ async def backward_never_sent(ctx, res: Result) -> None:
     refused_by_stage0=("unknown microbatch",),
 )
 async def backward_huge_gradient(ctx, res: Result) -> None:
-    ident = await member_identity(ctx, res)
-    mb = ctx.microbatch_id()
-    stored = ctx.stage >= 1 and await own_forward(ctx, res, ident, mb)
-    res.measurements["own_forward_stored"] = stored
-    # a node that refused our forward (we are no member) has nothing stored: the huge gradient must
-    # then be refused as an unknown microbatch; the in-process case is tests/unit/test_stage_worker.py
-    res.sent.append("BACKWARD grad = 3e38 everywhere (float32, 'none' codec)" + ("" if stored else ", forward refused"))
-    msg = ctx.message(MessageKind.BACKWARD, backward_meta(ctx, ident.peer_id, mb), {"grad": hidden(ctx, fill=3e38)})
-    _, notices = await send_and_follow(ctx, res, "3e38 grad", "backward", msg, mb, ident=ident)
+    # the in-process case is tests/unit/test_stage_worker.py
+    res.sent.append("BACKWARD grad = 3e38 everywhere (float32, 'none' codec), after our own forward (block stages)")
+    notices = await backward_after_own_forward(ctx, res, hidden(ctx, fill=3e38), "3e38 grad")
     if res.outcome != ACCEPTED:
         return
     # the poisoned step happens when the accumulation completes (maybe with the next honest microbatch)
