@@ -30,6 +30,7 @@ __all__ = [
     "GOSSIP_COMPRESSION",
     "GOSSIP_SERVICE",
     "MIN_GOSSIP_BANDWIDTH",
+    "OPEN_TIMEOUT",
     "STALL_COOLDOWN",
     "STALL_LATENCY",
     "STALL_TIMEOUT",
@@ -50,6 +51,10 @@ STALL_TIMEOUT = STALL_LATENCY + CHUNK_ELEMENTS * 4 / MIN_GOSSIP_BANDWIDTH  # 3 s
 TRANSFER_SLACK = 2.0
 COMPUTE_SLACK = 4.0
 STALL_COOLDOWN = 60.0  # seconds a partner that stalled is neither asked nor answered (not a ban)
+# Opening the stream to a partner: its record may outlive it (a crash, or a record that claims a
+# stage nobody serves), and while an initiator dials, its one exchange slot answers everyone BUSY.
+# A live peer's stream opens in a few seconds, a fresh dial through a relay included.
+OPEN_TIMEOUT = 10.0
 GOSSIP_CHUNKS = TensorStream(MessageKind.GOSSIP_CHUNK, CHUNK_ELEMENTS, ChunkIndex.TENSOR)
 # phi travels uncompressed: replicas' phi differ by far less than fp16's relative 5e-4 rounding,
 # so a compressed phi would swamp the very differences the pull term averages away
@@ -73,8 +78,10 @@ class GossipWire:
 
     @contextlib.asynccontextmanager
     async def open(self, peer: str, stall_timeout: float | None = None) -> AsyncIterator[Session]:
-        """A new gossip session with `peer` (TransportError if it cannot be opened)."""
-        async with self.transport.session(peer, GOSSIP_SERVICE, self.settings.round_timeout) as (reader, writer):
+        """A new gossip session with `peer` (StreamNotOpened if it cannot be opened within
+        OPEN_TIMEOUT, or the round timeout if that is shorter)."""
+        opening = min(OPEN_TIMEOUT, self.settings.round_timeout)
+        async with self.transport.session(peer, GOSSIP_SERVICE, opening) as (reader, writer):
             yield self.session(reader, writer, stall_timeout)
 
     @staticmethod

@@ -77,6 +77,7 @@ class RoundContext:
         self.divergence: float | None = None
         self.divergences = DivergenceMemory()  # recent honest divergences: the partner check scales with them
         self.stalled: dict[str, float] = {}  # peer -> until when it is neither asked nor answered
+        self.unreached: dict[str, float] = {}  # peer -> until when it is not asked (no stream opened)
         # set when a partner check found this replica far behind its stage; node/recovery/catch_up.py
         # waits on it and takes the stage's state again (docs/gossip.md, "Catching up")
         self.behind = asyncio.Event()
@@ -104,6 +105,7 @@ class RoundContext:
             for p in self.view.online(self.me.stage, exclude=self.me.peer_id)
             if not self.bans.is_banned(p.peer_id)
             and not self.cooling_down(p.peer_id)
+            and self.unreached.get(p.peer_id, 0.0) <= time.monotonic()
             and carries_training(mine, p.reachability, direct is not None and direct.reaches_through_relay(p.peer_id))
         ]
         self.rng.shuffle(peers)
@@ -126,6 +128,14 @@ class RoundContext:
         if len(self.stalled) >= 256:  # strangers with fresh identities: forget the expired ones
             self.stalled = {peer: until for peer, until in self.stalled.items() if until > now}
         self.stalled[peer_id] = now + STALL_COOLDOWN
+
+    def unreachable(self, peer_id: str) -> None:
+        """No stream to `peer_id` opened (its record outlived it, or it serves no gossip): do not
+        ask it for STALL_COOLDOWN seconds. It may still ask us: nothing says it misbehaved."""
+        now = time.monotonic()
+        if len(self.unreached) >= 256:  # records of strangers with fresh identities: forget the expired
+            self.unreached = {peer: until for peer, until in self.unreached.items() if until > now}
+        self.unreached[peer_id] = now + STALL_COOLDOWN
 
     def observe_stage(self) -> None:
         """Note the divergences the stage's other peers publish (every heartbeat)."""

@@ -32,7 +32,7 @@ from node.averaging.gossip_wire import COMPUTE_SLACK, STALL_TIMEOUT, GossipWire
 from node.averaging.outer_replica import RoundOutcome, RoundStart, RoundStatus
 from node.averaging.round_context import RoundContext
 from node.p2p.tensor_stream import Session
-from node.p2p.transport import PEER_FAILURES, TransportError
+from node.p2p.transport import PEER_FAILURES, StreamNotOpened, TransportError
 from node.runtime.timeouts import within
 from protocol import Message, MessageKind, ProtocolError
 
@@ -134,6 +134,10 @@ class PairwiseRound:
                     ctx.stall(peer)
                     ctx.report_failure(str(e))
                     failure = ctx.record(RoundOutcome(RoundStatus.ABORTED, round_, (peer,), str(e)))
+                except StreamNotOpened as e:  # nothing was exchanged: ask the next candidate
+                    ctx.unreachable(peer)
+                    failure = ctx.record(RoundOutcome(RoundStatus.ABORTED, round_, (peer,), str(e)[:300]))
+                    continue
                 except PEER_FAILURES as e:
                     detail = f"exchange with {short_peer_id(peer)} failed: {e!r}"[:300]
                     ctx.report_failure(detail)

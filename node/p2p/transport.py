@@ -70,6 +70,11 @@ class TransportError(RuntimeError):
     """A peer could not be reached, timed out, or answered with an error."""
 
 
+class StreamNotOpened(TransportError):
+    """No stream to the peer could be opened at all (unreachable, or it serves no such protocol):
+    nothing was sent, so nothing of an exchange is left to clean up."""
+
+
 # What talking to another peer can raise: it died, timed out, closed the stream or sent garbage.
 # Callers catch these to retry elsewhere; anything else is a bug of ours and propagates.
 PEER_FAILURES: tuple[type[BaseException], ...] = (
@@ -414,8 +419,8 @@ class Transport:
             )
         except TimeoutError as e:
             self._forget(peer_id)
-            raise TransportError(f"opening {service} stream to {short_peer_id(peer_id)} timed out") from e
+            raise StreamNotOpened(f"opening {service} stream to {short_peer_id(peer_id)} timed out") from e
         except Exception as e:  # p2pd reports unreachable peers and unknown protocols as generic errors
             self._forget(peer_id)
-            raise TransportError(f"cannot open {service} stream to {short_peer_id(peer_id)}: {e}") from e
+            raise StreamNotOpened(f"cannot open {service} stream to {short_peer_id(peer_id)}: {e}") from e
         return metered(reader, writer, self.meter, service)

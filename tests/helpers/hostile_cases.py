@@ -1221,6 +1221,7 @@ async def gossip_request(ctx, res: Result, ident, meta: dict, sender_stage: int 
             await wire.reset()
         if reply.is_message and reply.kind == "busy":
             busy += 1
+            count_reason(res.measurements.setdefault("busy_reasons", {}), reply)
             await trio.sleep(ctx.rng.uniform(0.3, 0.8))
             continue
         res.reply(f"gossip request #{attempt + 1}", reply)
@@ -1422,8 +1423,10 @@ async def gossip_nan_weights(ctx, res: Result) -> None:
     "gossip_huge_weights",
     "gossip",
     "an accepted round whose Delta is the target's x 1e6 (its grid steps too, so phi may decode far off)",
-    "GOSSIP_DONE accept=False ('norm ... exceeds ...'), the sender banned",
-    refused_by=(r"gossip_done (phi|delta): norm [\d.e+]+ exceeds",),
+    "GOSSIP_DONE accept=False from a plausibility check (the norm, or the cosine if phi decodes far off)",
+    # which plausibility check speaks first depends on how far off the x 1e6 phi decodes (its norm,
+    # or its cosine with ours): any of them, not an earlier gate
+    refused_by=(r"gossip_done (phi|delta): ",),
 )
 async def gossip_huge_weights(ctx, res: Result) -> None:
     found = await material(ctx, res)

@@ -11,13 +11,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from dht.records import PeerRecord, PeerState
+from dht.signing import Identity
 from node.averaging.gossip import Gossip
 from node.averaging.gossip_codec import GossipCodec, PhiDither, pack_bits, unpack_bits
-from node.averaging.gossip_wire import STALL_TIMEOUT
+from node.averaging.gossip_wire import OPEN_TIMEOUT, STALL_TIMEOUT
 from node.averaging.noloco import OuterState, diloco_outer_step, outer_step, pseudo_gradient, relative_distance
 from node.config import GossipConfig, read_config
 from node.p2p.tensor_stream import Session
@@ -505,6 +508,33 @@ def test_a_silent_partner_frees_the_slot_within_the_stall_timeout():
             assert b.outer_state is state_b and not b.exchanging
             assert_same(await on_executor(b, weights, b), theta_b)
             assert b.rounds.cooling_down(silent_id) and not b.bans.is_banned(silent_id)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(90)
+def test_a_partner_whose_stream_never_opens_is_skipped_and_not_asked_again():
+    """An online record nobody answers for (a crashed peer's, or a hostile one's) costs the
+    initiator at most OPEN_TIMEOUT: it asks its next candidate, and leaves the ghost alone for
+    STALL_COOLDOWN."""
+    config = gossip_config()
+
+    async def scenario():
+        async with inprocess_swarm(config, stages=[1, 1]) as peers:
+            a, b = await two_trained(peers)
+            ghost = Identity.generate().peer_id
+            records = [PeerRecord(ghost, 1, PeerState.ONLINE), PeerRecord(b.me.peer_id, 1, PeerState.ONLINE)]
+            a.rounds.view = SimpleNamespace(online=lambda stage, exclude=None: list(records))
+            a.rounds.rng.shuffle = lambda peers: None  # the ghost is asked first
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            outcome = await a.run_round()
+            assert outcome.status == "applied" and outcome.partners == (b.me.peer_id,), outcome
+            assert loop.time() - started < OPEN_TIMEOUT + 6.0
+            unreached = [o for o in a.rounds.history if o.partners == (ghost,)]
+            assert unreached and unreached[0].status == "aborted" and "stream" in unreached[0].detail
+            assert ghost not in a.rounds.candidates() and b.me.peer_id in a.rounds.candidates()
+            assert not a.bans.is_banned(ghost)
 
     asyncio.run(scenario())
 

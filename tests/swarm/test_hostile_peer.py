@@ -224,6 +224,24 @@ def describe(stage: int, case: dict) -> str:
     return "\n".join(lines)
 
 
+def print_training_under_attack(
+    calm: dict, attacked: dict, after: dict, calm_seconds: float, attack_seconds: float, target0: Target, mate0: str
+) -> None:
+    """Figures, not assertions (a timed test would fail on a slow machine for no fault): stage-0
+    steps per second undisturbed and while the hostile peers ran, and the steps the stage-0 target
+    (open-file limit 1024, its streams hoarded by the half-open case) took beside its stage mate."""
+    undisturbed = (stage0_steps(attacked) - stage0_steps(calm)) / max(calm_seconds, 1e-9)
+    under_attack = (stage0_steps(after) - stage0_steps(attacked)) / max(attack_seconds, 1e-9)
+    target_steps = (own_steps(after, target0.peer_id) or 0) - (own_steps(attacked, target0.peer_id) or 0)
+    mate_steps = (own_steps(after, mate0) or 0) - (own_steps(attacked, mate0) or 0)
+    print(
+        f"stage-0 steps/s: undisturbed {undisturbed:.2f} over {calm_seconds:.0f} s, under attack "
+        f"{under_attack:.2f} over {attack_seconds:.0f} s ({under_attack / max(undisturbed, 1e-9):.2f}x); "
+        f"steps during the attack: target0 (ulimit -n {NOFILE}) {target_steps}, its mate {mate_steps} "
+        f"({target_steps / max(mate_steps, 1):.2f}x)"
+    )
+
+
 def rss(pid: int) -> int:
     return psutil.Process(pid).memory_info().rss
 
@@ -269,13 +287,20 @@ def test_hostile_peer_gets_clean_rejections(swarm: Swarm, tmp_path: Path, mode: 
     swarm_id = snapshot["swarm_id"]
     members = make_members(swarm, swarm_id, tmp_path)
     swarm.refresh_families()
-    baselines = settled_rss([target.node.pid for target in targets.values()])
+    mate0 = next(node for node in swarm.nodes if node.name == "honest0")
+    mate0_id = wait_for(lambda: peer_id_of(mate0), 30, "honest0 never named its peer id")
+    calm, calm_at = swarm.observe(), time.monotonic()
+    baselines = settled_rss([target.node.pid for target in targets.values()])  # 10-60 s undisturbed
     for target, baseline in zip(targets.values(), baselines, strict=True):
         target.rss_before = baseline
 
     started = time.monotonic()
+    attacked = swarm.observe()
     reports = run_hostile(targets, swarm_id, tmp_path, quick=mode == "quick", members=members)
     hostile_seconds = time.monotonic() - started
+    print_training_under_attack(
+        calm, attacked, swarm.observe(), started - calm_at, hostile_seconds, targets[0], mate0_id
+    )
 
     problems = []
     for stage, report in reports.items():
