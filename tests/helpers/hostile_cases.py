@@ -1093,6 +1093,55 @@ def abort_list_id(ctx, res: Result) -> list[Input]:
 
 
 @case(
+    "backward_names_a_victim",
+    "backward",
+    "a BACKWARD whose path names another peer (a victim we also run) as the microbatch's origin",
+    "no notice to the victim (no reflection); the notice of the failure goes back to the sender",
+    refused_by=(r'"to_victim": 0', r'"returned_to_sender": "backward failed'),
+)
+async def backward_names_a_victim(ctx, res: Result) -> None:
+    sender = await case_identity(ctx, res)
+    victim = await ctx.identity("victim", res.nursery)
+    mb = ctx.microbatch_id()
+    # we are the next hop after the target on a path whose origin is the victim: the target takes
+    # the gradient from us, fails it (it never handled the microbatch), and must not tell the victim
+    meta = {
+        "microbatch_id": mb,
+        "path": [victim.peer_id, ctx.target_id, sender.peer_id],
+        "hop": 1,
+        "token": token_for(mb),
+    }
+    res.sent.append(f"BACKWARD from {sender.peer_id[-8:]} naming victim {victim.peer_id[-8:]} as origin")
+    since = time.monotonic()
+    reply = await exchange(
+        ctx,
+        res,
+        "backward naming a victim",
+        "backward",
+        encoded(ctx, ctx.message(MessageKind.BACKWARD, meta, {"grad": hidden(ctx)})),
+        ident=sender,
+    )
+    await ctx.wait_notice(mb, ctx.settings.notice_wait, since=since)
+    await trio.sleep(1.0)  # a reflected notice may come after the one to the sender
+    notices = [n for n in ctx.notices if n.microbatch_id == mb and n.at >= since]
+    res.notice(notices)
+    to_victim = [n for n in notices if n.receiver == victim.peer_id]
+    to_sender = [n for n in notices if n.receiver == sender.peer_id and n.service == "abort"]
+    res.measurements.update(to_victim=len(to_victim), returned_to_sender=to_sender[0].reason if to_sender else None)
+    if to_victim:
+        res.set(
+            ACCEPTED, f"reflected: the target sent {to_victim[0].service.upper()} to the peer the request only named"
+        )
+    elif reply.is_message and reply.kind == "ack":
+        res.set(
+            REJECTED,
+            "ACK; the victim heard nothing" + (f", the sender got {to_sender[0].reason!r}" if to_sender else ""),
+        )
+    else:
+        res.set(*judge_any(reply))
+
+
+@case(
     "abort_unrelated",
     "abort",
     "an ABORT for a microbatch the sender is on no path of",
