@@ -39,6 +39,29 @@ logger = logging.getLogger(__name__)
 # how far behind (in rounds' worth of inner steps, H each) a replica must be before a failed
 # plausibility check reads as "we are stale" rather than "the partner is hostile"
 CATCH_UP_LEAD_ROUNDS = 2
+COOLDOWN_TABLE = 256  # peers a Cooldowns holds before it forgets the expired ones
+
+
+class Cooldowns:
+    """Peers set aside for `seconds` each (not bans: nothing says they misbehaved). Strangers with
+    fresh identities could fill it: past COOLDOWN_TABLE entries, the expired ones are forgotten."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._until: dict[str, float] = {}  # peer -> monotonic time its cool-down ends
+
+    def start(self, peer_id: str) -> None:
+        now = time.monotonic()
+        if len(self._until) >= COOLDOWN_TABLE:
+            self._until = {peer: until for peer, until in self._until.items() if until > now}
+        self._until[peer_id] = now + self.seconds
+
+    def __contains__(self, peer_id: object) -> bool:
+        until = self._until.get(peer_id)  # type: ignore[arg-type]
+        if until is not None and until <= time.monotonic():
+            del self._until[peer_id]  # type: ignore[arg-type]
+            return False
+        return until is not None
 
 
 class RoundContext:
@@ -76,8 +99,8 @@ class RoundContext:
         self.last_partner: str | None = None
         self.divergence: float | None = None
         self.divergences = DivergenceMemory()  # recent honest divergences: the partner check scales with them
-        self.stalled: dict[str, float] = {}  # peer -> until when it is neither asked nor answered
-        self.unreached: dict[str, float] = {}  # peer -> until when it is not asked (no stream opened)
+        self.stalled = Cooldowns(STALL_COOLDOWN)  # peers neither asked nor answered (they went silent)
+        self.unreached = Cooldowns(STALL_COOLDOWN)  # peers not asked (no stream to them opened)
         # set when a partner check found this replica far behind its stage; node/recovery/catch_up.py
         # waits on it and takes the stage's state again (docs/gossip.md, "Catching up")
         self.behind = asyncio.Event()
@@ -105,7 +128,7 @@ class RoundContext:
             for p in self.view.online(self.me.stage, exclude=self.me.peer_id)
             if not self.bans.is_banned(p.peer_id)
             and not self.cooling_down(p.peer_id)
-            and self.unreached.get(p.peer_id, 0.0) <= time.monotonic()
+            and p.peer_id not in self.unreached
             and carries_training(mine, p.reachability, direct is not None and direct.reaches_through_relay(p.peer_id))
         ]
         self.rng.shuffle(peers)
@@ -113,29 +136,17 @@ class RoundContext:
 
     def cooling_down(self, peer_id: str) -> bool:
         """Did `peer_id` stall one of our rounds less than STALL_COOLDOWN seconds ago?"""
-        until = self.stalled.get(peer_id)
-        if until is None:
-            return False
-        if until <= time.monotonic():
-            del self.stalled[peer_id]
-            return False
-        return True
+        return peer_id in self.stalled
 
     def stall(self, peer_id: str) -> None:
         """`peer_id` went silent in an exchange: leave it alone for STALL_COOLDOWN seconds. Not a
         ban: a frozen or cut-off honest peer looks the same, and a ban would also stop routing."""
-        now = time.monotonic()
-        if len(self.stalled) >= 256:  # strangers with fresh identities: forget the expired ones
-            self.stalled = {peer: until for peer, until in self.stalled.items() if until > now}
-        self.stalled[peer_id] = now + STALL_COOLDOWN
+        self.stalled.start(peer_id)
 
     def unreachable(self, peer_id: str) -> None:
         """No stream to `peer_id` opened (its record outlived it, or it serves no gossip): do not
         ask it for STALL_COOLDOWN seconds. It may still ask us: nothing says it misbehaved."""
-        now = time.monotonic()
-        if len(self.unreached) >= 256:  # records of strangers with fresh identities: forget the expired
-            self.unreached = {peer: until for peer, until in self.unreached.items() if until > now}
-        self.unreached[peer_id] = now + STALL_COOLDOWN
+        self.unreached.start(peer_id)
 
     def observe_stage(self) -> None:
         """Note the divergences the stage's other peers publish (every heartbeat)."""

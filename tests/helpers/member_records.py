@@ -2,16 +2,16 @@
 """Keep DHT records for identities that are not nodes: makes the hostile peer a *member*.
 
     python tests/helpers/member_records.py --initial-peers MADDR --swarm-id ID --stage 1 \\
-        --ttl 5 --period 1 --max-seconds 600 KEY_FILE [KEY_FILE ...]
+        --ttl 5 --period 2 --max-seconds 600 KEY_FILE [KEY_FILE ...]
 
 A node admits FORWARDs only from members of its swarm (a peer with a record in its view), so a
 stranger's tensors stop at that gate, BUSY, and never reach the checks the hostile cases are named
 for. The hostile peer (tests/helpers/hostile_peer.py, py-libp2p, which cannot share a process with
 hivemind) connects with these RSA keys; this process signs a `joining` record for each of them
-exactly as a joining node does (dht/signing.py `seal`, the key's own signature) and re-stores it
-every `--period` seconds through a client DHT node of its own, all in one DHT store. A joining record is never routed
-to, so honest traffic does not reach the hostile peer; it is what a stranger can publish for free
-today (docs/security.md, "Who may send").
+exactly as a joining node does (dht/signing.py `seal`, the key's own signature) and re-stores them
+all every `--period` seconds, in one DHT store, through a client DHT node of its own. A joining
+record is never routed to, so honest traffic does not reach the hostile peer; it is what a stranger
+can publish for free (docs/security.md, "Microbatches").
 
 Prints `MEMBERS ANNOUNCED <count>` once every record was stored, then keeps them fresh until it is
 killed or `--max-seconds` pass.

@@ -30,7 +30,6 @@ prints their tables (pytest -s shows them).
 from __future__ import annotations
 
 import json
-import re
 import signal
 import socket
 import subprocess
@@ -44,7 +43,7 @@ import pytest
 
 from dht.signing import Identity
 from node.local_swarm import NodeProcess, Swarm, peers_by_stage, wait_for
-from tests.helpers.swarms import bootstrap_fast, private_mode
+from tests.helpers.swarms import bootstrap_fast, peer_id_of, private_mode
 
 SCRIPT = Path(__file__).resolve().parent.parent / "helpers" / "hostile_peer.py"
 MEMBER_RECORDS = Path(__file__).resolve().parent.parent / "helpers" / "member_records.py"
@@ -80,11 +79,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def peer_id_of(node: NodeProcess) -> str | None:
-    match = re.search(r"peer (\S+) serves stage", node.log())
-    return match.group(1) if match else None
 
 
 def online(snapshot: dict, stage: int) -> list[dict]:
