@@ -4,14 +4,17 @@ Pure codec, no networking: node/recovery/state_transfer.py moves the header, the
 the STATE_END over a "state" session; this module builds and checks what they carry.
 
 The payload is the raw bytes of every tensor (C order, native little-endian) concatenated in the
-header's `names` order; the first `num_weights` names are module weights, the rest the NoLoCo
-outer state (prefixed "outer."). checksum = sha256 hex of the payload. `check_header` validates a
+header's `names` order; the first `num_weights` names are module weights, then the NoLoCo outer
+state (prefixed "outer."), then the inner AdamW's moments (prefixed "moments.": "exp_avg.<weight>"
+and "exp_avg_sq.<weight>", shaped like their weight; `optimizer_steps` is AdamW's step count for
+its bias correction). checksum = sha256 hex of the payload. `check_header` validates a
 header before the receiver allocates anything (docs/recovery.md, "State transfer").
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +29,9 @@ from protocol.errors import ProtocolError
 __all__ = [
     "CHUNK_BYTES",
     "MAX_STATE_BYTES",
+    "MOMENTS_DTYPE",
+    "MOMENTS_PREFIX",
+    "MOMENT_KINDS",
     "OUTER_PREFIX",
     "PARTS",
     "PART_KEYS",
@@ -44,6 +50,8 @@ __all__ = [
 CHUNK_BYTES = 4 << 20  # well under the 256 MiB frame limit; a few ms of hashing per chunk
 MAX_STATE_BYTES = 8 << 30  # refuse to allocate more than this for one download, whatever the header says
 OUTER_PREFIX = "outer."
+MOMENTS_PREFIX = "moments."
+MOMENT_KINDS = ("exp_avg", "exp_avg_sq")  # AdamW's first and second moment, per weight
 # weights and outer state are floats; the payload is raw bytes, so each dtype only needs a name
 STATE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -73,6 +81,9 @@ PART_KEYS: dict[StatePart, tuple[str, ...]] = {
 # (37 MB -> 18 MB per part at 15m), and a copy is an emergency start for a rebuilt stage 0, already
 # up to edge_copy_interval steps stale; bfloat16 keeps fp32's range, so no weight becomes inf
 EDGE_COPY_DTYPE = torch.bfloat16
+# AdamW's moments travel in bfloat16 too: 4 bytes a weight instead of 8, and fp16 would flush second
+# moments to zero (a 15m block stage's are ~1e-11); moments only need a few significant bits
+MOMENTS_DTYPE = torch.bfloat16
 
 
 class StateUnavailable(ValueError):
@@ -81,11 +92,14 @@ class StateUnavailable(ValueError):
 
 @dataclass
 class StageState:
-    """What a peer of a stage hands a joiner: everything but the inner optimizer's moments."""
+    """What a peer of a stage hands a joiner: its weights, outer state, inner optimizer and counters."""
 
     stage: int
     weights: dict[str, Tensor]
     outer: dict[str, Tensor] = field(default_factory=dict)  # NoLoCo phi (and momentum), may be empty
+    # AdamW's moments, "exp_avg.<weight>" / "exp_avg_sq.<weight>"; empty before the donor's first step
+    moments: dict[str, Tensor] = field(default_factory=dict)
+    optimizer_steps: int = 0  # AdamW's own step count (its bias correction), with the moments
     inner_step: int = 0
     outer_round: int = 0
     grad_norm: float | None = None
@@ -105,8 +119,8 @@ def payload_hasher() -> Any:
 def encode_state(state: StageState, part: StatePart | str, chunk_bytes: int = CHUNK_BYTES) -> tuple[dict, Tensor]:
     """The STATE_HEADER meta and the payload (one uint8 tensor) for `state`. CPU work (copies and
     hashes the whole stage): call it off the event loop."""
-    names = list(state.weights) + [OUTER_PREFIX + name for name in state.outer]
-    tensors = list(state.weights.values()) + list(state.outer.values())
+    names = [*state.weights, *(OUTER_PREFIX + n for n in state.outer), *(MOMENTS_PREFIX + n for n in state.moments)]
+    tensors = [*state.weights.values(), *state.outer.values(), *state.moments.values()]
     flat = []
     for name, t in zip(names, tensors):
         if t.dtype not in _DTYPE_NAMES:
@@ -129,6 +143,7 @@ def encode_state(state: StageState, part: StatePart | str, chunk_bytes: int = CH
         "outer_round": state.outer_round,
         "grad_norm": state.grad_norm,
         "lr_scale": state.lr_scale,
+        "optimizer_steps": state.optimizer_steps,
     }
     return meta, payload
 
@@ -172,10 +187,7 @@ def check_header(
     num_weights = meta.get("num_weights")
     if not _is_int(num_weights) or not 0 <= num_weights <= len(names):
         raise ProtocolError(f"state header: num_weights {num_weights!r} out of range")
-    if any(name.startswith(OUTER_PREFIX) for name in names[:num_weights]) or not all(
-        name.startswith(OUTER_PREFIX) for name in names[num_weights:]
-    ):
-        raise ProtocolError(f"state header: outer-state names must come last and start with {OUTER_PREFIX!r}")
+    _check_sections(names, shapes, num_weights)
     total, torch_dtypes = 0, []
     for name, shape, dtype in zip(names, shapes, dtypes):
         if dtype not in STATE_DTYPES:
@@ -202,9 +214,11 @@ def check_header(
     checksum = meta["checksum"]
     if len(checksum) != 64:
         raise ProtocolError("state header: checksum is not a sha256 hex digest")
-    for key in ("inner_step", "outer_round"):
+    for key in ("inner_step", "outer_round", "optimizer_steps"):
         if not _is_int(meta.get(key)) or meta[key] < 0:
             raise ProtocolError(f"state header: {key} must be an int >= 0")
+    if meta["optimizer_steps"] == 0 and any(name.startswith(MOMENTS_PREFIX) for name in names):
+        raise ProtocolError("state header: optimizer moments without a step count (AdamW would divide by zero)")
     grad_norm, lr_scale = meta.get("grad_norm"), meta.get("lr_scale")
     if grad_norm is not None and not (
         isinstance(grad_norm, (int, float)) and math.isfinite(grad_norm) and grad_norm >= 0
@@ -213,6 +227,23 @@ def check_header(
     if not (isinstance(lr_scale, (int, float)) and math.isfinite(lr_scale) and 0 < lr_scale <= 100):
         raise ProtocolError(f"state header: lr_scale {lr_scale!r} out of range")
     return StateLayout(names, [tuple(s) for s in shapes], torch_dtypes, num_weights, total, chunk_bytes, checksum)
+
+
+def _check_sections(names: Sequence[str], shapes: Sequence[Sequence[int]], num_weights: int) -> None:
+    """Weights first, then the outer state, then the moments; each moment named after a weight of
+    the header and shaped like it (so `expect`, checking the weights, bounds the moments too)."""
+    weights = dict(zip(names[:num_weights], shapes[:num_weights]))
+    if any(name.startswith((OUTER_PREFIX, MOMENTS_PREFIX)) for name in weights):
+        raise ProtocolError("state header: the weights must come first, unprefixed")
+    rest = names[num_weights:]
+    outer = sum(1 for _ in itertools.takewhile(lambda name: name.startswith(OUTER_PREFIX), rest))
+    for name, shape in zip(rest[outer:], shapes[num_weights + outer :]):
+        kind, _, weight = name.removeprefix(MOMENTS_PREFIX).partition(".")
+        if not name.startswith(MOMENTS_PREFIX) or kind not in MOMENT_KINDS or weights.get(weight) != shape:
+            raise ProtocolError(
+                f"state header: {name!r}: after the weights come {OUTER_PREFIX!r} names, then {MOMENTS_PREFIX!r} "
+                f"names of a moment ({', '.join(MOMENT_KINDS)}) of a weight, shaped like it"
+            )
 
 
 def check_checksum(computed: str, layout: StateLayout, end_checksum: object) -> None:
@@ -225,7 +256,7 @@ def check_checksum(computed: str, layout: StateLayout, end_checksum: object) -> 
 
 def decode_payload(payload: Tensor, layout: StateLayout, meta: Mapping) -> StageState:
     """The StageState a complete, checksum-checked payload holds (`meta`: its checked header)."""
-    weights, outer, offset = {}, {}, 0
+    weights, outer, moments, offset = {}, {}, {}, 0
     for index, (name, shape, dtype) in enumerate(zip(layout.names, layout.shapes, layout.dtypes)):
         size = math.prod(shape) * dtype.itemsize
         # clone first: a view of the shared buffer at an odd offset cannot be reinterpreted as float
@@ -233,13 +264,17 @@ def decode_payload(payload: Tensor, layout: StateLayout, meta: Mapping) -> Stage
         offset += size
         if index < layout.num_weights:
             weights[name] = tensor
-        else:
-            outer[name[len(OUTER_PREFIX) :]] = tensor
+        elif name.startswith(OUTER_PREFIX):
+            outer[name.removeprefix(OUTER_PREFIX)] = tensor
+        else:  # check_header allowed nothing else
+            moments[name.removeprefix(MOMENTS_PREFIX)] = tensor
     grad_norm = meta.get("grad_norm")
     return StageState(
         stage=meta["stage"],
         weights=weights,
         outer=outer,
+        moments=moments,
+        optimizer_steps=meta["optimizer_steps"],
         inner_step=meta["inner_step"],
         outer_round=meta["outer_round"],
         grad_norm=None if grad_norm is None else float(grad_norm),

@@ -4,4 +4,5 @@
 # 4-bit Delta codes and a strided phi sample; 4: phi as residues on a dithered grid (node/averaging/gossip_codec.py)
 # 5: spot-checks replay a real hop at the replica's committed weights (CHECK/AUDIT, COMMITMENT, OPEN, OPENING)
 # 6: the subspace hop codecs (protocol/subspace.py); a FORWARD carries the hidden states only (no targets)
-PROTOCOL_VERSION = 6
+# 7: a stage's state carries its inner AdamW's moments (protocol/stage_state.py)
+PROTOCOL_VERSION = 7

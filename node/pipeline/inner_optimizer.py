@@ -12,20 +12,24 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from node.config import SwarmConfig, TrainingConfig
 from node.runtime.device import DeviceTransfers
+from node.runtime.finite import all_finite
+from protocol.stage_state import MOMENT_KINDS
 
 __all__ = [
     "ADAM_BETAS",
     "ADAM_EPS",
     "THROUGHPUT_EMA",
     "accumulate",
+    "adam_moments",
     "clipped_step",
+    "load_adam_moments",
     "lr_at",
     "smoothed_throughput",
     "step_size",
@@ -146,3 +150,64 @@ def clipped_step(
     optimizer.zero_grad(set_to_none=True)
     # the norm of the clipped gradients: clip_grad_norm_ scales by clip / (total + 1e-6) above the clip
     return min(total, clip)
+
+
+# ------------------------------------------------------------------------------------------------
+# AdamW's moments, for a joiner (node/recovery/state_transfer.py)
+#
+# A joiner that started with fresh moments moved each weight by about lr per step (Adam's first steps
+# divide a gradient by its own magnitude) where its stage mates, their moments settled, moved by
+# 0.03-0.05 lr: on the 15m preset its first outer Delta came out 12-17x theirs and their gossip
+# plausibility check banned it (docs/recovery.md, "State transfer"). So the donor's moments travel
+# with its weights, as hivemind's load_state_from_peers sends its optimizer's statistics.
+
+
+def adam_moments(
+    optimizer: torch.optim.Optimizer, named_params: Iterable[tuple[str, Tensor]], dtype: torch.dtype
+) -> tuple[dict[str, Tensor], int]:
+    """AdamW's moments as `dtype` copies, {"exp_avg.<name>", "exp_avg_sq.<name>"} for each weight it
+    has stepped, and its step count ({} and 0 before its first step). Run on the compute thread."""
+    moments: dict[str, Tensor] = {}
+    steps = 0
+    for name, param in named_params:
+        state = optimizer.state.get(param)
+        if not state:
+            continue
+        steps = max(steps, int(state["step"]))  # a host tensor (AdamW keeps `step` there unless capturable)
+        for kind in MOMENT_KINDS:
+            moments[f"{kind}.{name}"] = state[kind].detach().to(dtype, copy=True)
+    return moments, steps
+
+
+def load_adam_moments(
+    optimizer: torch.optim.Optimizer,
+    named_params: Iterable[tuple[str, Tensor]],
+    moments: Mapping[str, Tensor],
+    steps: int,
+    transfers: DeviceTransfers,
+) -> None:
+    """Give `optimizer` (fresh, not stepped) the moments `adam_moments` made, on the weights' device
+    and dtype. ValueError, and the optimizer untouched, if a name, shape or value is wrong: each
+    weight has both moments or none, second moments are >= 0, everything finite, steps >= 1."""
+    params = dict(named_params)
+    pending: dict[str, dict[str, Tensor]] = {}
+    for key, tensor in moments.items():
+        kind, _, name = key.partition(".")
+        param = params.get(name)
+        if kind not in MOMENT_KINDS or param is None or tensor.shape != param.shape or not tensor.is_floating_point():
+            raise ValueError(f"moment {key!r} names no weight of this stage, or has another shape")
+        pending.setdefault(name, {})[kind] = tensor
+    if any(len(found) != len(MOMENT_KINDS) for found in pending.values()):
+        raise ValueError("a weight has one of its two moments only")
+    if pending and steps < 1:
+        raise ValueError(f"moments need a step count >= 1, got {steps}")
+    if not all_finite(list(moments.values())):
+        raise ValueError("the moments hold NaN or Inf")
+    if any(bool((found["exp_avg_sq"] < 0).any()) for found in pending.values()):
+        raise ValueError("a second moment is negative")
+    for name, found in pending.items():
+        param = params[name]
+        optimizer.state[param] = {
+            "step": torch.tensor(float(steps), device="cpu"),  # host: AdamW keeps a non-capturable step there
+            **{kind: transfers.to_device(found[kind], param.dtype).clone() for kind in MOMENT_KINDS},
+        }

@@ -37,6 +37,7 @@ from node.averaging.gossip import Gossip
 from node.config import SwarmConfig
 from node.p2p.tensor_stream import ChunkIndex, Session, TensorStream
 from node.p2p.transport import Transport, TransportError
+from node.pipeline.inner_optimizer import adam_moments, load_adam_moments
 from node.pipeline.stage_worker import StageWorker
 from node.runtime.byte_progress import ByteProgress, ByteTask, Outcome
 from node.runtime.device import DeviceTransfers
@@ -46,6 +47,7 @@ from protocol.stage_state import (
     CHUNK_BYTES,
     EDGE_COPY_DTYPE,
     MAX_STATE_BYTES,
+    MOMENTS_DTYPE,
     PART_KEYS,
     PARTS,
     StageState,
@@ -328,10 +330,13 @@ async def capture_state(worker: StageWorker, gossip: Gossip | None = None, outer
         outer = worker.transfers.state_to_host(gossip.export_outer(), copy=False) if gossip else {}
         # the gossip's own round counter is exact; the record's copy lags by up to a heartbeat
         round_now = gossip.outer_state.round if gossip else outer_round
+        moments, optimizer_steps = adam_moments(worker.optimizer, worker.module.named_parameters(), MOMENTS_DTYPE)
         return StageState(
             stage=worker.stage,
             weights=worker.state_dict(),
             outer=outer,
+            moments=worker.transfers.state_to_host(moments, copy=False),
+            optimizer_steps=optimizer_steps,
             inner_step=worker.inner_step,
             outer_round=round_now,
             grad_norm=worker.last_grad_norm,
@@ -379,12 +384,18 @@ def state_provider(
 
 
 async def adopt_state(worker: StageWorker, state: StageState, gossip: Gossip | None = None) -> None:
-    """Make `worker` continue where the donor is: its weights (fresh inner optimizer: moments are
-    never transferred), its schedule position and lr scale, and the gossip outer state."""
+    """Make `worker` continue where the donor is: its weights and inner optimizer's moments, its
+    schedule position and lr scale, and the gossip outer state. Moments that fail their checks are
+    left out (a fresh optimizer, as before the donor's first step), with a warning."""
 
     def load() -> None:
         # the weights go through load_state_dict's own copies; the outer state is moved by import_outer
         worker.load_state_dict(state.weights, fresh_optimizer=True)
+        named = list(worker.module.named_parameters())
+        try:
+            load_adam_moments(worker.optimizer, named, state.moments, state.optimizer_steps, worker.transfers)
+        except ValueError as e:
+            logger.warning(f"stage {worker.stage}: the donor's optimizer moments were left out: {e}")
         worker.inner_step = state.inner_step
         worker.last_grad_norm = state.grad_norm
         worker.set_lr_scale(state.lr_scale)

@@ -5,7 +5,8 @@ A real swarm of separate processes on loopback, each peer computing on `--device
 
 1. training: stage 0 drives microbatches through every stage and back;
 2. a joiner's state download: a second replica of stage 1 joins the live stage;
-3. a gossip round: the two stage-1 replicas complete a NoLoCo round with each other;
+3. a gossip round: the two stage-1 replicas complete a NoLoCo round with each other, and
+   neither refuses the other's tensors (the joiner took its donor's optimizer moments);
 4. a CheckFree rebuild: the only peer of stage 2 is SIGKILLed, a newcomer rebuilds stage 2 from
    its neighbours and training goes on through it;
 5. an export: `node export` writes the swarm's model as a Hugging Face checkpoint.
@@ -275,6 +276,9 @@ def check(device: str, preset: str, workdir: Path) -> Report:
         if found:
             line = next(partnered.search(n.log()).group(0) for n in replicas if partnered.search(n.log()))
             report.figure("gossip", line)
+        banned = [m.group(0) for n in replicas if (m := re.search(r"rejected gossip from .*", n.log()))]
+        if banned:  # both replicas are honest: the joiner must train like its donor (docs/recovery.md)
+            report.fail(f"a replica refused its honest stage mate: {banned[0]}")
 
         # 4. the only peer of a stage dies; a newcomer rebuilds the stage by CheckFree
         victim = run.peers[f"stage{KILLED_STAGE}"]

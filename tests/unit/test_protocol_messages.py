@@ -145,9 +145,10 @@ def valid_body() -> dict:
 
 def test_unknown_version_names_both_versions() -> None:
     with pytest.raises(
-        ProtocolError, match=rf"protocol version 7 not supported \(this node speaks {PROTOCOL_VERSION}\)"
+        ProtocolError,
+        match=rf"protocol version {PROTOCOL_VERSION + 1} not supported \(this node speaks {PROTOCOL_VERSION}\)",
     ):
-        decode_message(encode_message(forward(version=7)))
+        decode_message(encode_message(forward(version=PROTOCOL_VERSION + 1)))
     # even if a future version changed the whole layout after the version number
     with pytest.raises(ProtocolError, match="protocol version 70000 not supported"):
         decode_message(msgpack.packb(70000) + b"\xc1 anything")
