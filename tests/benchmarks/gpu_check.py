@@ -63,7 +63,7 @@ class CheckShape:
 def shape_for(device: str) -> CheckShape:
     if device == "cpu":  # short: a 64-token microbatch through the real model shapes
         training = {"microbatch_size": 1, "sequence_length": 64, "microbatches_per_step": 1}
-        return CheckShape(training | {"min_in_flight": 2, "max_in_flight": 4}, 4, 20.0, 180.0, 1)
+        return CheckShape(training | {"min_in_flight": 2, "max_in_flight": 4}, 4, 10.0, 180.0, 1)
     return CheckShape({"microbatches_per_step": 1}, 10, 60.0, 180.0, None)  # the preset's own shape
 
 

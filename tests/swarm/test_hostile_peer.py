@@ -240,7 +240,7 @@ def rss(pid: int) -> int:
     return psutil.Process(pid).memory_info().rss
 
 
-def settled_rss(pids: list[int], window: float = 10.0, tolerance: int = 8 << 20, limit: float = 60.0) -> list[int]:
+def settled_rss(pids: list[int], window: float = 10.0, tolerance: int = 8 << 20, limit: float = 30.0) -> list[int]:
     """Each process's RSS once training's own growth has settled (it moved less than `tolerance`
     over the last `window` seconds, or `limit` seconds passed): the baseline the attack's leftovers
     are measured from, so that a young peer's warm-up (first optimizer state, buffers) is not
@@ -284,7 +284,7 @@ def test_hostile_peer_gets_clean_rejections(swarm: Swarm, tmp_path: Path, mode: 
     mate0 = next(node for node in swarm.nodes if node.name == "honest0")
     mate0_id = wait_for(lambda: peer_id_of(mate0), 30, "honest0 never named its peer id")
     calm, calm_at = swarm.observe(), time.monotonic()
-    baselines = settled_rss([target.node.pid for target in targets.values()])  # 10-60 s undisturbed
+    baselines = settled_rss([target.node.pid for target in targets.values()])  # 10-30 s undisturbed
     for target, baseline in zip(targets.values(), baselines, strict=True):
         target.rss_before = baseline
 
