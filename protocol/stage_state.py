@@ -65,7 +65,8 @@ _DTYPE_NAMES = {dtype: name for name, dtype in STATE_DTYPES.items()}
 class StatePart(StrEnum):
     """What of the donor's stage a STATE_REQUEST asks for (sent as its plain string value)."""
 
-    STAGE = "stage"  # the whole stage: module weights, outer state, counters (joining a live stage)
+    STAGE = "stage"  # the whole stage: module weights, outer state, optimizer moments, counters (joining it)
+    WEIGHTS = "weights"  # the same without the optimizer moments (CheckFree sources, node export)
     EMBED = "embed"  # stage 0 only: embed_tokens.weight (a CheckFree+ edge copy, kept by stage 1)
     HEAD = "head"  # stage 0 only: norm.weight and lm_head.weight (edge copy kept by stage S)
     EDGE_COPY = "edge_copy"  # stage 1 / stage S only: the stage-0 entries this peer keeps

@@ -2,9 +2,10 @@
 checkpoint (node/model/hf.py).
 
 The exporter is a client-mode peer like the observer: it reads the swarm's signed config, picks an
-online peer of each stage and downloads that stage's state over the same "state" session a joiner
-uses (node/recovery/state_transfer.py: sizes checked against the config's shapes before anything is
-allocated, a checksum over the payload, another donor when one fails). Nothing is unpickled.
+online peer of each stage and downloads that stage's weights and outer state (part "weights": no
+optimizer moments) over the same "state" session a joiner uses (node/recovery/state_transfer.py:
+sizes checked against the config's shapes before anything is allocated, a checksum over the
+payload, another donor when one fails). Nothing is unpickled.
 
 Which weights: with gossip on, a peer's state carries NoLoCo's outer weights phi (the replicas'
 slowly averaged consensus, docs/gossip.md) beside its own inner weights theta; phi is what the
@@ -115,7 +116,7 @@ async def collect_stages(
                     transport,
                     candidates,
                     stage,
-                    StatePart.STAGE,
+                    StatePart.WEIGHTS,
                     rng,
                     attempts,
                     timeout=timeout,

@@ -69,7 +69,7 @@ __all__ = [
 DEBUG_DIR_ENV = "PIPESWARM_DEBUG_DIR"
 FETCH_ATTEMPTS = 3  # donors tried per source stage, each time the rebuild is attempted
 # the state-transfer part that serves what a plan fetches (docs/recovery.md, "State transfer")
-FETCH_PART = {SourceFetch.WEIGHTS: StatePart.STAGE, SourceFetch.EDGE_COPY: StatePart.EDGE_COPY}
+FETCH_PART = {SourceFetch.WEIGHTS: StatePart.WEIGHTS, SourceFetch.EDGE_COPY: StatePart.EDGE_COPY}
 
 
 class RebuildFailed(RuntimeError):
@@ -137,7 +137,7 @@ async def fetch_sources(
     part = FETCH_PART[plan.fetch]
     # block stages share one layout, so the neighbours' weights must match ours exactly; edge
     # copies hold a subset of stage 0's entries (execute_rebuild checks the merged result)
-    shape_check = expect if part == StatePart.STAGE else None
+    shape_check = expect if part == StatePart.WEIGHTS else None
     sources: dict[int, FetchedSource] = {}
     for stage in plan.sources:
         try:

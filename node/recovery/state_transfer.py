@@ -321,16 +321,21 @@ def state_on_device(state: StageState, transfers: DeviceTransfers) -> StageState
     )
 
 
-async def capture_state(worker: StageWorker, gossip: Gossip | None = None, outer_round: int = 0) -> StageState:
-    """A consistent copy of `worker`'s stage (and the gossip outer state, when there is one),
-    taken on the worker's compute thread between two of its steps, on the host for the wire."""
+async def capture_state(
+    worker: StageWorker, gossip: Gossip | None = None, outer_round: int = 0, with_moments: bool = True
+) -> StageState:
+    """A consistent copy of `worker`'s stage (and the gossip outer state, when there is one; the
+    optimizer's moments unless `with_moments` is False), taken on the worker's compute thread
+    between two of its steps, on the host for the wire."""
 
     def take() -> StageState:
         # an outer state's tensors are never modified in place (every outer step makes new ones)
         outer = worker.transfers.state_to_host(gossip.export_outer(), copy=False) if gossip else {}
         # the gossip's own round counter is exact; the record's copy lags by up to a heartbeat
         round_now = gossip.outer_state.round if gossip else outer_round
-        moments, optimizer_steps = adam_moments(worker.optimizer, worker.module.named_parameters(), MOMENTS_DTYPE)
+        moments, optimizer_steps = (
+            adam_moments(worker.optimizer, worker.module.named_parameters(), MOMENTS_DTYPE) if with_moments else ({}, 0)
+        )
         return StageState(
             stage=worker.stage,
             weights=worker.state_dict(),
@@ -351,9 +356,9 @@ def state_provider(
 ) -> StateProvider:
     """The provider a stage service hands serve_state.
 
-    "stage" is served only while this peer is `online` (a joiner or a peer being rebuilt holds no
-    trustworthy weights yet); "embed"/"head" only by stage 0; "edge_copy" by whoever holds a copy
-    (`edge_copies`, set on stage 1 / stage S peers with CheckFree+).
+    "stage" and "weights" are served only while this peer is `online` (a joiner or a peer being
+    rebuilt holds no trustworthy weights yet); "embed"/"head" only by stage 0; "edge_copy" by
+    whoever holds a copy (`edge_copies`, set on stage 1 / stage S peers with CheckFree+).
     """
 
     async def provide(part: StatePart) -> StageState:
@@ -363,8 +368,8 @@ def state_provider(
             return await worker.compute(lambda: state_on_host(edge_copies.merged_state(), worker.transfers))
         if me.state != PeerState.ONLINE:
             raise StateUnavailable(f"this peer is {me.state}, not online")
-        if part == StatePart.STAGE:
-            return await capture_state(worker, gossip, me.outer_round)
+        if part in (StatePart.STAGE, StatePart.WEIGHTS):
+            return await capture_state(worker, gossip, me.outer_round, with_moments=part == StatePart.STAGE)
         if worker.stage != 0:
             raise StateUnavailable(f"part '{part}' is a piece of stage 0, this peer serves stage {worker.stage}")
         keys = PART_KEYS[part]

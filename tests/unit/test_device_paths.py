@@ -327,9 +327,9 @@ def test_what_a_donor_serves_for_an_export_is_a_host_copy():
     try:
         me = PeerRecord(peer_id="donor", stage=0, state=PeerState.ONLINE)
         provide = state_provider(worker, me)
-        for part in (StatePart.STAGE, StatePart.HEAD):
+        for part in (StatePart.STAGE, StatePart.WEIGHTS, StatePart.HEAD):
             served = asyncio.run(provide(part))
-            assert on_host(served.weights.values())
+            assert on_host(served.weights.values()) and on_host(served.moments.values())
         live = worker.module.state_dict()["lm_head.weight"]
         assert served.weights["lm_head.weight"].data_ptr() != live.data_ptr()  # a copy: training goes on
     finally:

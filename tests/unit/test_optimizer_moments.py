@@ -14,10 +14,11 @@ import asyncio
 import pytest
 import torch
 
+from dht.records import PeerRecord, PeerState
 from node.model.presets import load_config
 from node.pipeline.inner_optimizer import adam_moments, load_adam_moments
 from node.pipeline.stage_worker import StageWorker
-from node.recovery.state_transfer import adopt_state, capture_state
+from node.recovery.state_transfer import adopt_state, capture_state, state_provider
 from protocol import ProtocolError
 from protocol.stage_state import MOMENTS_DTYPE, StageState, StatePart, check_header, decode_payload, encode_state
 
@@ -132,3 +133,18 @@ def test_a_state_header_refuses_moments_out_of_place_or_shape_before_allocating(
     refused("after the weights come", shapes=[*meta["shapes"][:3], [3, 4]])
     refused("without a step count", optimizer_steps=0)
     refused("optimizer_steps must be", optimizer_steps=None)
+
+
+def test_a_joiner_gets_the_moments_and_a_rebuild_or_an_export_only_the_weights():
+    worker = StageWorker(CONFIG, STAGE)
+    try:
+        train(worker, 3, seed=4)
+        provide = state_provider(worker, PeerRecord(peer_id="donor", stage=STAGE, state=PeerState.ONLINE))
+        whole, weights_only = asyncio.run(provide(StatePart.STAGE)), asyncio.run(provide(StatePart.WEIGHTS))
+        assert whole.optimizer_steps == 3 and set(whole.moments) == {
+            f"{kind}.{name}" for kind in ("exp_avg", "exp_avg_sq") for name in whole.weights
+        }
+        assert weights_only.moments == {} and weights_only.optimizer_steps == 0
+        assert weights_only.weights.keys() == whole.weights.keys() and weights_only.inner_step == whole.inner_step
+    finally:
+        worker.close()
