@@ -31,6 +31,7 @@ __all__ = [
     "clipped_step",
     "load_adam_moments",
     "lr_at",
+    "new_adamw",
     "smoothed_throughput",
     "step_size",
     "time_forward_backward",
@@ -58,6 +59,11 @@ def lr_at(config: SwarmConfig, step: int, lr_scale: float = 1.0) -> float:
         progress = (step - t.warmup_steps) / (t.total_steps - t.warmup_steps)
         factor = t.min_lr_ratio + (1.0 - t.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
     return t.learning_rate * factor * lr_scale
+
+
+def new_adamw(params: Sequence[nn.Parameter], training: TrainingConfig, lr: float) -> torch.optim.AdamW:
+    """A stage's inner optimizer; `lr` is set again before every step (the schedule is lr_at)."""
+    return torch.optim.AdamW(params, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=training.weight_decay)
 
 
 def time_forward_backward(

@@ -80,6 +80,7 @@ from node.pipeline.inner_optimizer import (
     accumulate,
     clipped_step,
     lr_at,
+    new_adamw,
     smoothed_throughput,
     step_size,
     time_forward_backward,
@@ -158,7 +159,7 @@ class StageWorker:
         self.hidden_from_wire, self.tokens_from_wire = self.inputs.hidden_from_wire, self.inputs.tokens_from_wire
         self._closed = False
         self.gradient_gate = GradientGate()  # refuses absurd gradients from other peers
-        self.optimizer: torch.optim.AdamW = self._new_optimizer()
+        self.optimizer: torch.optim.AdamW = new_adamw(self._params, t, self.current_lr)
         self.executor = ComputeThread(f"stage{stage}-worker")
 
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
@@ -168,22 +169,10 @@ class StageWorker:
     # ------------------------------------------------------------------------------------------
     # Optimizer, schedule, state
 
-    def _new_optimizer(self) -> torch.optim.AdamW:
-        return torch.optim.AdamW(
-            self._params,
-            lr=self.current_lr,  # set again before every step (the schedule lives in lr_at)
-            betas=ADAM_BETAS,
-            eps=ADAM_EPS,
-            weight_decay=self.config.training.weight_decay,
-        )
-
-    def lr_at(self, step: int) -> float:
-        return lr_at(self.config, step, self.lr_scale)
-
     @property
     def current_lr(self) -> float:
         """The learning rate the next optimizer step will use."""
-        return self.lr_at(self.inner_step)
+        return lr_at(self.config, self.inner_step, self.lr_scale)
 
     def set_lr_scale(self, scale: float) -> None:
         """Multiply the schedule by `scale` from the next step on (CheckFree: 1.1 after a rebuild)."""
@@ -193,7 +182,15 @@ class StageWorker:
 
     def reset_optimizer(self) -> None:
         """A fresh AdamW (moments dropped); accumulated gradients and the schedule position stay."""
-        self.optimizer = self._new_optimizer()
+        self.optimizer = new_adamw(self._params, self.config.training, self.current_lr)
+
+    def adopt(self, weights: dict[str, Tensor], inner_step: int, grad_norm: float | None, lr_scale: float) -> None:
+        """Continue from a state that is not this worker's own training (a donor's, a rebuild, a
+        save): its weights under a fresh AdamW, its schedule position, last clipped norm and lr
+        scale. Besides the worker's own steps, the one writer of its training position."""
+        self.load_state_dict(weights, fresh_optimizer=True)
+        self.inner_step, self.last_grad_norm = inner_step, grad_norm
+        self.set_lr_scale(lr_scale)
 
     def state_dict(self) -> dict[str, Tensor]:
         """A detached host copy of the module's weights (safe to serialize while training goes on)."""

@@ -212,10 +212,7 @@ async def rebuild_stage(
         }
         saved = None if checkpoint is None else to_device(checkpoint.weights)
         weights = execute_rebuild(plan, fetched, fresh_state, saved)
-        worker.load_state_dict(weights, fresh_optimizer=True)
-        worker.inner_step = inner_step
-        worker.last_grad_norm = None
-        worker.set_lr_scale(lr_scale)
+        worker.adopt(weights, inner_step, None, lr_scale)
         return worker.state_dict()
 
     loaded = await worker.compute(apply)

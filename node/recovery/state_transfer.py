@@ -395,15 +395,12 @@ async def adopt_state(worker: StageWorker, state: StageState, gossip: Gossip | N
 
     def load() -> None:
         # the weights go through load_state_dict's own copies; the outer state is moved by import_outer
-        worker.load_state_dict(state.weights, fresh_optimizer=True)
+        worker.adopt(state.weights, state.inner_step, state.grad_norm, state.lr_scale)
         named = list(worker.module.named_parameters())
         try:
             load_adam_moments(worker.optimizer, named, state.moments, state.optimizer_steps, worker.transfers)
         except ValueError as e:
             logger.warning(f"stage {worker.stage}: the donor's optimizer moments were left out: {e}")
-        worker.inner_step = state.inner_step
-        worker.last_grad_norm = state.grad_norm
-        worker.set_lr_scale(state.lr_scale)
         if gossip is not None and state.outer:
             gossip.import_outer(state.outer, state.outer_round)
 

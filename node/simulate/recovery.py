@@ -261,9 +261,7 @@ def rebuild(swarm: SimulatedSwarm, lost: int, strategy: RecoveryStrategy, init_s
     scale = recovered_lr_scale(config.recovery.lr_scale, plan)
     for replica in range(swarm.replicas):
         worker = swarm.workers[lost][replica]
-        worker.load_state_dict(state, fresh_optimizer=True)
-        worker.set_lr_scale(scale)
-        worker.last_grad_norm = None  # a new peer has not stepped yet
+        worker.adopt(state, worker.inner_step, None, scale)  # a new peer has not stepped yet
         swarm.outer[lost][replica].restart_from_weights()
     nbytes = swarm.stage_bytes[lost]
     seconds = config.recovery.lost_grace
@@ -289,9 +287,7 @@ def roll_back(
         plan = plan_rebuild(stage, swarm.num_stages, RecoveryStrategy.CHECKPOINT, False)
         for replica, worker in enumerate(row):
             state = execute_rebuild(plan, {}, None, copy.deepcopy(saved[stage][replica]))
-            worker.load_state_dict(state, fresh_optimizer=True)
-            worker.inner_step = saved_steps[stage][replica]
-            worker.last_grad_norm = None
+            worker.adopt(state, saved_steps[stage][replica], None, worker.lr_scale)
             swarm.outer[stage][replica].restart_from_weights()
             swarm.last_round_step[stage][replica] = worker.inner_step
     seconds = (

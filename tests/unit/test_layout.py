@@ -6,6 +6,8 @@
 - layering: protocol/ imports nothing from dht/ or node/, dht/ nothing from node/;
 - node/ holds at most 6 loose modules beside its subpackages;
 - no module over 500 lines, no class over 300 lines (node/, dht/, protocol/, tests/);
+- a stage worker's training position (inner_step, last_grad_norm, lr_scale) is written by the
+  worker alone (StageWorker.adopt for a state from elsewhere), never assigned from outside;
 - nothing points at the old algorithms notes outside docs/ (see OLD_NOTES).
 """
 
@@ -26,6 +28,7 @@ MAX_LOOSE_NODE_MODULES = 6
 MAX_MODULE_LINES = 500
 MAX_CLASS_LINES = 300
 OLD_NOTES = "shared/" + "ALGORITHMS"  # split, so that this file does not mention it itself
+TRAINING_POSITION = {"inner_step", "last_grad_norm", "lr_scale"}  # StageWorker's, written by itself only
 
 Graph = dict[str, dict[str, list[str]]]  # module -> imported module -> ["path:line", ...]
 
@@ -232,6 +235,49 @@ def test_no_class_is_over_300_lines():
                 if lines > MAX_CLASS_LINES:
                     offenders.append(f"  {path.relative_to(ROOT)}:{start} class {node.name}: {lines} lines")
     assert not offenders, f"classes over {MAX_CLASS_LINES} lines:\n" + "\n".join(offenders)
+
+
+# ------------------------------------------------------------------------------------------------
+# One writer of a worker's training position
+
+
+def outside_writes(tree: ast.AST, attributes: set[str]) -> list[tuple[int, str]]:
+    """(line, target) of every assignment to one of `attributes` of an object other than `self`."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        else:
+            continue
+        for target in targets:
+            for element in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(element, ast.Attribute) and element.attr in attributes:
+                    if not (isinstance(element.value, ast.Name) and element.value.id == "self"):
+                        found.append((node.lineno, ast.unparse(element)))
+    return found
+
+
+def test_only_the_stage_worker_writes_its_training_position():
+    offenders = []
+    for path in python_files(ROOT, ("node",)):
+        for line, target in outside_writes(ast.parse(path.read_text(encoding="utf-8")), TRAINING_POSITION):
+            offenders.append(f"  {path.relative_to(ROOT)}:{line}: {target} = ...")
+    assert not offenders, "a worker's training position assigned from outside (use StageWorker.adopt):\n" + "\n".join(
+        offenders
+    )
+
+
+def test_the_writer_check_sees_assignments_to_other_objects_and_spares_self():
+    tree = ast.parse(
+        "worker.inner_step = 3\nself.inner_step = 4\na.b.lr_scale += 1\nw.last_grad_norm, x = None, 1\nw.other = 2"
+    )
+    assert outside_writes(tree, TRAINING_POSITION) == [
+        (1, "worker.inner_step"),
+        (3, "a.b.lr_scale"),
+        (4, "w.last_grad_norm"),
+    ]
 
 
 # ------------------------------------------------------------------------------------------------
