@@ -35,6 +35,7 @@ from dht.records import PeerRecord, PeerState, short_peer_id
 from dht.swarm_view import SwarmView
 from node.averaging.gossip import Gossip
 from node.config import SwarmConfig
+from node.p2p.answer_budget import AnswerBudget
 from node.p2p.tensor_stream import ChunkIndex, Session, TensorStream
 from node.p2p.transport import Transport, TransportError
 from node.pipeline.inner_optimizer import adam_moments, load_adam_moments
@@ -81,6 +82,10 @@ __all__ = [
 
 SERVICE = "state"
 MAX_CONCURRENT_UPLOADS = 2  # each upload holds a full copy of the stage in memory
+# the parts as large as a whole stage (a joiner's, a rebuild's, an export's): counted by the answer
+# budget. The edge parts embed/head are not: stage 1 / stage S peers refresh them every
+# edge_copy_interval stage-0 steps, a cadence set by the swarm's speed, not by the requester
+BUDGETED_PARTS = frozenset({StatePart.STAGE, StatePart.WEIGHTS, StatePart.EDGE_COPY})
 
 # What a donor serves for a requested part: copies taken consistently (training goes on while the
 # chunks stream); raises StateUnavailable to refuse.
@@ -97,12 +102,18 @@ def state_chunks(chunk_bytes: int) -> TensorStream:
 
 
 async def serve_state(
-    transport: Transport, provider: StateProvider, chunk_bytes: int = CHUNK_BYTES, timeout: float = 60.0
+    transport: Transport,
+    provider: StateProvider,
+    chunk_bytes: int = CHUNK_BYTES,
+    timeout: float = 60.0,
+    budget: AnswerBudget | None = None,
 ) -> None:
     """Register the "state" session handler: answer STATE_REQUESTs for the stage this peer serves
     (transport.stage, read per request: the peer may move) with provider(part), streamed in
-    chunks. `timeout` bounds each message."""
+    chunks. `timeout` bounds each message. Whole-stage parts count against `budget` (default:
+    node/p2p/answer_budget.py's limits); a requester over it gets an ERROR before anything is copied."""
     uploads = asyncio.Semaphore(MAX_CONCURRENT_UPLOADS)
+    budget = budget or AnswerBudget()
 
     async def handle(sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         session = Session(transport, reader, writer, timeout)
@@ -119,6 +130,11 @@ async def serve_state(
         part = StatePart(part)
         if uploads.locked():
             await session.send(transport.message(MessageKind.BUSY, request_id=rid))
+            return
+        refusal = budget.take(sender) if part in BUDGETED_PARTS else None
+        if refusal is not None:
+            logger.info(f"refused stage {stage} part {part} to {short_peer_id(sender)}: {refusal}")
+            await session.send(transport.error(refusal, rid))
             return
         async with uploads:
             try:

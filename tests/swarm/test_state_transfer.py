@@ -15,6 +15,7 @@ import torch
 
 from dht.records import PeerRecord
 from node.config import read_config
+from node.p2p.answer_budget import AnswerBudget, BudgetLimits
 from node.p2p.network import Network, start_network
 from node.p2p.transport import Transport, TransportError
 from node.pipeline.stage_worker import StageWorker
@@ -218,7 +219,8 @@ def test_hostile_donor_fails_cleanly_and_another_donor_is_used():
             honest_state = await capture_state(worker)
             async with networks(3) as (honest_net, hostile_net, joiner_net):
                 honest = Transport(honest_net.p2p, config.swarm_id, 2)
-                await serve_state(honest, state_provider(worker, record(honest_net, 2)), chunk_bytes=CHUNK)
+                roomy = AnswerBudget(BudgetLimits(per_identity=100, total=100))  # one joiner, ten downloads
+                await serve_state(honest, state_provider(worker, record(honest_net, 2)), CHUNK, budget=roomy)
                 hostile = Transport(hostile_net.p2p, config.swarm_id, 2)
                 modes: list[str] = []
                 served: list[str] = []
@@ -256,6 +258,45 @@ def test_hostile_donor_fails_cleanly_and_another_donor_is_used():
         assert state.weights.keys() == honest_state.weights.keys(), mode
         for name, value in honest_state.weights.items():
             assert torch.equal(state.weights[name], value), (mode, name)
+
+
+@pytest.mark.timeout(60)
+def test_a_requester_past_its_answer_budget_is_refused_before_any_copy_and_goes_to_another_donor():
+    config = tiny_config()
+
+    async def scenario():
+        worker = StageWorker(config, 1)
+        copies: list[StatePart] = []
+        provide = state_provider(worker, PeerRecord(peer_id="donor", stage=1, state="online"))
+
+        async def counting(part: StatePart) -> StageState:
+            copies.append(part)
+            return await provide(part)
+
+        try:
+            async with networks(3) as (stingy_net, other_net, joiner_net):
+                stingy = Transport(stingy_net.p2p, config.swarm_id, 1)
+                await serve_state(stingy, counting, CHUNK, budget=AnswerBudget(BudgetLimits(per_identity=2)))
+                other = Transport(other_net.p2p, config.swarm_id, 1)
+                await serve_state(other, provide, CHUNK)
+                joiner = Transport(joiner_net.p2p, config.swarm_id, 1)
+                for _ in range(2):
+                    await download_state(joiner, stingy_net.peer_id, 1, "stage", 10.0)
+                with pytest.raises(TransportError, match=r"answer budget spent \(2 per identity per 60 s\)"):
+                    await download_state(joiner, stingy_net.peer_id, 1, "weights", 10.0)
+                # the edge parts are not counted: stage 1 / S peers refresh them at the swarm's pace
+                with pytest.raises(TransportError, match="piece of stage 0"):
+                    await download_state(joiner, stingy_net.peer_id, 1, "embed", 10.0)
+                # the stingy donor announces a huge throughput, so it is asked first, refuses, and the other serves
+                candidates = [record(stingy_net, 1, throughput=1e9), record(other_net, 1, throughput=1e-3)]
+                state = await download_from_any(joiner, candidates, 1, "stage", random.Random(0), timeout=10.0)
+                return copies, state
+        finally:
+            worker.close()
+
+    copies, state = run(scenario())
+    assert copies == [StatePart.STAGE, StatePart.STAGE, StatePart.EMBED]  # nothing copied for a refusal
+    assert state.stage == 1 and state.weights
 
 
 @pytest.mark.timeout(60)
