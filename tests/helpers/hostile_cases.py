@@ -1198,6 +1198,39 @@ def state_bad_request(ctx, res: Result) -> list[Input]:
     ]
 
 
+@case(
+    "state_download_loop",
+    "state",
+    "one identity asking for the target's whole stage state again and again (reset after each header)",
+    "served a few times, then ERROR ('answer budget spent ...') before any copy is taken",
+    refused_by=(r"answer budget spent \(\d+ per identity",),
+)
+async def state_download_loop(ctx, res: Result) -> None:
+    ident = await ctx.identity("state-looper", res.nursery)
+    served = 0
+    for attempt in range(12):  # the budget is 4 an identity a minute: the 5th must be refused
+        wire = await ctx.open("state", ident)
+        try:
+            await wire.send_message(ctx.message(MessageKind.STATE_REQUEST, {"stage": ctx.stage, "part": "stage"}))
+            head = await wire.read_message(ctx.settings.reply_timeout)
+        finally:
+            with trio.move_on_after(2.0):
+                await wire.reset()  # the donor counted the answer once it sent the header
+        res.sent.append(f"request {attempt + 1}")
+        if head.is_message and head.kind == "state_header":
+            served += 1
+            continue
+        res.reply(f"request {attempt + 1} (after {served} served)", head)
+        if head.is_message and head.kind == "busy":  # uploading to others: not an answer, ask again
+            await trio.sleep(1.0)
+            continue
+        res.measurements["served_before_refusal"] = served
+        res.set(*judge(head))
+        return
+    res.measurements["served_before_refusal"] = served
+    res.set(ACCEPTED, f"the whole stage was served {served} times to one identity without a refusal")
+
+
 async def download_state(ctx, res: Result, ident) -> dict | None:
     """The target's own stage state through the ordinary state service (what any joiner gets). Only
     the attack's setup: a busy donor, a refusal or a broken download is tried again (as a joiner
