@@ -42,8 +42,12 @@ from node.p2p.transport import Transport
 from node.pipeline.stage_worker import StageWorker
 from node.runtime.events import EventPublisher
 from node.runtime.timeouts import within
+from protocol import MessageKind
 
-__all__ = ["Gossip"]
+__all__ = ["NOT_A_STAGE_MEMBER", "Gossip"]
+
+# why a gossip request from a peer with no record of our stage is answered BUSY
+NOT_A_STAGE_MEMBER = "gossip partners are the stage's members: no record of you at stage"
 
 POLL_SECONDS = 0.2  # how often the round loop checks the inner-step counter
 
@@ -183,6 +187,11 @@ class Gossip:
         )
         if refusal is not None:
             await session.send(self.transport.error(refusal, request.request_id))
+        elif not self.rounds.is_stage_member(sender):
+            # BUSY, not ERROR: a replica online a moment ago may not be in our view yet, and an honest
+            # initiator asks its next candidate after a BUSY without counting a failure
+            reason = {"reason": f"{NOT_A_STAGE_MEMBER} {self.me.stage} here"}
+            await session.send(self.transport.message(MessageKind.BUSY, reason, request_id=request.request_id))
         elif self.settings.mode == GossipMode.DILOCO:
             await within(self.diloco.serve(session, request), self.wire.round_budget(None, sender))
         else:

@@ -1361,8 +1361,9 @@ async def gossip_round(
     delta: list[torch.Tensor],
     chunks: Callable[[Any], Awaitable[None]] | None = None,
 ) -> None:
-    """A whole noloco round as a responder sees it from an initiator: request, swap, DONE."""
-    ident = await ctx.identity(label, res.nursery)  # fresh: a rejected round bans the sender
+    """A whole noloco round as a responder sees it from an initiator: request, swap, DONE. Sent as
+    a member of the swarm (a record of the target's stage), since only members get an exchange."""
+    ident = await ctx.member(label, res.nursery)  # one per round: a rejected round bans the sender
     total = sum(p.numel() for p in phi)
     wire, reply = await gossip_request(ctx, res, ident, request_meta(len(phi), total))
     if wire is None:
@@ -1426,6 +1427,33 @@ async def material(ctx, res: Result) -> tuple[list[str], list[torch.Tensor], lis
     res.measurements["state_inner_step"] = state["meta"].get("inner_step")
     res.measurements["state_outer_round"] = state["meta"].get("outer_round")
     return found
+
+
+@case(
+    "gossip_from_stranger",
+    "gossip",
+    "a well-formed GOSSIP_REQUEST from a peer with no record in the swarm",
+    "BUSY ('gossip partners are the stage's members: no record of you at stage N here')",
+    refused_by=(r"gossip partners are the stage's members: no record of you at stage \d+",),
+)
+async def gossip_from_stranger(ctx, res: Result) -> None:
+    found = await material(ctx, res)
+    if found is None:
+        return
+    _names, phi, _theta = found
+    ident = await ctx.identity("gossip-stranger", res.nursery)
+    wire = await ctx.open("gossip", ident)
+    try:
+        res.sent.append("GOSSIP_REQUEST, well-formed, from a stranger")
+        await wire.send_message(
+            ctx.message(MessageKind.GOSSIP_REQUEST, request_meta(len(phi), sum(p.numel() for p in phi)))
+        )
+        reply = await wire.read_message(ctx.settings.reply_timeout)
+    finally:
+        with trio.move_on_after(2.0):
+            await wire.reset()
+    res.reply("gossip request", reply)
+    res.set(*judge_any(reply))
 
 
 @case(
@@ -1550,7 +1578,7 @@ async def gossip_accept_then_silence(ctx, res: Result) -> None:
         return
     _names, phi, _theta = found
     s = ctx.settings
-    ident = await ctx.identity("silent", res.nursery)
+    ident = await ctx.member("silent", res.nursery)
     total = sum(p.numel() for p in phi)
     wire, reply = await gossip_request(ctx, res, ident, request_meta(len(phi), total))
     if wire is None:
@@ -1564,7 +1592,7 @@ async def gossip_accept_then_silence(ctx, res: Result) -> None:
     out: dict = {}
     done = trio.Event()
     probes: list[tuple[float, str]] = []
-    prober = await ctx.identity("honest-looking", res.nursery)
+    prober = await ctx.member("honest-looking", res.nursery)  # a stranger would be turned away anyway
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(drain, wire, s.silence_hold, out, done)

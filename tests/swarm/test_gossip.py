@@ -18,7 +18,7 @@ import torch
 
 from dht.records import PeerRecord, PeerState
 from dht.signing import Identity
-from node.averaging.gossip import Gossip
+from node.averaging.gossip import NOT_A_STAGE_MEMBER, Gossip
 from node.averaging.gossip_codec import GossipCodec, PhiDither, pack_bits, unpack_bits
 from node.averaging.gossip_wire import OPEN_TIMEOUT, STALL_TIMEOUT
 from node.averaging.noloco import OuterState, diloco_outer_step, outer_step, pseudo_gradient, relative_distance
@@ -206,6 +206,41 @@ def test_peer_in_an_exchange_answers_busy():
             assert (await exchange).status == "applied"
             assert a.outer_state.round == 1
             assert not all(torch.equal(x, y) for x, y in zip(before, await on_executor(a, weights, a)))
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(90)
+def test_only_a_peer_with_a_record_of_the_stage_gets_an_exchange():
+    """A request from a peer that holds no record of this stage (a stranger, or a peer of another
+    stage claiming this one) is answered BUSY with the reason, before any slot or tensor is given."""
+    config = gossip_config().replace(num_stages=3)
+
+    async def scenario():
+        async with inprocess_swarm(config, stages=[1, 1, 2]) as peers:
+            a, b, c = gossips(peers)
+            for seed, gossip in enumerate((a, b)):
+                await train_a_little(gossip, seed)
+            await a.rounds.view.refresh()
+
+            # c serves stage 2 and claims stage 1 in its request
+            t = c.transport
+            async with t.session(a.me.peer_id, "gossip", 5.0) as (reader, writer):
+                request = t.message(MessageKind.GOSSIP_REQUEST, a.wire.request_meta(0))
+                request.sender_stage = 1
+                await send_message(writer, request, "none", t.limits)
+                reply = await recv_message(reader, t.limits, t.swarm_id)
+            assert reply.kind == MessageKind.BUSY
+            assert reply.meta["reason"] == f"{NOT_A_STAGE_MEMBER} 1 here" and not a.exchanging
+
+            # b, unknown to a's view (no record read yet), is turned away; once a knows it, served
+            record_of = a.rounds.view.record_of
+            a.rounds.view.record_of = lambda peer_id: None if peer_id == b.me.peer_id else record_of(peer_id)
+            assert (await b.run_round(partner=a.me.peer_id)).status == "busy"
+            assert a.outer_state.round == b.outer_state.round == 0
+            a.rounds.view.record_of = record_of
+            assert (await b.run_round(partner=a.me.peer_id)).status == "applied"
+            assert a.outer_state.round == b.outer_state.round == 1
 
     asyncio.run(scenario())
 

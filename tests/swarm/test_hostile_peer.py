@@ -47,7 +47,7 @@ from tests.helpers.swarms import bootstrap_fast, peer_id_of, private_mode
 
 SCRIPT = Path(__file__).resolve().parent.parent / "helpers" / "hostile_peer.py"
 MEMBER_RECORDS = Path(__file__).resolve().parent.parent / "helpers" / "member_records.py"
-MEMBERS_PER_TARGET = 8  # one per case that must pass the membership gate (5), and spares
+MEMBERS_PER_TARGET = 14  # one per case that must pass a membership gate (5 tensor, 6 gossip), and spares
 NUM_STAGES = 2
 NOFILE = 1024
 # `python -c` instead of `python -m node`: the same CLI, with the descriptor limit of `ulimit -n
@@ -137,23 +137,28 @@ def make_members(swarm: Swarm, swarm_id: str, workdir: Path) -> dict[int, Path]:
     """RSA identities that count as members of the swarm, a directory of them per target: a process
     of their own keeps their `joining` records in the DHT (tests/helpers/member_records.py), and the
     swarm's view lists them before the hostile peers start."""
-    directories, keys = {}, []
-    for stage in range(NUM_STAGES):
+    directories, keys = {}, {}
+    for stage in range(NUM_STAGES):  # each target's members hold records of its stage (gossip asks that)
         directory = directories[stage] = workdir / f"members-stage{stage}"
         directory.mkdir()
         for i in range(MEMBERS_PER_TARGET):
             identity = Identity.generate()
             identity.save(str(directory / f"member{i}.key"))
-            keys.append(identity.peer_id)
+            keys[identity.peer_id] = stage
     records = swarm.spawn(
         "members",
-        ["--initial-peers", *swarm.initial_peers, "--swarm-id", swarm_id, "--stage", "1", "--ttl", "5"]
-        + [str(path) for directory in directories.values() for path in sorted(directory.glob("*.key"))],
+        ["--initial-peers", *swarm.initial_peers, "--swarm-id", swarm_id, "--ttl", "5"]
+        + [f"{stage}:{path}" for stage, directory in directories.items() for path in sorted(directory.glob("*.key"))],
         python_prefix=[str(MEMBER_RECORDS)],
     )
     wait_for(lambda: "MEMBERS ANNOUNCED" in records.log(), 60, lambda: f"members never announced:\n{records.log()}")
+
+    def all_listed() -> bool:
+        listed = peers_by_stage(swarm.observe(), states=("joining",))
+        return all(peer in listed.get(stage, []) for peer, stage in keys.items())
+
     wait_for(
-        lambda: set(keys) <= set(peers_by_stage(swarm.observe(), states=("joining",)).get(1, [])),
+        all_listed,
         30,
         "the members' records never showed in the swarm",
         interval=1.0,
