@@ -193,8 +193,10 @@ def load_adam_moments(
     transfers: DeviceTransfers,
 ) -> None:
     """Give `optimizer` (fresh, not stepped) the moments `adam_moments` made, on the weights' device
-    and dtype. ValueError, and the optimizer untouched, if a name, shape or value is wrong: each
-    weight has both moments or none, second moments are >= 0, everything finite, steps >= 1."""
+    and dtype; it takes them over (AdamW updates them in place): pass copies, as adam_moments and a
+    decoded download are. ValueError, and the optimizer untouched, if a name, shape or value is
+    wrong: each weight has both moments or none, second moments are >= 0, everything finite,
+    steps >= 1."""
     params = dict(named_params)
     pending: dict[str, dict[str, Tensor]] = {}
     for key, tensor in moments.items():
@@ -215,5 +217,5 @@ def load_adam_moments(
         param = params[name]
         optimizer.state[param] = {
             "step": torch.tensor(float(steps), device="cpu"),  # host: AdamW keeps a non-capturable step there
-            **{kind: transfers.to_device(found[kind], param.dtype).clone() for kind in MOMENT_KINDS},
+            **{kind: transfers.to_device(found[kind], param.dtype) for kind in MOMENT_KINDS},
         }

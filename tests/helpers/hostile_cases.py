@@ -1441,19 +1441,9 @@ async def gossip_from_stranger(ctx, res: Result) -> None:
     if found is None:
         return
     _names, phi, _theta = found
-    ident = await ctx.identity("gossip-stranger", res.nursery)
-    wire = await ctx.open("gossip", ident)
-    try:
-        res.sent.append("GOSSIP_REQUEST, well-formed, from a stranger")
-        await wire.send_message(
-            ctx.message(MessageKind.GOSSIP_REQUEST, request_meta(len(phi), sum(p.numel() for p in phi)))
-        )
-        reply = await wire.read_message(ctx.settings.reply_timeout)
-    finally:
-        with trio.move_on_after(2.0):
-            await wire.reset()
-    res.reply("gossip request", reply)
-    res.set(*judge_any(reply))
+    request = ctx.message(MessageKind.GOSSIP_REQUEST, request_meta(len(phi), sum(p.numel() for p in phi)))
+    label = "GOSSIP_REQUEST, well-formed, from a stranger"
+    await must_reject(ctx, res, label, "gossip", encoded(ctx, request), close_write=False, repetitions=1)
 
 
 @case(
