@@ -3,8 +3,8 @@ together, per sliding window (docs/security.md, "Budgets for expensive answers")
 
 An open swarm serves its weights to whoever asks: a joiner downloads its stage once, a CheckFree
 rebuild fetches each source stage once per attempt, `node export` each stage once. A stranger
-asking in a loop would make the peer upload its whole stage over and over (22.8 MiB for a 15m block
-stage, far more at 125m) on a home uplink. The budget keeps the honest cases free and bounds the
+asking in a loop would make the peer upload its whole stage over and over (31.9 MB for a 2-layer
+15m block stage, far more at 125m) on a home uplink. The budget keeps the honest cases free and bounds the
 loop: `per_identity` answers in `window` seconds for one identity, `total` for everyone. A spent
 budget is refused at once, before any copy of the state is taken. Pure bookkeeping, no networking.
 """
