@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 
 from torch import Tensor
 
@@ -29,6 +30,8 @@ __all__ = ["DilocoRound"]
 
 logger = logging.getLogger(__name__)
 
+MAX_ANSWERED = 4096  # (peer, round) pairs remembered: far more than a stage's replicas x live rounds
+
 
 class DilocoRound:
     """This replica's part in the group rounds: one round at a time, started here or by a peer."""
@@ -38,6 +41,8 @@ class DilocoRound:
         self._published: tuple[int, RoundStart] | None = None  # my Delta for a round, served on request
         self._task: asyncio.Task | None = None
         self._tasks = BackgroundTasks()
+        # who got which round's Delta: once each, so a member cannot have us upload it in a loop
+        self._answered: OrderedDict[tuple[str, int], None] = OrderedDict()
 
     @property
     def running(self) -> bool:
@@ -100,10 +105,16 @@ class DilocoRound:
             return None
         return delta_here
 
-    async def serve(self, session: Session, request: Message) -> None:
-        """Stream my Delta for the requested round; a request for my current round starts it."""
+    async def serve(self, sender: str, session: Session, request: Message) -> None:
+        """Stream my Delta for the requested round, once per peer; a request for my current round
+        starts it."""
         ctx, wire = self.ctx, self.ctx.wire
         wanted = request.meta["round"]
+        if (sender, wanted) in self._answered:
+            await session.send(
+                wire.transport.error(f"round {wanted}'s Delta was sent to you already", request.request_id)
+            )
+            return
         if self._published is None or self._published[0] != wanted:
             if not self.running:
                 state = ctx.replica.state
@@ -121,6 +132,9 @@ class DilocoRound:
                     return
                 await asyncio.sleep(0.01)
         start = self._published[1]
+        self._answered[(sender, wanted)] = None
+        while len(self._answered) > MAX_ANSWERED:
+            self._answered.popitem(last=False)
         await session.send(wire.accept(wanted))
         await wire.send_tensors(session, wanted, start.wire)
         await session.send(wire.transport.message(MessageKind.GOSSIP_DONE, {"round": wanted}))

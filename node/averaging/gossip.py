@@ -38,6 +38,14 @@ from node.averaging.round_context import RoundContext
 from node.averaging.round_protocol import PairwiseRound
 from node.config import GossipMode, SwarmConfig
 from node.p2p.bans import BanList
+from node.p2p.membership import (
+    LIVENESS_PENDING,
+    LivenessChecks,
+    LivenessSettings,
+    Membership,
+    serve_liveness,
+    transport_ping,
+)
 from node.p2p.transport import Transport
 from node.pipeline.stage_worker import StageWorker
 from node.runtime.events import EventPublisher
@@ -49,6 +57,9 @@ __all__ = ["NOT_A_STAGE_MEMBER", "Gossip"]
 # why a gossip request from a peer with no record of our stage is answered BUSY
 NOT_A_STAGE_MEMBER = "gossip partners are the stage's members: no record of you at stage"
 
+# a partner's first request waits this long for its answer to our liveness ping, well within the
+# initiator's STALL_TIMEOUT for our reply
+MEMBER_WAIT = 1.5
 POLL_SECONDS = 0.2  # how often the round loop checks the inner-step counter
 
 
@@ -67,7 +78,10 @@ class Gossip:
         ban_until: Callable[[str], float],
         rng: random.Random | None = None,
         replica: OuterReplica | None = None,
+        membership: Membership | None = None,
     ):
+        """`membership`: the node's gate (node/p2p/membership.py), whose liveness service the node
+        serves; None: a gate of this Gossip's own, its liveness service served by `start`."""
         self.config = config
         self.settings = config.gossip
         self.me = me
@@ -84,6 +98,10 @@ class Gossip:
         self.pairwise = PairwiseRound(self.rounds)
         self.diloco = DilocoRound(self.rounds)
         self.fingerprint: list[float] | None = None
+        self._serves_liveness = membership is None
+        self.membership = membership or Membership(
+            view, LivenessChecks(transport_ping(transport, LivenessSettings().timeout)), me.peer_id
+        )
         # same seed on every replica of a stage: their fingerprints are comparable
         self._fingerprint = WeightFingerprint(self.rounds.replica.shapes, config.seed * 1009 + me.stage)
 
@@ -129,6 +147,8 @@ class Gossip:
     # ---- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self._serves_liveness:
+            await serve_liveness(self.transport)
         await self.transport.serve_sessions(GOSSIP_SERVICE, self._on_session)
 
     async def run(self) -> None:
@@ -187,13 +207,15 @@ class Gossip:
         )
         if refusal is not None:
             await session.send(self.transport.error(refusal, request.request_id))
-        elif not self.rounds.is_stage_member(sender):
+        elif (refused := await self.membership.admit(sender, self.me.stage, wait=MEMBER_WAIT)) is not None:
             # BUSY, not ERROR: a replica online a moment ago may not be in our view yet, and an honest
             # initiator asks its next candidate after a BUSY without counting a failure
-            reason = {"reason": f"{NOT_A_STAGE_MEMBER} {self.me.stage} here"}
-            await session.send(self.transport.message(MessageKind.BUSY, reason, request_id=request.request_id))
+            reason = refused if refused == LIVENESS_PENDING else f"{NOT_A_STAGE_MEMBER} {self.me.stage} here"
+            await session.send(
+                self.transport.message(MessageKind.BUSY, {"reason": reason}, request_id=request.request_id)
+            )
         elif self.settings.mode == GossipMode.DILOCO:
-            await within(self.diloco.serve(session, request), self.wire.round_budget(None, sender))
+            await within(self.diloco.serve(sender, session, request), self.wire.round_budget(None, sender))
         else:
             await self.pairwise.respond(sender, session, request)
 

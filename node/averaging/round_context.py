@@ -18,7 +18,7 @@ from collections.abc import Callable
 from torch import Tensor
 
 from dht.announcer import PeerAnnouncer
-from dht.records import EventKind, PeerState, short_peer_id
+from dht.records import EventKind, short_peer_id
 from dht.swarm_view import SwarmView
 from node.averaging.gossip_codec import PhiDither
 from node.averaging.gossip_wire import STALL_COOLDOWN, GossipWire
@@ -133,18 +133,6 @@ class RoundContext:
         ]
         self.rng.shuffle(peers)
         return peers
-
-    def is_stage_member(self, peer_id: str) -> bool:
-        """Does `peer_id` hold a record of this replica's stage (joining or online) in our view?
-        Only such a peer gets an exchange: a peer with no record, or one of another stage, can take
-        neither the round's one slot nor our tensors. A record is free to sign (docs/security.md),
-        so this turns away strangers, not Sybils."""
-        record = self.view.record_of(peer_id)
-        return (
-            record is not None
-            and record.stage == self.me.stage
-            and record.state in (PeerState.JOINING, PeerState.ONLINE)
-        )
 
     def cooling_down(self, peer_id: str) -> bool:
         """Did `peer_id` stall one of our rounds less than STALL_COOLDOWN seconds ago?"""

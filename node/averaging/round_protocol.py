@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from dht.records import PeerState, short_peer_id
+from node.averaging.answer_pacing import AnswerPace, UnfinishedAnswers
 from node.averaging.gossip_codec import MAX_PHI_SEED, PhiDither
 from node.averaging.gossip_wire import COMPUTE_SLACK, STALL_TIMEOUT, GossipWire
 from node.averaging.outer_replica import RoundOutcome, RoundStart, RoundStatus
@@ -87,12 +88,18 @@ class PartnerUpdate:
     sent_bytes: int  # framed bytes this side sent in the exchange
 
 
+# the BUSY reason of a paced answer (an honest initiator asks its next candidate)
+ANSWER_BUDGET = "gossip answer budget"
+
+
 class PairwiseRound:
     """The NoLoCo round of one replica, both as initiator (`run`) and as responder (`respond`)."""
 
     def __init__(self, ctx: RoundContext):
         self.ctx = ctx
         self.exchanging = False  # one exchange at a time, as initiator or responder
+        # answers whose round did not finish, paced in our inner steps (node/averaging/answer_pacing.py)
+        self.unfinished = UnfinishedAnswers(AnswerPace(gap_steps=max(1, ctx.settings.inner_steps // 2)))
 
     # ---- initiator -----------------------------------------------------------------------------
 
@@ -185,10 +192,17 @@ class PairwiseRound:
         if self.exchanging or not ctx.ripe(partner_steps) or ctx.me.state != PeerState.ONLINE:
             await session.send(ctx.wire.transport.message(MessageKind.BUSY, request_id=request.request_id))
             return
+        step = ctx.worker.inner_step
+        if (paced := self.unfinished.refusal(sender, step)) is not None:
+            reason = {"reason": f"{ANSWER_BUDGET}: {paced}"}
+            await session.send(ctx.wire.transport.message(MessageKind.BUSY, reason, request_id=request.request_id))
+            return
         self.exchanging = True
         key = PhiDither(request.meta["phi_seed"])  # checked by GossipWire.refusal
+        finished = False
         try:
             await within(self._answer(sender, session, key), ctx.wire.round_budget(key, sender))
+            finished = True
         except PartnerRejected as e:
             ctx.reject(sender, str(e), e.implausible)
             ctx.record(RoundOutcome(RoundStatus.REJECTED, ctx.replica.state.round, (sender,), str(e)))
@@ -201,6 +215,8 @@ class PairwiseRound:
             )
         finally:
             self.exchanging = False
+            if not finished:
+                self.unfinished.note(sender, step)
 
     async def _answer(self, sender: str, session: Session, key: PhiDither) -> None:
         ctx = self.ctx

@@ -2,8 +2,9 @@
 
 Two separate concerns with one owner per peer:
 - *limits*: concurrent incoming streams per peer, all incoming streams together (well under the
-  process's file-descriptor limit), and a request rate per peer (a token bucket). Over a limit the
-  stream is refused at once; nothing is allocated for it.
+  process's file-descriptor limit) with a quarter of them for all peers that are not members,
+  and a request rate per peer (a token bucket). Over a limit the stream is refused at once;
+  nothing is allocated for it.
 - *conduct*: every malformed message, non-finite or absurd tensor, or forged reference to a
   microbatch is a strike. `strikes_to_ban` strikes within `strike_window` seconds ban the peer
   until its DHT record expires (SWARM bans the same way): its streams are refused at the door and
@@ -38,6 +39,9 @@ class ConductLimits:
     """Concurrent incoming streams one peer may hold (a pipeline peer needs ~2 x max_in_flight)."""
     total_streams: int | None = None
     """All incoming streams together; None: a quarter of the file-descriptor soft limit, at most 1024."""
+    stranger_share: float = 0.25
+    """The part of `total_streams` that peers which are not members (node/p2p/membership.py) may
+    hold together: a stranger hoarding streams leaves the members three quarters."""
     requests_per_second: float = 200.0
     """Sustained request rate per peer (token bucket refill)."""
     request_burst: int = 400
@@ -88,9 +92,11 @@ class PeerConduct:
         ban_until: Callable[[str], float] | None = None,
         bans: BanList | None = None,
         clock: Callable[[], float] = time.time,
+        is_member: Callable[[str], bool] | None = None,
     ):
         """`bans`: the node's one ban store, shared with routing and gossip; None: a store of this
-        conduct's own (the DHT guard, tests)."""
+        conduct's own (the DHT guard, tests). `is_member`: whether a peer is a member now (its
+        record and its answer to our ping); None: every peer counts as one (no strangers' share)."""
         self.limits = limits or ConductLimits()
         self.total_streams = self.limits.total_streams or default_total_streams()
         self.ban_until = ban_until or (lambda peer_id: 0.0)
@@ -98,6 +104,10 @@ class PeerConduct:
         self._clock = clock
         self._open: dict[str, int] = {}
         self._open_total = 0
+        self.is_member = is_member
+        self._strangers: dict[str, int] = {}  # streams admitted to a peer while it was no member
+        self._strangers_total = 0
+        self.strangers_cap = max(1, int(self.total_streams * self.limits.stranger_share))
         self._buckets: dict[str, _Bucket] = {}
         self._strikes: dict[str, deque[float]] = {}
         self.refused = 0  # streams refused at the door (limits or bans), for status and tests
@@ -146,11 +156,18 @@ class PeerConduct:
             reason = "too many open streams"
         elif self._open.get(peer_id, 0) >= self.limits.streams_per_peer:
             reason = "too many streams from this peer"
+        elif (stranger := self.is_member is not None and not self.is_member(peer_id)) and (
+            self._strangers_total >= self.strangers_cap
+        ):
+            reason = "too many open streams from peers that are not members"
         elif not self._take_tokens(peer_id, cost):
             reason = "request rate exceeded"
         else:
             self._open[peer_id] = self._open.get(peer_id, 0) + 1
             self._open_total += 1
+            if stranger:
+                self._strangers[peer_id] = self._strangers.get(peer_id, 0) + 1
+                self._strangers_total += 1
             return None
         self.refused += 1
         return reason
@@ -179,10 +196,20 @@ class PeerConduct:
         else:
             del self._open[peer_id]
         self._open_total -= 1
+        if (as_stranger := self._strangers.get(peer_id, 0)) > 0:  # which of its streams: any, the counts agree
+            if as_stranger > 1:
+                self._strangers[peer_id] = as_stranger - 1
+            else:
+                del self._strangers[peer_id]
+            self._strangers_total -= 1
         return True
 
     def open_streams(self, peer_id: str | None = None) -> int:
         return self._open_total if peer_id is None else self._open.get(peer_id, 0)
+
+    def strangers_streams(self) -> int:
+        """Streams held by peers admitted while they were not members."""
+        return self._strangers_total
 
     def _take_tokens(self, peer_id: str, cost: float) -> bool:
         now = self._clock()

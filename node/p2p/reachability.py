@@ -33,7 +33,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from enum import StrEnum
 
+from dht.announcer import PeerAnnouncer
 from dht.records import CIRCUIT, Reachability
+from dht.swarm_view import SwarmView
 
 
 class NatReachability(StrEnum):
@@ -73,3 +75,19 @@ def carries_training(mine: Reachability, theirs: Reachability, through_relays: b
     unless `through_relays`: a direct link reaches the other through a relay it is registered with,
     punched or carried by it (node/p2p/traversal.py)."""
     return through_relays or not (mine == Reachability.RELAYED and theirs == Reachability.RELAYED)
+
+
+def unreachable_peers(me: PeerAnnouncer, view: SwarmView, through_relays: bool = False) -> set[str]:
+    """Peers whose connection with this one could not carry training traffic: both behind NATs
+    (unless, `through_relays`, the other announces relays our direct links reach it through).
+    Asked on every routed hop: a peer whose connection even with a relayed peer carries training
+    (the worst case) answers without reading the view."""
+    mine = me.reachability
+    if carries_training(mine, Reachability.RELAYED):
+        return set()
+    return {
+        peer.peer_id
+        for peers in view.peers_by_stage.values()
+        for peer in peers
+        if not carries_training(mine, peer.reachability, through_relays and bool(peer.relays))
+    }

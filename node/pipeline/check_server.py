@@ -22,13 +22,13 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import Tensor
 
 from dht.records import short_peer_id
 from node.config import VerificationConfig
+from node.p2p.membership import Membership
 from node.p2p.transport import Transport
 from node.pipeline.check_wire import CHECK_SERVICE, WEIGHTS, backward_name, exact, forward_name
 from node.pipeline.contracts import CHECK_CONTRACT
@@ -63,9 +63,9 @@ class CheckServer:
         settings: VerificationConfig,
         transport: Transport,
         keeper: ReceiptKeeper,
-        is_member: Callable[[str], bool],
+        membership: Membership,
     ) -> None:
-        self.settings, self.transport, self.keeper, self.is_member = settings, transport, keeper, is_member
+        self.settings, self.transport, self.keeper, self.membership = settings, transport, keeper, membership
         self.worker = keeper.worker
         self.layout = LayerLayout(self.worker.config.model)
         self.layers = self.worker.config.model.layers_per_stage
@@ -83,8 +83,9 @@ class CheckServer:
         """A CHECK, AUDIT or OPEN (CHECK_CONTRACT, checked by the transport)."""
         if msg.meta["stage"] != self.worker.stage or self.worker.stage == 0:
             return self.transport.error(f"this peer serves stage {self.worker.stage}", msg.request_id)
-        if not self.is_member(sender):
-            return self.transport.message(MessageKind.BUSY, request_id=msg.request_id)
+        refusal = await self.membership.admit(sender)
+        if refusal is not None:
+            return self.transport.message(MessageKind.BUSY, {"reason": refusal}, request_id=msg.request_id)
         if msg.kind == MessageKind.OPEN:  # finishes a check already under way: never BUSY
             return await self._open(sender, msg)
         if self._serving >= self.settings.max_concurrent:

@@ -163,7 +163,7 @@ class Pipeline:
         rng: random.Random | None = None,
         ban_until: Callable[[str], float] | None = None,
         max_queue: int | None = None,
-        is_member: Callable[[str], bool] | None = None,
+        refusal: Callable[[str, int], str | None] | None = None,
         unreachable: Callable[[], set[str]] = set,
         verifier: Verifier | None = None,
         receipts: ReceiptKeeper | None = None,  # a block stage's record of what it computed, for checks
@@ -176,8 +176,9 @@ class Pipeline:
         self.me = me
         self.rng = rng or random.Random()
         self.ban_until = ban_until or (lambda peer_id: time.time() + config.heartbeat.ttl)
-        # whether a peer has a live record in this swarm: compute is spent only on members' microbatches
-        self.is_member = is_member or (lambda peer_id: True)
+        # why a peer may not send us a microbatch from a stage (node/p2p/membership.py): compute
+        # is spent only on members' microbatches
+        self.refusal = refusal or (lambda peer_id, stage: None)
         training = config.training
         deadline = training.hop_timeout * config.num_stages  # a microbatch's: through every stage, back to us
         self.window = InFlightWindow(training.min_in_flight, max_in_flight or training.max_in_flight, deadline)
@@ -228,13 +229,12 @@ class Pipeline:
                 return self.transport.error("unknown microbatch")
             self._tasks.spawn(self._finish_forward(msg))
             return self._ack(msg)
-        if not (self.is_member(sender) and self.is_member(msg.meta["origin"])):
-            # a stranger (or a joiner our swarm view has not seen yet): not a strike, and BUSY so an
-            # honest sender tries another peer without banning us
+        # the sender serves the stage before ours on this path, the origin stage 0; a stranger (or a
+        # joiner our view has not seen yet) gets BUSY, not a strike: an honest sender asks another peer
+        refusal = self.refusal(sender, order[hop - 2] if hop >= 2 else 0) or self.refusal(msg.meta["origin"], 0)
+        if refusal is not None:
             self.stats.busy_replies += 1
-            return self.transport.message(
-                MessageKind.BUSY, {"reason": "not a member of this swarm"}, request_id=msg.request_id
-            )
+            return self.transport.message(MessageKind.BUSY, {"reason": refusal}, request_id=msg.request_id)
         if self._queued >= self.max_queue:
             self.stats.busy_replies += 1
             return self.transport.message(MessageKind.BUSY, request_id=msg.request_id)

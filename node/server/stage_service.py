@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from dht.announcer import PeerAnnouncer, PeerProgress
-from dht.records import PeerRecord, PeerState, Reachability
+from dht.records import PeerRecord, PeerState
 from dht.registry import SwarmRegistry, swarm_key_of
 from dht.swarm_view import SwarmView
 from node.averaging.gossip import Gossip
@@ -27,9 +27,10 @@ from node.model.data import DataError, open_source, stream_id_from_peer
 from node.model.memory import available_memory, format_bytes, memory_refusal
 from node.p2p.dialer import PeerDialer, keep_connected
 from node.p2p.direct import direct_addresses_of
+from node.p2p.membership import LivenessChecks, LivenessSettings, Membership, serve_liveness, transport_ping
 from node.p2p.network import Network
 from node.p2p.peer_conduct import PeerConduct
-from node.p2p.reachability import carries_training
+from node.p2p.reachability import unreachable_peers
 from node.p2p.rejoin import RejoinBook
 from node.p2p.transport import Transport
 from node.p2p.traversal import serve_traversal
@@ -112,6 +113,7 @@ class StageService:
     pipeline: Pipeline
     gossip: Gossip
     verifier: Verifier
+    membership: Membership  # who may send us work: a record and an answer to our ping
     checks: CheckServer | None = None  # a block stage answering spot-checks of what it computed
     validator: Validator | None = None  # stage 0 with held-out data and validation on
 
@@ -181,7 +183,8 @@ async def build_service(
         record = view.record_of(peer_id)
         return max(record.expires if record else 0.0, time.time() + config.heartbeat.ttl)
 
-    conduct = PeerConduct(ban_until=ban_until, bans=bans)
+    # strangers share a quarter of the stream slots; `membership` is built below, on the transport
+    conduct = PeerConduct(ban_until=ban_until, bans=bans, is_member=lambda peer_id: membership.is_member(peer_id))
     transport = Transport(
         network.p2p,
         config.swarm_id,
@@ -200,14 +203,16 @@ async def build_service(
         unreachable = unreachable_peers(me, view)
         return [p.peer_id for p in view.online(stage, exclude=me.peer_id) if p.peer_id not in unreachable]
 
-    def is_member(peer_id: str) -> bool:
-        return view.record_of(peer_id) is not None
+    # who may send us work: a record in our view and an answer to our ping (node/p2p/membership.py)
+    liveness = LivenessChecks(transport_ping(transport, LivenessSettings().timeout))
+    membership = Membership(view, liveness, me.peer_id)
+    view.on_refresh(membership.on_refresh)
 
     checks, receipts = None, None
     if me.stage > 0:  # a block stage keeps receipts of what it computed and answers checks of them
         v = config.verification
         receipts = ReceiptKeeper(worker, ReceiptBook(v.max_receipts, v.receipt_seconds))
-        checks = CheckServer(v, transport, receipts, is_member)
+        checks = CheckServer(v, transport, receipts, membership)
     verifier = Verifier(
         config.verification,
         transport,
@@ -228,7 +233,7 @@ async def build_service(
         me,
         rng=rng,
         ban_until=ban_until,
-        is_member=is_member,
+        refusal=membership.refusal,
         # hops run on direct links, which reach a peer behind a NAT through its relays (node/p2p/traversal.py)
         unreachable=lambda: unreachable_peers(me, view, through_relays=network.traversal is not None),
         verifier=verifier,
@@ -236,8 +241,20 @@ async def build_service(
         max_in_flight=max_in_flight,
     )
     replica = await worker.compute(OuterReplica, worker.module, config.gossip)
-    gossip = Gossip(config, me, worker, transport, view, router.bans, registry, ban_until, rng=rng, replica=replica)
-    return StageService(config, me, worker, transport, router, view, pipeline, gossip, verifier, checks)
+    gossip = Gossip(
+        config,
+        me,
+        worker,
+        transport,
+        view,
+        router.bans,
+        registry,
+        ban_until,
+        rng=rng,
+        replica=replica,
+        membership=membership,
+    )
+    return StageService(config, me, worker, transport, router, view, pipeline, gossip, verifier, membership, checks)
 
 
 def remember_addresses(book: RejoinBook, peers_by_stage: dict[int, list[PeerRecord]]) -> None:
@@ -265,22 +282,6 @@ def neighbours(service: StageService) -> list[str]:
     ]
 
 
-def unreachable_peers(me: PeerAnnouncer, view: SwarmView, through_relays: bool = False) -> set[str]:
-    """Peers whose connection with this one could not carry training traffic: both behind NATs
-    (unless, `through_relays`, the other announces relays our direct links reach it through).
-    Asked on every routed hop: a peer whose connection even with a relayed peer carries training
-    (the worst case) answers without reading the view."""
-    mine = me.reachability
-    if carries_training(mine, Reachability.RELAYED):
-        return set()
-    return {
-        peer.peer_id
-        for peers in view.peers_by_stage.values()
-        for peer in peers
-        if not carries_training(mine, peer.reachability, through_relays and bool(peer.relays))
-    }
-
-
 @contextlib.asynccontextmanager
 async def running_service(
     network: Network, config: SwarmConfig, me: PeerAnnouncer, options: ServiceOptions
@@ -296,6 +297,7 @@ async def running_service(
     if network.traversal is not None:  # direct links to peers behind NATs, and to us when we are one
         tasks.append(asyncio.create_task(serve_traversal(network.traversal, service.view, me), name="traversal"))
     try:
+        await serve_liveness(service.transport)  # first: peers that saw our record are checking us now
         # announce a measured speed from the start: routers and stage choice compare these numbers
         await service.worker.executor.run(service.worker.measure_throughput)
         await service.pipeline.start()
@@ -355,6 +357,7 @@ async def running_service(
         await asyncio.gather(*tasks, return_exceptions=True)
         await service.pipeline.close()
         await service.verifier.close()
+        service.membership.liveness.close()
         await service.transport.close()  # this stage's handlers go: a move may serve another stage next
         service.worker.close()
         if options.on_service is not None:

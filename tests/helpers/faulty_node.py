@@ -134,8 +134,8 @@ def install(kind: FaultKind, after: float = 0.0) -> None:
     llama.BlockStage.__init__ = faulty_init  # type: ignore[method-assign]
     honest_server_init = check_server.CheckServer.__init__
 
-    def lying_server_init(self, settings, transport, keeper, is_member) -> None:
-        honest_server_init(self, settings, transport, keeper, is_member)
+    def lying_server_init(self, settings, transport, keeper, membership) -> None:
+        honest_server_init(self, settings, transport, keeper, membership)
         make_liar(keeper, self, kind, active)
 
     if kind in (FaultKind.CHECKS_AWARE, FaultKind.WEIGHTS_LIE):

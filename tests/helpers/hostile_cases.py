@@ -47,6 +47,9 @@ CHUNK_ELEMENTS = 1 << 18  # what the node's gossip sends per GOSSIP_CHUNK (node/
 GOSSIP_CODEC = GossipCodec()
 PHI_KEY = PhiDither(0)
 EVICTED_ATTEMPTS = 4  # own forwards a backward case sends before its gradient meets a stored microbatch
+# node/p2p/membership.py's LIVENESS_PENDING (not imported: that module brings hivemind, which cannot
+# share this process with py-libp2p; tests/unit/test_hostile_case_table.py checks they agree)
+LIVENESS_PENDING = "liveness check pending"
 FULL_QUEUE_ATTEMPTS = 10  # bare BUSY answers (a full queue) a case sends through before it gives up
 EMFILE_MARKERS = ("too many open files", "emfile", "out of system resource")  # matched lowercased
 
@@ -444,10 +447,11 @@ async def must_reject(
 async def exchange_past_full_queue(ctx, res: Result, label: str, service: str, data: bytes, *, ident) -> Any:
     """`exchange`, sent again while the target answers a bare BUSY (its queue is full of honest
     traffic; an honest sender tries again too): the check the case targets sits behind the queue.
-    A BUSY with a reason (e.g. "not a member") is an answer, returned as it is."""
+    A BUSY with a reason (e.g. "not a member") is an answer, returned as it is, except the one
+    that asks us to answer the node's liveness ping first (our hosts answer it): sent again too."""
     for attempt in range(FULL_QUEUE_ATTEMPTS):
         reply = await exchange(ctx, res, f"{label} #{attempt + 1}", service, data, ident=ident)
-        if not (reply.is_message and reply.kind == "busy" and not reply.reason):
+        if not (reply.is_message and reply.kind == "busy" and (not reply.reason or LIVENESS_PENDING in reply.reason)):
             break
         await trio.sleep(0.5)
     return reply
@@ -1363,7 +1367,7 @@ async def gossip_round(
 ) -> None:
     """A whole noloco round as a responder sees it from an initiator: request, swap, DONE. Sent as
     a member of the swarm (a record of the target's stage), since only members get an exchange."""
-    ident = await ctx.member(label, res.nursery)  # one per round: a rejected round bans the sender
+    ident = await ctx.member(label, res.nursery, stage=ctx.stage)  # one per round: a rejected round bans the sender
     total = sum(p.numel() for p in phi)
     wire, reply = await gossip_request(ctx, res, ident, request_meta(len(phi), total))
     if wire is None:
@@ -1568,7 +1572,7 @@ async def gossip_accept_then_silence(ctx, res: Result) -> None:
         return
     _names, phi, _theta = found
     s = ctx.settings
-    ident = await ctx.member("silent", res.nursery)
+    ident = await ctx.member("silent", res.nursery, stage=ctx.stage)
     total = sum(p.numel() for p in phi)
     wire, reply = await gossip_request(ctx, res, ident, request_meta(len(phi), total))
     if wire is None:
@@ -1582,7 +1586,7 @@ async def gossip_accept_then_silence(ctx, res: Result) -> None:
     out: dict = {}
     done = trio.Event()
     probes: list[tuple[float, str]] = []
-    prober = await ctx.member("honest-looking", res.nursery)  # a stranger would be turned away anyway
+    prober = await ctx.member("honest-looking", res.nursery, stage=ctx.stage)  # a stranger would be turned away anyway
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(drain, wire, s.silence_hold, out, done)

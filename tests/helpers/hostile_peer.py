@@ -26,7 +26,9 @@ and its timing, and ends as one outcome:
 
 Cases that must pass the membership gate (the tensor checks of a block stage) send as members:
 RSA identities from --member-keys whose `joining` records tests/helpers/member_records.py keeps in
-the swarm's DHT. Everything else is sent by strangers, fresh peer ids with no record.
+the swarm's DHT, each at the stage the case needs (a microbatch's origin at stage 0, a gossip
+partner at the target's). Every identity's host answers the node's liveness ping, as a member must
+(node/p2p/membership.py). Everything else is sent by strangers, fresh peer ids with no record.
 
 Bounded: each case has a deadline, every loop a count, the whole run --max-seconds; the script
 exits by itself. Exit code 0 when every case was rejected, 1 otherwise, 2 when the target could
@@ -91,6 +93,7 @@ HEADER = struct.Struct(">Q")
 # what this script accepts from the target: generous, it only has to parse the node's replies
 READ_LIMITS = Limits()
 INBOX_SERVICES = ("abort", "forward", "backward")
+LIVENESS_SERVICE = "liveness"  # node/p2p/membership.py: a member answers the node's PING
 
 
 class OpenFailed(Exception):
@@ -314,8 +317,11 @@ class Context:
         self._notice_event = trio.Event()
         self.identities: list[Identity] = []
         self._main: Identity | None = None
-        # RSA keys whose DHT records tests/helpers/member_records.py keeps: members of the swarm
-        self._member_keys = sorted(Path(args.member_keys).glob("*.key")) if args.member_keys else []
+        # RSA keys whose DHT records tests/helpers/member_records.py keeps: members of the swarm,
+        # by the stage of their records (files `stage<S>-member<i>.key`)
+        self._member_keys: dict[int, list[Path]] = {}
+        for path in sorted(Path(args.member_keys).glob("stage*-member*.key")) if args.member_keys else []:
+            self._member_keys.setdefault(int(path.name[len("stage") : path.name.index("-")]), []).append(path)
         self.current: hostile_cases.Result | None = None  # the running case: its ids are its evidence
         self.log_path = Path(args.target_log) if args.target_log else None
         self.started = time.monotonic()
@@ -382,6 +388,7 @@ class Context:
         ident = Identity(label, host, host.get_id().to_base58())
         for service in INBOX_SERVICES:
             host.set_stream_handler(self.protocol(service), self._inbox_handler(service, ident))
+        host.set_stream_handler(self.protocol(LIVENESS_SERVICE), self._answer_ping)
         with trio.fail_after(timeout or self.settings.open_timeout):
             await host.connect(self.target_info)
         self.identities.append(ident)
@@ -389,13 +396,14 @@ class Context:
             self.current.peers.append(ident.peer_id)
         return ident
 
-    async def member(self, label: str, nursery: trio.Nursery | None = None) -> Identity:
-        """A peer id the swarm counts as a member (a record in the DHT), each used by one case only:
-        a member that misbehaves collects strikes like anyone. NoMembersLeft when --member-keys
-        gave none, or they are used up."""
-        if not self._member_keys:
-            raise hostile_cases.NoMembersLeft("no member identity left (--member-keys)")
-        private = deserialize_private_key(self._member_keys.pop(0).read_bytes())
+    async def member(self, label: str, nursery: trio.Nursery | None = None, stage: int = 0) -> Identity:
+        """A peer id the swarm counts as a member (a record of `stage` in the DHT; 0: an origin of
+        microbatches), each used by one case only: a member that misbehaves collects strikes like
+        anyone. NoMembersLeft when --member-keys gave none of that stage, or they are used up."""
+        keys = self._member_keys.get(stage, [])
+        if not keys:
+            raise hostile_cases.NoMembersLeft(f"no member identity of stage {stage} left (--member-keys)")
+        private = deserialize_private_key(keys.pop(0).read_bytes())
         return await self.identity(label, nursery, key_pair=KeyPair(private, private.get_public_key()))
 
     async def main_identity(self) -> Identity:
@@ -417,6 +425,22 @@ class Context:
         return Wire(stream, service, start)
 
     # ---- notices the target sends us --------------------------------------------------------
+
+    async def _answer_ping(self, stream: Any) -> None:
+        """PONG to the node's liveness PING, on the stream it opened."""
+        wire = Wire(stream, LIVENESS_SERVICE, time.monotonic())
+        try:
+            reply = await wire.read_message(10.0)
+            if reply.is_message and reply.kind == MessageKind.PING.value and wire.last_message is not None:
+                pong = self.message(MessageKind.PONG)
+                pong.request_id = wire.last_message.request_id
+                await wire.send_message(pong)
+                await wire.close_write()
+        except Exception as e:  # a ping we cannot answer only delays our membership
+            logger.debug(f"liveness ping: {e!r}")
+        finally:
+            with trio.move_on_after(1.0):
+                await wire.reset()
 
     def _inbox_handler(self, service: str, ident: Identity):
         async def handle(stream: Any) -> None:

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 from dht.records import PeerState
 from node.config import SwarmConfig
 from node.p2p.bans import BanList
+from node.p2p.membership import NOT_A_MEMBER, serve_liveness
 from node.p2p.peer_conduct import ConductLimits, PeerConduct
 from node.p2p.transport import Transport
 from node.pipeline.check_server import CheckServer
@@ -98,6 +99,22 @@ class ServedNode:
         self.pipeline.worker.close()
 
 
+class MembersOnly:
+    """node/p2p/membership.py's Membership as these handlers see it: `members` pass (their records
+    and pings are taken as given; None: every peer), anyone else is refused with the node's words."""
+
+    def __init__(self, members: Collection[str] | None):
+        self.members = members
+
+    def refusal(self, peer_id: str, stage: int | None = None) -> str | None:
+        if self.members is None or peer_id in self.members:
+            return None
+        return f"{NOT_A_MEMBER}: no record of you here"
+
+    async def admit(self, peer_id: str, stage: int | None = None, wait: float = 0.0) -> str | None:
+        return self.refusal(peer_id, stage)
+
+
 async def served_node(
     config: SwarmConfig,
     stage: int,
@@ -120,10 +137,12 @@ async def served_node(
         Router(random.Random(0), config.num_stages, bans=bans),
         me,  # type: ignore[arg-type]
         rng=random.Random(0),
-        is_member=lambda peer: peer in members,
+        refusal=MembersOnly(members).refusal,
         receipts=receipts,
     )
+    await serve_liveness(transport)
     await pipeline.start()
     if receipts is not None:
-        await CheckServer(config.verification, transport, receipts, lambda peer: peer in members).start()
+        gate = MembersOnly(members)
+        await CheckServer(config.verification, transport, receipts, gate).start()  # type: ignore[arg-type]
     return ServedNode(transport, table, pipeline, bans)

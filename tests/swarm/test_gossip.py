@@ -302,6 +302,44 @@ def test_partner_disconnecting_mid_exchange_leaves_both_untouched():
     asyncio.run(scenario())
 
 
+@pytest.mark.timeout(120)
+def test_a_partner_whose_rounds_keep_breaking_after_taking_our_tensors_is_paced_in_inner_steps():
+    """Rounds that do not finish leave a responder ripe: an initiator that takes our tensors and
+    breaks off gets two such answers within H/2 of our inner steps, then BUSY until we trained
+    on (node/averaging/answer_pacing.py); another replica is answered meanwhile."""
+    config = gossip_config()
+
+    async def scenario():
+        async with inprocess_swarm(config, stages=[1, 1, 1]) as peers:
+            a, b, c = gossips(peers)
+            for seed, gossip in enumerate((a, b, c)):
+                await train_a_little(gossip, seed)
+            before = await outer_and_weights(a)
+            original_send = b.wire.send_tensors
+
+            async def send_half_then_vanish(session, round_, tensors):
+                await original_send(session, round_, tensors[: len(tensors) // 2])
+                session.writer.close()
+                raise ConnectionError("simulated break after the partner's tensors came in")
+
+            b.wire.send_tensors = send_half_then_vanish
+            for _ in range(2):
+                assert (await b.run_round(partner=a.me.peer_id)).status == "aborted"
+                await wait_until(lambda: not a.exchanging)
+            step = a.worker.inner_step
+            assert a.pairwise.unfinished.refusal(b.me.peer_id, step).startswith("2 rounds with you did not finish")
+            b.wire.send_tensors = original_send
+            assert (await b.run_round(partner=a.me.peer_id)).status == "busy"  # paced, whatever it sends now
+            assert a.outer_state is before[0]
+            assert_same(await on_executor(a, weights, a), before[1])
+            assert (await c.run_round(partner=a.me.peer_id)).status == "applied"  # others are answered
+            await train_a_little(a, seed=7)  # H/2 of a's inner steps later b is answered again
+            await train_a_little(b, seed=8)
+            assert (await b.run_round(partner=a.me.peer_id)).status == "applied"
+
+    asyncio.run(scenario())
+
+
 REFUSED_ATTEMPTS = 10  # a refusal closed too early was lost about one time in ten
 
 

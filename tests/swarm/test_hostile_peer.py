@@ -47,7 +47,8 @@ from tests.helpers.swarms import bootstrap_fast, peer_id_of, private_mode
 
 SCRIPT = Path(__file__).resolve().parent.parent / "helpers" / "hostile_peer.py"
 MEMBER_RECORDS = Path(__file__).resolve().parent.parent / "helpers" / "member_records.py"
-MEMBERS_PER_TARGET = 14  # one per case that must pass a membership gate (5 tensor, 6 gossip), and spares
+MEMBERS_PER_TARGET = 14  # of the target's stage: one per case that must pass a membership gate, and spares
+ORIGIN_MEMBERS = 8  # of stage 0, for a block-stage target: one per tensor case (5), and spares
 NUM_STAGES = 2
 NOFILE = 1024
 # `python -c` instead of `python -m node`: the same CLI, with the descriptor limit of `ulimit -n
@@ -136,26 +137,31 @@ def start_swarm(swarm: Swarm, workdir: Path) -> dict[int, Target]:
 def make_members(swarm: Swarm, swarm_id: str, workdir: Path) -> dict[int, Path]:
     """RSA identities that count as members of the swarm, a directory of them per target: a process
     of their own keeps their `joining` records in the DHT (tests/helpers/member_records.py), and the
-    swarm's view lists them before the hostile peers start."""
+    swarm's view lists them before the hostile peers start. Each target's members hold records of
+    its stage (a gossip partner must) and, for a block-stage target, of stage 0 too (a microbatch's
+    origin must be a stage-0 member), in files `stage<S>-member<i>.key`."""
     directories, keys = {}, {}
-    for stage in range(NUM_STAGES):  # each target's members hold records of its stage (gossip asks that)
-        directory = directories[stage] = workdir / f"members-stage{stage}"
+    for target in range(NUM_STAGES):
+        directory = directories[target] = workdir / f"members-target{target}"
         directory.mkdir()
-        for i in range(MEMBERS_PER_TARGET):
-            identity = Identity.generate()
-            identity.save(str(directory / f"member{i}.key"))
-            keys[identity.peer_id] = stage
+        counts = {target: MEMBERS_PER_TARGET} if target == 0 else {0: ORIGIN_MEMBERS, target: MEMBERS_PER_TARGET}
+        for stage, count in counts.items():
+            for i in range(count):
+                identity = Identity.generate()
+                path = directory / f"stage{stage}-member{i}.key"
+                identity.save(str(path))
+                keys[identity.peer_id] = (stage, path)
     records = swarm.spawn(
         "members",
         ["--initial-peers", *swarm.initial_peers, "--swarm-id", swarm_id, "--ttl", "5"]
-        + [f"{stage}:{path}" for stage, directory in directories.items() for path in sorted(directory.glob("*.key"))],
+        + [f"{stage}:{path}" for stage, path in keys.values()],
         python_prefix=[str(MEMBER_RECORDS)],
     )
     wait_for(lambda: "MEMBERS ANNOUNCED" in records.log(), 60, lambda: f"members never announced:\n{records.log()}")
 
     def all_listed() -> bool:
         listed = peers_by_stage(swarm.observe(), states=("joining",))
-        return all(peer in listed.get(stage, []) for peer, stage in keys.items())
+        return all(peer in listed.get(stage, []) for peer, (stage, _) in keys.items())
 
     wait_for(
         all_listed,

@@ -40,6 +40,7 @@ from node.recovery.edge_copies import EdgeCopies, edge_parts_for, refresh_edge_c
 from node.recovery.rebuild import FetchedSource, rebuild_stage
 from node.recovery.state_transfer import adopt_state, capture_state, state_provider
 from protocol.stage_state import StageState, StatePart, check_header, decode_payload, encode_state
+from tests.helpers.served_handlers import MembersOnly
 
 DEVICE = os.environ.get("PIPESWARM_TEST_DEVICE", "cpu")
 if DEVICE.startswith("cuda") and not torch.cuda.is_available():
@@ -300,7 +301,7 @@ def test_spot_check_receipts_and_openings_are_host_copies_and_the_replay_runs_on
     worker = StageWorker(CONFIG, 1, device=DEVICE)
     try:
         keeper = ReceiptKeeper(worker, ReceiptBook(8, 30.0))
-        server = CheckServer(VerificationConfig(), None, keeper, lambda peer: True)  # type: ignore[arg-type]
+        server = CheckServer(VerificationConfig(), None, keeper, MembersOnly(None))  # type: ignore[arg-type]
         output = keeper.forward("mb", "token", hidden(CONFIG))
         keeper.backward("mb", 1e-3 * torch.randn(output.shape, device="cpu"))
         receipt = keeper.book.get("mb")

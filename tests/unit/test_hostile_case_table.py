@@ -113,3 +113,11 @@ def test_other_outcomes_are_left_as_they_are():
     res.set(hostile_cases.ACCEPTED, "ACK and no rejection")
     confirm_check(NAN_CASE, res, stage=1, log_text="")
     assert res.outcome == hostile_cases.ACCEPTED
+
+
+def test_the_harness_knows_the_nodes_liveness_refusal():
+    """The hostile peer sends a request again after a BUSY asking it to answer the node's liveness
+    ping first (as an honest peer does), recognising the BUSY by this text."""
+    from node.p2p.membership import LIVENESS_PENDING
+
+    assert LIVENESS_PENDING.startswith(hostile_cases.LIVENESS_PENDING)

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from node.config import SwarmConfig
+from node.p2p.membership import LIVENESS_CONTRACT, LIVENESS_SERVICE
 from node.p2p.peer_conduct import ConductLimits
 from node.pipeline.check_wire import CHECK_SERVICE
 from node.pipeline.contracts import ABORT_CONTRACT, BACKWARD_CONTRACT, CHECK_CONTRACT, FORWARD_CONTRACT
@@ -38,6 +39,7 @@ MEMBER, STRANGER, BANNED = "member-peer", "stranger-peer", "banned-peer"
 MICROBATCH_ID = 7  # the origin's attempt in flight during every example
 CONTRACTS = {FORWARD: FORWARD_CONTRACT, BACKWARD: BACKWARD_CONTRACT, ABORT: ABORT_CONTRACT}
 CONTRACTS[CHECK_SERVICE] = CHECK_CONTRACT
+CONTRACTS[LIVENESS_SERVICE] = LIVENESS_CONTRACT
 # strikes never ban here, so every example reaches the handlers; BANNED is banned from the start
 UNBANNABLE = ConductLimits(strikes_to_ban=10**9, requests_per_second=1e9, request_burst=10**9)
 
@@ -102,6 +104,7 @@ AIMED_KINDS = {
     BACKWARD: [MessageKind.BACKWARD],
     ABORT: [MessageKind.ERROR],
     CHECK_SERVICE: [MessageKind.CHECK, MessageKind.AUDIT, MessageKind.OPEN],
+    LIVENESS_SERVICE: [MessageKind.PING],
 }
 
 
@@ -118,6 +121,7 @@ def coherent(service: str, sender: str) -> list[dict]:
         ],
         ABORT: [{"reason": "gave up", **token}],
         CHECK_SERVICE: [{"stage": 1, "origin": ORIGIN, "microbatch_id": 3, "token": "0" * 16}],
+        LIVENESS_SERVICE: [{}],
     }[service]
 
 
@@ -135,7 +139,7 @@ def aimed_meta(draw, service: str, kind: MessageKind, sender: str) -> dict:
 
 @st.composite
 def envelopes(draw) -> tuple[str, str, MessageKind | str, dict, dict]:
-    service = draw(st.sampled_from([FORWARD, BACKWARD, ABORT, CHECK_SERVICE]))
+    service = draw(st.sampled_from([FORWARD, BACKWARD, ABORT, CHECK_SERVICE, LIVENESS_SERVICE]))
     sender = draw(PEERS)
     names = draw(st.lists(TENSOR_NAMES, max_size=2))
     if draw(st.integers(0, 3)):  # aimed: the service's kinds, the schema met, the tensors named
@@ -181,8 +185,8 @@ def nodes():
 
 def test_every_handler_is_registered_with_its_contract(nodes):
     _, origin, block = nodes
-    assert set(origin.transport.requests.services) == {FORWARD, BACKWARD, ABORT}
-    assert set(block.transport.requests.services) == {FORWARD, BACKWARD, ABORT, CHECK_SERVICE}
+    assert set(origin.transport.requests.services) == {FORWARD, BACKWARD, ABORT, LIVENESS_SERVICE}
+    assert set(block.transport.requests.services) == {FORWARD, BACKWARD, ABORT, CHECK_SERVICE, LIVENESS_SERVICE}
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))

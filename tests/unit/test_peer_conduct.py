@@ -33,6 +33,36 @@ def test_streams_per_peer_and_in_total_are_capped_and_released():
     assert c.admit("h") is None and c.refused == 2
 
 
+def test_peers_that_are_not_members_share_a_quarter_of_the_slots_and_members_keep_the_rest():
+    members = {"member1", "member2"}
+    clock = Clock()
+    c = PeerConduct(
+        ConductLimits(total_streams=16, streams_per_peer=8), clock=clock, is_member=lambda peer: peer in members
+    )
+    assert c.strangers_cap == 4
+    for stranger in ("s1", "s2"):
+        assert c.admit(stranger) is None and c.admit(stranger) is None  # a stranger hoards its 4
+    assert c.admit("s3") == "too many open streams from peers that are not members"
+    assert c.strangers_streams() == 4 and c.open_streams() == 4
+    for member in sorted(members):
+        for _ in range(6):
+            assert c.admit(member) is None  # 12 streams: the members' three quarters are free
+    assert c.open_streams() == 16 and c.admit("member1") == "too many open streams"
+    assert c.release("s1") is True and c.strangers_streams() == 3
+    assert c.admit("s3") is None and c.strangers_streams() == 4
+    members.add("s2")  # s2 became a member since: its streams go back as what they were admitted as
+    assert c.release("s2") and c.release("s2") and c.strangers_streams() == 2
+    assert c.release("s2") is False and c.strangers_streams() == 2
+
+
+def test_without_a_membership_rule_every_peer_uses_the_whole_limit():
+    c, _, _ = conduct(streams_per_peer=8)
+    for peer in ("a", "b"):
+        for _ in range(4):
+            assert c.admit(peer) is None
+    assert c.open_streams() == 8 and c.strangers_streams() == 0
+
+
 def test_a_release_without_its_admit_changes_no_count():
     c, _, _ = conduct(streams_per_peer=2, total_streams=3)
     assert c.admit("a") is None and c.admit("a") is None and c.admit("b") is None
