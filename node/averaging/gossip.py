@@ -39,9 +39,9 @@ from node.averaging.round_protocol import PairwiseRound
 from node.config import GossipMode, SwarmConfig
 from node.p2p.bans import BanList
 from node.p2p.transport import Transport
-from node.pipeline.stage_worker import StageWorker
 from node.runtime.events import EventPublisher
 from node.runtime.timeouts import within
+from node.stage.stage_worker import StageWorker
 from protocol import MessageKind
 
 __all__ = ["NOT_A_STAGE_MEMBER", "Gossip"]

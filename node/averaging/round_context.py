@@ -29,8 +29,8 @@ from node.config import GossipConfig
 from node.p2p.bans import BanList
 from node.p2p.reachability import carries_training
 from node.p2p.transport import Transport
-from node.pipeline.stage_worker import StageWorker
 from node.runtime.events import EventPublisher
+from node.stage.stage_worker import StageWorker
 
 __all__ = ["CATCH_UP_LEAD_ROUNDS", "RoundContext"]
 

@@ -33,9 +33,9 @@ from node.p2p.transport import Transport
 from node.pipeline.check_wire import CHECK_SERVICE, WEIGHTS, backward_name, exact, forward_name
 from node.pipeline.contracts import CHECK_CONTRACT
 from node.pipeline.layer_replay import LayerLayout, stage_boundaries
-from node.pipeline.precision import StagePrecision
 from node.pipeline.receipts import Receipt, ReceiptKeeper, WeightsVersion
 from node.pipeline.spot_check import digest
+from node.stage.precision import StagePrecision
 from protocol import Message, MessageKind, ProtocolError
 
 logger = logging.getLogger(__name__)

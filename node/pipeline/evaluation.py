@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from node.pipeline.admission import RejectedInput
-from node.pipeline.stage_worker import StageWorker
+from node.stage.admission import RejectedInput
+from node.stage.stage_worker import StageWorker
 from protocol import ProtocolError
 
 PURPOSE_KEY = "purpose"  # FORWARD meta key; absent means training (what every older peer sends)

@@ -21,8 +21,8 @@ from torch.func import functional_call
 
 from node.config import ModelConfig
 from node.model.llama import DecoderLayer, rotary_cos_sin
-from node.pipeline.precision import StagePrecision
 from node.pipeline.spot_check import update_error
+from node.stage.precision import StagePrecision
 
 
 class LayerLayout:

@@ -35,7 +35,6 @@ from dht.swarm_view import SwarmView
 from node.config import SwarmConfig
 from node.model.llama import build_stage
 from node.p2p.transport import Transport, TransportError
-from node.pipeline.stage_worker import StageWorker
 from node.recovery.checkfree import (
     RebuildAction,
     RebuildPlan,
@@ -51,6 +50,7 @@ from node.recovery.state_transfer import StageParts, download_from_any
 from node.runtime.events import EventPublisher
 from node.runtime.meter import Tally
 from node.runtime.tasks import BackgroundTasks
+from node.stage.stage_worker import StageWorker
 from protocol.stage_state import StageState, StatePart
 
 logger = logging.getLogger(__name__)

@@ -38,11 +38,11 @@ from node.config import SwarmConfig
 from node.p2p.answer_budget import AnswerBudget
 from node.p2p.tensor_stream import ChunkIndex, Session, TensorStream
 from node.p2p.transport import Transport, TransportError
-from node.pipeline.inner_optimizer import adam_moments, load_adam_moments
-from node.pipeline.stage_worker import StageWorker
 from node.runtime.byte_progress import ByteProgress, ByteTask, Outcome
 from node.runtime.device import DeviceTransfers
 from node.runtime.meter import Tally
+from node.stage.inner_optimizer import adam_moments, load_adam_moments
+from node.stage.stage_worker import StageWorker
 from protocol import MessageKind, ProtocolError
 from protocol.stage_state import (
     CHUNK_BYTES,

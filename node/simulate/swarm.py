@@ -1,6 +1,6 @@
 """S stages x R replicas of the project's own StageWorkers in one process, on a simulated clock.
 
-What is real: every forward, backward and optimizer step (node/pipeline/stage_worker.py on the
+What is real: every forward, backward and optimizer step (node/stage/stage_worker.py on the
 node/model/llama.py stages), every choice of the next-stage replica (node/pipeline/routing.py's
 Router, in load_aware or random mode, reading the simulated clock), the microbatch paths
 (node/pipeline/order.py, CheckFree+ swaps included) and every outer step (node/averaging/
@@ -32,13 +32,13 @@ from node.averaging.outer_replica import OuterReplica, RoundStart
 from node.config import SwarmConfig
 from node.pipeline.order import pipeline_order
 from node.pipeline.routing import Router
-from node.pipeline.stage_worker import StageWorker
 from node.pipeline.token_anchors import forward_hop_nbytes
 from node.simulate.clock import SimClock
 from node.simulate.collectives import ring_allreduce_seconds
 from node.simulate.links import LinkModel
 from node.simulate.sources import held_out_source, training_source
 from node.simulate.timeline import Microbatch, StageCosts, run_iteration
+from node.stage.stage_worker import StageWorker
 
 
 class SyncMode(StrEnum):

@@ -106,8 +106,8 @@ def measure_case(case: Case, device: str) -> dict:
     from node.averaging.gossip_codec import PhiDither
     from node.averaging.outer_replica import OuterReplica
     from node.model.presets import load_config
-    from node.pipeline.stage_worker import StageWorker
     from node.recovery.edge_copies import edge_copies_for
+    from node.stage.stage_worker import StageWorker
     from protocol.stage_state import PART_KEYS, StageState
 
     cuda = device.startswith("cuda")

@@ -33,12 +33,12 @@ from node.pipeline.evaluation import eval_forward
 from node.pipeline.layer_replay import replay_layer
 from node.pipeline.receipts import ReceiptBook, ReceiptKeeper
 from node.pipeline.spot_check import RecomputeTolerance
-from node.pipeline.stage_worker import StageWorker
 from node.recovery import edge_copies as edge_copies_module
 from node.recovery import rebuild as rebuild_module
 from node.recovery.edge_copies import EdgeCopies, edge_parts_for, refresh_edge_copies
 from node.recovery.rebuild import FetchedSource, rebuild_stage
 from node.recovery.state_transfer import adopt_state, capture_state, state_provider
+from node.stage.stage_worker import StageWorker
 from protocol.stage_state import StageState, StatePart, check_header, decode_payload, encode_state
 
 DEVICE = os.environ.get("PIPESWARM_TEST_DEVICE", "cpu")

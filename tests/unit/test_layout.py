@@ -176,7 +176,7 @@ def test_lower_layers_import_nothing_from_higher_ones(graph):
 # node/'s subpackages in dependency order (docs/architecture.md): each may import the ones before it
 # (and node.config, dht, protocol), never one after it. node's loose modules (cli, demo, ...) sit
 # on top and may import anything.
-NODE_ORDER = ("runtime", "p2p", "model", "pipeline", "averaging", "recovery", "simulate", "server", "monitor")
+NODE_ORDER = ("runtime", "p2p", "model", "stage", "pipeline", "averaging", "recovery", "simulate", "server", "monitor")
 
 
 def node_order_violations(graph: Graph) -> list[str]:

@@ -1,4 +1,4 @@
-"""node/pipeline/precision.py and its use in the stage worker: bf16/fp16 autocast gradients against
+"""node/stage/precision.py and its use in the stage worker: bf16/fp16 autocast gradients against
 the fp32 reference, fp32 master weights / optimizer / outer state, fp16's loss scaler, `auto`."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 from node.averaging.outer_replica import OuterReplica
 from node.config import ConfigError, GossipConfig, Precision, SwarmConfig
 from node.model.data import open_source
-from node.pipeline.precision import INIT_SCALE, LossScaler, StagePrecision, resolve_precision
-from node.pipeline.stage_worker import StageWorker
+from node.stage.precision import INIT_SCALE, LossScaler, StagePrecision, resolve_precision
+from node.stage.stage_worker import StageWorker
 
 BASE = SwarmConfig(num_stages=3)
 

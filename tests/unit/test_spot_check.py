@@ -14,7 +14,6 @@ from dht.records import PeerRecord, RecordError, VerificationReport
 from node.config import Precision, SwarmConfig, VerificationConfig
 from node.model.llama import build_stage
 from node.pipeline.layer_replay import LayerLayout, replay_layer, stage_boundaries
-from node.pipeline.precision import StagePrecision
 from node.pipeline.spot_check import (
     CheckRate,
     Finding,
@@ -27,6 +26,7 @@ from node.pipeline.spot_check import (
     probe_direction,
     update_error,
 )
+from node.stage.precision import StagePrecision
 from protocol.tensors import Compression, decode_tensor, encode_tensor
 from tests.helpers.faulty_node import FaultKind, make_faulty
 
