@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from node.config import Precision
-from node.pipeline.layer_replay import LayerLayout
 from node.pipeline.spot_check import digest
 from node.runtime.device import DeviceTransfers
+from node.stage.layers import LayerLayout
 from node.stage.stage_worker import StageWorker
 from node.stage.weight_stash import StashedWeights
 

@@ -55,6 +55,7 @@ from node.server.daemon import JoinRefused
 from node.server.data_fetch import stage0_data
 from node.server.progress import ProgressDisplay, ServiceSummary
 from node.server.stage_fit import DeviceUnusable, measure_device, stage_fits
+from node.stage.access import live_parameters
 from node.stage.stage_worker import StageWorker
 
 logger = logging.getLogger(__name__)
@@ -235,7 +236,7 @@ async def build_service(
         receipts=receipts,
         max_in_flight=max_in_flight,
     )
-    replica = await worker.compute(OuterReplica, worker.module, config.gossip)
+    replica = await worker.compute(lambda: OuterReplica(live_parameters(worker), config.gossip))
     gossip = Gossip(config, me, worker, transport, view, router.bans, registry, ban_until, rng=rng, replica=replica)
     return StageService(config, me, worker, transport, router, view, pipeline, gossip, verifier, checks)
 

@@ -50,6 +50,11 @@ clipped norm (node/stage/inner_optimizer.py).
 Precision (node/stage/precision.py): every forward runs under the stage's autocast and every
 backward through ``StagePrecision.grad``, which applies and removes fp16's loss scale within the
 stage; weights, gradients, optimizer state and the tensors this worker returns stay fp32.
+
+``module`` is node/stage/'s own: code elsewhere reads the stage through this class's methods and
+node/stage/access.py (weights, shapes, moments, the parameters an outer replica steers), and
+computes with it through node/stage/forward_only.py and node/stage/layers.py
+(tests/unit/test_layout.py enforces it).
 """
 
 from __future__ import annotations
