@@ -8,6 +8,8 @@
 - no module over 500 lines, no class over 300 lines (node/, dht/, protocol/, tests/);
 - a stage worker's training position (inner_step, last_grad_norm, lr_scale) is written by the
   worker alone (StageWorker.adopt for a state from elsewhere), never assigned from outside;
+- nothing outside node/stage/ reads or writes a stage worker's module (`worker.module`): the floor's
+  functions and StageWorker's methods are the way in;
 - nothing points at the old algorithms notes outside docs/ (see OLD_NOTES).
 """
 
@@ -277,6 +279,58 @@ def test_the_writer_check_sees_assignments_to_other_objects_and_spares_self():
         (1, "worker.inner_step"),
         (3, "a.b.lr_scale"),
         (4, "w.last_grad_norm"),
+    ]
+
+
+# ------------------------------------------------------------------------------------------------
+# A worker's module is the floor's own
+
+
+def _holder_name(node: ast.expr) -> str | None:
+    """The name an object goes by: `w`, `self.worker` -> worker, `self.workers[s][r]` -> workers."""
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def worker_module_uses(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, expression) of every `.module` read or written on something named like a stage
+    worker: `w`, `worker`, `*worker` or `*workers` (indexed), as the code names them."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "module":
+            holder = _holder_name(node.value)
+            if holder is not None and (holder == "w" or holder.endswith(("worker", "workers"))):
+                found.append((node.lineno, ast.unparse(node)))
+    return sorted(found)
+
+
+def test_nothing_outside_the_stage_floor_touches_a_workers_module():
+    offenders = []
+    for path in python_files(ROOT, ("node",)):
+        if path.is_relative_to(ROOT / "node" / "stage"):
+            continue
+        for line, expression in worker_module_uses(ast.parse(path.read_text(encoding="utf-8"))):
+            offenders.append(f"  {path.relative_to(ROOT)}:{line}: {expression}")
+    assert not offenders, "a stage worker's module used outside node/stage/ (use its functions there):\n" + "\n".join(
+        offenders
+    )
+
+
+def test_the_module_check_sees_workers_by_their_names_and_spares_other_modules():
+    tree = ast.parse(
+        "w.module(x)\nself.worker.module.embed(t)\nself.workers[0][r].module = m\nedge_worker.module\n"
+        "replica.module\nnode.module\nw.modules"
+    )
+    assert worker_module_uses(tree) == [
+        (1, "w.module"),
+        (2, "self.worker.module"),
+        (3, "self.workers[0][r].module"),
+        (4, "edge_worker.module"),
     ]
 
 
