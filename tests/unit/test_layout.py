@@ -3,7 +3,9 @@
 - no import cycle between modules of node/, dht/, protocol/ (every import counts: top-level, inside
   functions, under TYPE_CHECKING; `from X import Y` counts as an import of X.Y when Y is a module;
   the parent packages Python initialises on the way are not counted as imports);
-- layering: protocol/ imports nothing from dht/ or node/, dht/ nothing from node/;
+- layering: protocol/ imports nothing from dht/ or node/, dht/ nothing from node/; node/'s
+  subpackages import only earlier ones in NODE_ORDER (node/stage/, the worker's floor, below
+  pipeline, averaging, recovery, simulate and server);
 - node/ holds at most 6 loose modules beside its subpackages;
 - no module over 500 lines, no class over 300 lines (node/, dht/, protocol/, tests/);
 - a stage worker's training position (inner_step, last_grad_norm, lr_scale) is written by the
@@ -205,6 +207,20 @@ def node_order_violations(graph: Graph) -> list[str]:
 def test_node_subpackages_depend_one_way(graph):
     offenders = node_order_violations(graph)
     assert not offenders, f"node/ subpackages must only import earlier ones in {NODE_ORDER}:\n" + "\n".join(offenders)
+
+
+def test_the_stage_floor_sits_below_every_package_that_uses_a_worker():
+    above = ("pipeline", "averaging", "recovery", "simulate", "server")
+    assert all(NODE_ORDER.index("stage") < NODE_ORDER.index(package) for package in above)
+    graph: Graph = {
+        "node.stage.stage_worker": {f"node.{package}.x": ["node/stage/stage_worker.py:1"] for package in above},
+        "node.pipeline.traffic": {"node.stage.stage_worker": ["node/pipeline/traffic.py:1"]},
+    }
+    graph["node.stage.stage_worker"]["node.model.llama"] = ["node/stage/stage_worker.py:2"]
+    assert node_order_violations(graph) == [
+        f"  node.stage.stage_worker imports node.{package}.x (node/stage/stage_worker.py:1)"
+        for package in sorted(above)
+    ]
 
 
 # ------------------------------------------------------------------------------------------------
