@@ -35,7 +35,7 @@ from node.pipeline.contracts import CHECK_CONTRACT
 from node.pipeline.receipts import Receipt, ReceiptKeeper, WeightsVersion
 from node.pipeline.spot_check import digest
 from node.stage.access import weights_copy
-from node.stage.layers import LayerLayout, replica_boundaries
+from node.stage.layers import LayerLayout, stage_boundaries
 from node.stage.precision import StagePrecision
 from protocol import Message, MessageKind, ProtocolError
 
@@ -121,7 +121,7 @@ class CheckServer:
         inputs = worker.hidden_from_wire("audit input", hidden)
         grad_output = worker.hidden_from_wire("audit probe", probe, shape=inputs.shape)
         named = weights_copy(worker)
-        forward, backward = replica_boundaries(worker, self.layout, named, inputs, grad_output, self.precision)
+        forward, backward = stage_boundaries(worker, self.layout, named, inputs, grad_output, self.precision)
         assert backward is not None
         sent, grad_sent = worker.transfers.to_host([forward[-1], backward[0]])
         received = hidden.detach().float()
@@ -165,7 +165,7 @@ class CheckServer:
             backward = [receipt.grad_sent, receipt.grad_received]
         if self.layers > 1:
             to_device = self.worker.transfers.to_device
-            inner_forward, inner_backward = replica_boundaries(
+            inner_forward, inner_backward = stage_boundaries(
                 self.worker,
                 self.layout,
                 receipt.weights.named,

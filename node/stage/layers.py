@@ -62,16 +62,18 @@ def rotary_for(model: ModelConfig, hidden: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def stage_boundaries(
-    module: nn.Module,
+    stage: nn.Module | StageWorker,
     layout: LayerLayout,
     weights: Mapping[str, Tensor],
     inputs: Tensor,
     grad_output: Tensor | None,
     precision: StagePrecision,
 ) -> tuple[list[Tensor], list[Tensor] | None]:
-    """h_0..h_L and, with a gradient at the output, g_0..g_L of a block stage (`module`, whose
-    `layers` run in turn) at `weights` (a whole stage's, by name), in `precision` as the replica's
-    training does. The ends are `inputs` and `grad_output` themselves."""
+    """h_0..h_L and, with a gradient at the output, g_0..g_L of a block stage (`stage`: its module,
+    whose `layers` run in turn, or the worker that holds it, as a replica's check answers do) at
+    `weights` (a whole stage's, by name), in `precision` as the replica's training does. The ends
+    are `inputs` and `grad_output` themselves."""
+    module = stage.module if isinstance(stage, StageWorker) else stage
     layers = list(module.layers)
     leaves: list[Tensor] = []
     outputs: list[Tensor] = []
@@ -92,16 +94,3 @@ def stage_boundaries(
         (gradient,) = precision.grad(out, [leaf], gradient.to(out.dtype))
         backward.append(gradient.detach().float())
     return forward, backward[::-1]
-
-
-def replica_boundaries(
-    worker: StageWorker,
-    layout: LayerLayout,
-    weights: Mapping[str, Tensor],
-    inputs: Tensor,
-    grad_output: Tensor | None,
-    precision: StagePrecision,
-) -> tuple[list[Tensor], list[Tensor] | None]:
-    """stage_boundaries through `worker`'s own block stage, at `weights` (a version it kept, or a
-    copy of its current ones): what its check answers commit to. Compute thread."""
-    return stage_boundaries(worker.module, layout, weights, inputs, grad_output, precision)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import itertools
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -277,11 +278,21 @@ def outside_writes(tree: ast.AST, attributes: set[str]) -> list[tuple[int, str]]
     return found
 
 
+def findings_in_node(find: Callable[[ast.AST], list[tuple[int, str]]], spared: str | None = None) -> list[str]:
+    """`  path:line: what` for each (line, what) `find` reports in a module of node/, those under the
+    folder `spared` (relative to the root) left out."""
+    return [
+        f"  {path.relative_to(ROOT)}:{line}: {what}"
+        for path in python_files(ROOT, ("node",))
+        if spared is None or not path.is_relative_to(ROOT / spared)
+        for line, what in find(ast.parse(path.read_text(encoding="utf-8")))
+    ]
+
+
 def test_only_the_stage_worker_writes_its_training_position():
-    offenders = []
-    for path in python_files(ROOT, ("node",)):
-        for line, target in outside_writes(ast.parse(path.read_text(encoding="utf-8")), TRAINING_POSITION):
-            offenders.append(f"  {path.relative_to(ROOT)}:{line}: {target} = ...")
+    offenders = findings_in_node(
+        lambda tree: [(line, f"{target} = ...") for line, target in outside_writes(tree, TRAINING_POSITION)]
+    )
     assert not offenders, "a worker's training position assigned from outside (use StageWorker.adopt):\n" + "\n".join(
         offenders
     )
@@ -326,12 +337,7 @@ def worker_module_uses(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def test_nothing_outside_the_stage_floor_touches_a_workers_module():
-    offenders = []
-    for path in python_files(ROOT, ("node",)):
-        if path.is_relative_to(ROOT / "node" / "stage"):
-            continue
-        for line, expression in worker_module_uses(ast.parse(path.read_text(encoding="utf-8"))):
-            offenders.append(f"  {path.relative_to(ROOT)}:{line}: {expression}")
+    offenders = findings_in_node(worker_module_uses, spared="node/stage")
     assert not offenders, "a stage worker's module used outside node/stage/ (use its functions there):\n" + "\n".join(
         offenders
     )
