@@ -235,7 +235,7 @@ class PeerRecord:
     throughput: float = 0.0
     inner_step: int = 0
     # backward passes this peer completed at its stage: a step takes microbatches_per_step of them or
-    # more (node/pipeline/stage_worker.py, step_size), so steps alone do not count microbatches
+    # more (node/stage/stage_worker.py, step_size), so steps alone do not count microbatches
     microbatches: int = 0
     outer_round: int = 0
     loss: float | None = None

@@ -47,9 +47,9 @@ from node.p2p.membership import (
     transport_ping,
 )
 from node.p2p.transport import Transport
-from node.pipeline.stage_worker import StageWorker
 from node.runtime.events import EventPublisher
 from node.runtime.timeouts import within
+from node.stage.stage_worker import StageWorker
 from protocol import MessageKind
 
 __all__ = ["NOT_A_STAGE_MEMBER", "Gossip"]

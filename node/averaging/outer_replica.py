@@ -1,4 +1,4 @@
-"""One replica's outer optimizer, bound to its module's parameters: the local half of a gossip round.
+"""One replica's outer optimizer, bound to its stage's parameters: the local half of a gossip round.
 
 No networking and no event loop here: round_protocol.py and diloco.py move tensors between
 replicas; this module captures where a round starts, checks what a partner sent and applies a new
@@ -86,11 +86,13 @@ class RoundStart:
 class OuterReplica:
     """The outer state (phi, momentum, round) of one replica and the parameters it steers."""
 
-    def __init__(self, module: torch.nn.Module, settings: GossipConfig):
+    def __init__(self, parameters: Mapping[str, torch.nn.Parameter], settings: GossipConfig):
+        """`parameters`: the live parameters this replica steers, by name in the module's order (a
+        worker's come from node/stage/access.py's live_parameters)."""
         self.settings = settings
         self.bounds = PlausibilityBounds()
-        self.params = list(module.parameters())
-        self.names = [name for name, _ in module.named_parameters()]
+        self.params = list(parameters.values())
+        self.names = list(parameters)
         self.transfers = DeviceTransfers(self.params[0].device)
         self.codec = GossipCodec(settings.delta_block, settings.phi_bits, settings.phi_step)
         with torch.no_grad():  # built before the service trains: safe off the compute thread

@@ -29,8 +29,9 @@ from node.config import GossipConfig
 from node.p2p.bans import BanList
 from node.p2p.reachability import carries_training
 from node.p2p.transport import Transport
-from node.pipeline.stage_worker import StageWorker
 from node.runtime.events import EventPublisher
+from node.stage.access import live_parameters
+from node.stage.stage_worker import StageWorker
 
 __all__ = ["CATCH_UP_LEAD_ROUNDS", "RoundContext"]
 
@@ -91,7 +92,7 @@ class RoundContext:
         self.ban_until = ban_until
         self.events = events
         self.rng = rng
-        self.replica = replica if replica is not None else OuterReplica(worker.module, settings)
+        self.replica = replica if replica is not None else OuterReplica(live_parameters(worker), settings)
         self.wire = GossipWire(transport, settings, self.replica)
         self.round_start_step = worker.inner_step  # the inner step the last counted round started at
         self.history: deque[RoundOutcome] = deque(maxlen=256)

@@ -100,7 +100,7 @@ class TrainingConfig:
     max_staleness_steps: int = 2
     """Optimizer steps a microbatch's gradient may arrive after its forward, >= 1: a stage holding F microbatches between forward and backward steps every max(microbatches_per_step, ceil(F / this)) backwards, so a wide window makes larger steps instead of staler gradients. 2 is what the default model survived; 8 diverged (docs/reliability.md, "Staleness")."""
     stashed_weights: int = 4
-    """Copies of a block stage's weights kept alive at once so a microbatch forwarded before a step backpropagates through the weights it used (PipeDream's weight stashing, node/pipeline/weight_stash.py), >= 0; one copy per step still in flight. 4 covers max_staleness_steps (2) plus the current weights plus one; past the limit, and with 0, the backward recomputes the forward at the current weights (hivemind's expert backends)."""
+    """Copies of a block stage's weights kept alive at once so a microbatch forwarded before a step backpropagates through the weights it used (PipeDream's weight stashing, node/stage/weight_stash.py), >= 0; one copy per step still in flight. 4 covers max_staleness_steps (2) plus the current weights plus one; past the limit, and with 0, the backward recomputes the forward at the current weights (hivemind's expert backends)."""
     learning_rate: float = 3e-3
     """Peak learning rate of the inner AdamW; 3e-3 suits a 64-wide model (small models take larger rates)."""
     warmup_steps: int = 20

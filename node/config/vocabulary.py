@@ -36,7 +36,7 @@ class RoutingMode(StrEnum):
 
 
 class Precision(StrEnum):
-    """Arithmetic of a stage's forward and backward (node/pipeline/precision.py, docs/model.md "Precision").
+    """Arithmetic of a stage's forward and backward (node/stage/precision.py, docs/model.md "Precision").
 
     Weights, optimizer moments and the NoLoCo outer state are float32 whatever is chosen: only the
     compute runs under autocast."""

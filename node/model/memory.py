@@ -6,7 +6,7 @@ tests/benchmarks/bench_memory.py):
 
 - weights: the stage's parameters (fp32 master weights, whatever the precision);
 - gradients: the accumulated `.grad` plus one working copy, which is in turn a microbatch's fresh
-  gradients before they are added (node/pipeline/stage_worker.py), the optimizer step's
+  gradients before they are added (node/stage/stage_worker.py), the optimizer step's
   temporaries, or a gossip round's inner progress: all three run on the compute thread, never at
   once;
 - optimizer: AdamW's exp_avg and exp_avg_sq;
@@ -19,7 +19,7 @@ tests/benchmarks/bench_memory.py):
   gossip off. DiLoCo holds one Delta per replica
   instead of the partner's: more with over 3 replicas;
 - stashed weights (block stages): up to `training.stashed_weights` copies of the parameters that
-  forwards ran on, kept for their backwards (node/pipeline/weight_stash.py);
+  forwards ran on, kept for their backwards (node/stage/weight_stash.py);
 - edge copies (CheckFree+): stage 1 keeps stage 0's embedding, stage S its final norm and LM
   head (node/recovery/edge_copies.py), on the stage's device like every tensor a peer keeps;
 - activations in flight: F microbatches (`training.max_in_flight`, or fewer where a device fits
@@ -101,7 +101,7 @@ def activation_bytes_per_layer(model: ModelConfig, precision: Precision = Precis
 
 def _is_half(precision: Precision) -> bool:
     if precision is Precision.AUTO:
-        raise ValueError("resolve training.precision for the device first (node/pipeline/precision.py)")
+        raise ValueError("resolve training.precision for the device first (node/stage/precision.py)")
     return precision in (Precision.BF16, Precision.FP16)
 
 

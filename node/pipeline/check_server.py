@@ -32,10 +32,11 @@ from node.p2p.membership import Membership
 from node.p2p.transport import Transport
 from node.pipeline.check_wire import CHECK_SERVICE, WEIGHTS, backward_name, exact, forward_name
 from node.pipeline.contracts import CHECK_CONTRACT
-from node.pipeline.layer_replay import LayerLayout, stage_boundaries
-from node.pipeline.precision import StagePrecision
 from node.pipeline.receipts import Receipt, ReceiptKeeper, WeightsVersion
 from node.pipeline.spot_check import digest
+from node.stage.access import weights_copy
+from node.stage.layers import LayerLayout, stage_boundaries
+from node.stage.precision import StagePrecision
 from protocol import Message, MessageKind, ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -120,8 +121,8 @@ class CheckServer:
         worker = self.worker
         inputs = worker.hidden_from_wire("audit input", hidden)
         grad_output = worker.hidden_from_wire("audit probe", probe, shape=inputs.shape)
-        named = {name: p.detach().clone() for name, p in worker.module.named_parameters()}
-        forward, backward = stage_boundaries(worker.module, self.layout, named, inputs, grad_output, self.precision)
+        named = weights_copy(worker)
+        forward, backward = stage_boundaries(worker, self.layout, named, inputs, grad_output, self.precision)
         assert backward is not None
         sent, grad_sent = worker.transfers.to_host([forward[-1], backward[0]])
         received = hidden.detach().float()
@@ -166,7 +167,7 @@ class CheckServer:
         if self.layers > 1:
             to_device = self.worker.transfers.to_device
             inner_forward, inner_backward = stage_boundaries(
-                self.worker.module,
+                self.worker,
                 self.layout,
                 receipt.weights.named,
                 to_device(receipt.received),

@@ -6,7 +6,7 @@ which of its microbatches will be checked, so it keeps a receipt of every one fo
 `verification.receipt_seconds`: the input it received and the output it sent (host tensors, as on
 the wire), the gradient it received and the one it sent once its backward ran, and a reference to
 the exact weights its forward ran on. Those weights are the forward's stash
-(node/pipeline/weight_stash.py), an immutable copy shared by every microbatch of that weight
+(node/stage/weight_stash.py), an immutable copy shared by every microbatch of that weight
 version; a receipt holds the copy's tensors, not the stash, so receipts never count against the
 stash limit and never push a forward onto the live weights. A forward that ran on the live weights
 (past the stash limit) keeps no weights: its checks go unanswered.
@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from node.config import Precision
-from node.pipeline.layer_replay import LayerLayout
 from node.pipeline.spot_check import digest
-from node.pipeline.stage_worker import StageWorker
-from node.pipeline.weight_stash import StashedWeights
 from node.runtime.device import DeviceTransfers
+from node.stage.layers import LayerLayout
+from node.stage.stage_worker import StageWorker
+from node.stage.weight_stash import StashedWeights
 
 
 class WeightsVersion:

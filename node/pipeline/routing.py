@@ -27,7 +27,7 @@ considered tied and one of them is drawn with the injected `random.Random`.
 Where the speed comes from: SWARM's client times each call around the whole request. Our hops are
 acknowledged as soon as the receiver has queued the work (so no peer waits for a round trip), which
 means a hop's latency says nothing about the receiver's speed. Instead every peer measures its own
-compute (an EMA of microbatches per second on its stage worker, node/pipeline/stage_worker.py) and
+compute (an EMA of microbatches per second on its stage worker, node/stage/stage_worker.py) and
 announces it in its record every heartbeat; the router follows the latest announcement on each
 refresh. A peer that announces none starts from the median of its stage (1.0 if nothing is known).
 Announcements are self-reported: a peer that lies about its speed only attracts or repels work it

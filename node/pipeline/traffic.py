@@ -42,10 +42,8 @@ from node.config import SwarmConfig, TrainingConfig
 from node.model.data import TokenSource
 from node.p2p.transport import Transport, TransportError
 from node.pipeline.abort_notices import AbortNotices
-from node.pipeline.activation_store import UnknownMicrobatch
-from node.pipeline.admission import RejectedInput
 from node.pipeline.contracts import ABORT_CONTRACT, BACKWARD_CONTRACT, FORWARD_CONTRACT
-from node.pipeline.evaluation import PURPOSE_KEY, MicrobatchPurpose, eval_embed, eval_forward, eval_loss, purpose_of
+from node.pipeline.evaluation import PURPOSE_KEY, MicrobatchPurpose, purpose_of
 from node.pipeline.fair_turns import FairTurns
 from node.pipeline.hops import HopSender, PipelineStats
 from node.pipeline.in_flight import InFlight, ticket_named_by
@@ -55,11 +53,14 @@ from node.pipeline.order import pipeline_order, visits_every_block_stage
 from node.pipeline.receipts import ReceiptKeeper
 from node.pipeline.retry_pause import RetryPause
 from node.pipeline.routing import Router
-from node.pipeline.stage_worker import StageWorker
 from node.pipeline.token_anchors import carried_token_ids, hop_token_ids
 from node.pipeline.verifier import Verifier
 from node.runtime.tasks import BackgroundTasks
 from node.runtime.timeouts import within
+from node.stage.activation_store import UnknownMicrobatch
+from node.stage.admission import RejectedInput
+from node.stage.forward_only import eval_embed, eval_forward, eval_loss
+from node.stage.stage_worker import StageWorker
 from protocol import ANCHOR_IDS, Message, MessageKind, ProtocolError
 
 logger = logging.getLogger(__name__)

@@ -11,9 +11,10 @@ from torch import Tensor
 
 from node.pipeline.check_wire import WEIGHTS, CommitmentReply, backward_name, forward_name, from_exact
 from node.pipeline.hop_observations import Observed
-from node.pipeline.layer_replay import LayerLayout, replay_layer
+from node.pipeline.layer_replay import replay_layer
 from node.pipeline.spot_check import Finding, RecomputeTolerance, arrived_as, digest
 from node.runtime.device import DeviceTransfers
+from node.stage.layers import LayerLayout
 
 
 @dataclass(frozen=True)

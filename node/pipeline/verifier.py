@@ -33,15 +33,15 @@ from dht.records import MAX_REPORTED_PEERS, EventKind, VerificationReport, short
 from node.config import VerificationConfig
 from node.p2p.bans import BanList
 from node.p2p.transport import Transport, TransportError
-from node.pipeline.admission import RejectedInput
 from node.pipeline.check_wire import CHECK_SERVICE, CommitmentReply
 from node.pipeline.hop_observations import Observed, PendingChecks
-from node.pipeline.layer_replay import LayerLayout
 from node.pipeline.spot_check import CheckRate, Finding, RecomputeTolerance, StrikeBook, probe_direction
-from node.pipeline.stage_worker import StageWorker
 from node.pipeline.verdict import Judgement, boundaries_to_open, judge
 from node.runtime.events import EventPublisher
 from node.runtime.tasks import BackgroundTasks
+from node.stage.admission import RejectedInput
+from node.stage.layers import LayerLayout
+from node.stage.stage_worker import StageWorker
 from protocol import Message, MessageKind
 
 logger = logging.getLogger(__name__)

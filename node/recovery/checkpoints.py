@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from node.pipeline.stage_worker import StageWorker
+from node.stage.stage_worker import StageWorker
 
 logger = logging.getLogger(__name__)
 

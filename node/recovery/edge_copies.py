@@ -28,8 +28,8 @@ from torch import Tensor
 from dht.records import PeerRecord, PeerState
 from node.config import RecoveryStrategy, SwarmConfig
 from node.p2p.transport import Transport, TransportError
-from node.pipeline.stage_worker import StageWorker
 from node.recovery.state_transfer import download_from_any, state_on_device
+from node.stage.stage_worker import StageWorker
 from protocol.stage_state import StageState, StatePart, StateUnavailable
 
 logger = logging.getLogger(__name__)

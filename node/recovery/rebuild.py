@@ -35,7 +35,6 @@ from dht.swarm_view import SwarmView
 from node.config import SwarmConfig
 from node.model.llama import build_stage
 from node.p2p.transport import Transport, TransportError
-from node.pipeline.stage_worker import StageWorker
 from node.recovery.checkfree import (
     RebuildAction,
     RebuildPlan,
@@ -51,6 +50,8 @@ from node.recovery.state_transfer import StageParts, download_from_any
 from node.runtime.events import EventPublisher
 from node.runtime.meter import Tally
 from node.runtime.tasks import BackgroundTasks
+from node.stage.access import weight_views
+from node.stage.stage_worker import StageWorker
 from protocol.stage_state import StageState, StatePart
 
 logger = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ async def rebuild_stage(
     if not plan.recoverable:
         raise RebuildImpossible(f"stage {stage} cannot be rebuilt: {plan.reason}")
     # the live module's own tensors, on its device: the template the result must match (zero: the entries to zero)
-    template = await worker.compute(lambda: {k: v.detach() for k, v in worker.module.state_dict().items()})
+    template = await worker.compute(weight_views, worker)
     expect = {name: tuple(t.shape) for name, t in template.items()}
 
     sources: dict[int, FetchedSource] = {}

@@ -38,11 +38,11 @@ from node.config import SwarmConfig
 from node.p2p.answer_budget import AnswerBudget
 from node.p2p.tensor_stream import ChunkIndex, Session, TensorStream
 from node.p2p.transport import Transport, TransportError
-from node.pipeline.inner_optimizer import adam_moments, load_adam_moments
-from node.pipeline.stage_worker import StageWorker
 from node.runtime.byte_progress import ByteProgress, ByteTask, Outcome
 from node.runtime.device import DeviceTransfers
 from node.runtime.meter import Tally
+from node.stage.access import load_optimizer_moments, optimizer_moments, weight_shapes, weight_views
+from node.stage.stage_worker import StageWorker
 from protocol import MessageKind, ProtocolError
 from protocol.stage_state import (
     CHUNK_BYTES,
@@ -349,9 +349,7 @@ async def capture_state(
         outer = worker.transfers.state_to_host(gossip.export_outer(), copy=False) if gossip else {}
         # the gossip's own round counter is exact; the record's copy lags by up to a heartbeat
         round_now = gossip.outer_state.round if gossip else outer_round
-        moments, optimizer_steps = (
-            adam_moments(worker.optimizer, worker.module.named_parameters(), MOMENTS_DTYPE) if with_moments else ({}, 0)
-        )
+        moments, optimizer_steps = optimizer_moments(worker, MOMENTS_DTYPE) if with_moments else ({}, 0)
         return StageState(
             stage=worker.stage,
             weights=worker.state_dict(),
@@ -391,7 +389,7 @@ def state_provider(
         keys = PART_KEYS[part]
 
         def take() -> StageState:
-            weights = dict(worker.module.state_dict())
+            weights = weight_views(worker)
             return StageState(
                 stage=0,
                 weights=worker.transfers.state_to_host({k: weights[k].to(EDGE_COPY_DTYPE) for k in keys}),
@@ -412,9 +410,8 @@ async def adopt_state(worker: StageWorker, state: StageState, gossip: Gossip | N
     def load() -> None:
         # the weights go through load_state_dict's own copies; the outer state is moved by import_outer
         worker.adopt(state.weights, state.inner_step, state.grad_norm, state.lr_scale)
-        named = list(worker.module.named_parameters())
         try:
-            load_adam_moments(worker.optimizer, named, state.moments, state.optimizer_steps, worker.transfers)
+            load_optimizer_moments(worker, state.moments, state.optimizer_steps)
         except ValueError as e:
             logger.warning(f"stage {worker.stage}: the donor's optimizer moments were left out: {e}")
         if gossip is not None and state.outer:
@@ -486,7 +483,7 @@ async def take_stage_state(
     from it: weights, schedule, outer state (adopt_state) and the record's counters. Raises
     TransportError when every donor tried failed; the worker is untouched then."""
     me, worker = service.me, service.worker
-    shapes = await worker.compute(lambda: {name: tuple(t.shape) for name, t in worker.module.state_dict().items()})
+    shapes = await worker.compute(weight_shapes, worker)
     state = await download_from_any(
         service.transport, donors, me.stage, StatePart.STAGE, rng, attempts, expect=shapes, progress=progress
     )

@@ -1,6 +1,6 @@
 """One thread that runs a stage's compute calls in order, for the event loop and for plain callers.
 
-A stage hands its worker two or three calls per microbatch (node/pipeline/stage_worker.py). Through
+A stage hands its worker two or three calls per microbatch (node/stage/stage_worker.py). Through
 `loop.run_in_executor` on a one-thread ThreadPoolExecutor each call costs a concurrent Future, a work
 item, the pool's idle-semaphore check (a Python Condition whose lock the worker thread takes after
 every call, so the event loop can block on it), and a second future chained to the first. Profiled

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from node.config import SwarmConfig
 from node.model.memory import DeviceMemory, StageMemory, available_memory, fitting_in_flight, format_bytes
-from node.pipeline.precision import resolve_precision
+from node.stage.precision import resolve_precision
 
 __all__ = ["DeviceUnusable", "StageFit", "fitting_stages", "measure_device", "no_stage_fits", "stage_fits"]
 

@@ -38,7 +38,6 @@ from node.pipeline.check_server import CheckServer
 from node.pipeline.evaluation import MicrobatchPurpose
 from node.pipeline.receipts import ReceiptBook, ReceiptKeeper
 from node.pipeline.routing import Router
-from node.pipeline.stage_worker import StageWorker
 from node.pipeline.traffic import Pipeline
 from node.pipeline.validation import Validator, open_validator
 from node.pipeline.verifier import Verifier
@@ -57,6 +56,8 @@ from node.server.daemon import JoinRefused
 from node.server.data_fetch import stage0_data
 from node.server.progress import ProgressDisplay, ServiceSummary
 from node.server.stage_fit import DeviceUnusable, measure_device, stage_fits
+from node.stage.access import live_parameters
+from node.stage.stage_worker import StageWorker
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ async def build_service(
     worker = await asyncio.to_thread(
         StageWorker, config, me.stage, device=pick_device(options.device), max_stored=max_in_flight
     )
-    # `auto` is resolved per peer (node/pipeline/precision.py): say what this peer computes in
+    # `auto` is resolved per peer (node/stage/precision.py): say what this peer computes in
     logger.info(f"stage {me.stage} computes in {worker.precision.precision} on {worker.device}")
     worker.meter = options.meter  # the process's meter: compute latencies survive a move to another stage
 
@@ -240,7 +241,7 @@ async def build_service(
         receipts=receipts,
         max_in_flight=max_in_flight,
     )
-    replica = await worker.compute(OuterReplica, worker.module, config.gossip)
+    replica = await worker.compute(lambda: OuterReplica(live_parameters(worker), config.gossip))
     gossip = Gossip(
         config,
         me,

@@ -1,6 +1,6 @@
 """S stages x R replicas of the project's own StageWorkers in one process, on a simulated clock.
 
-What is real: every forward, backward and optimizer step (node/pipeline/stage_worker.py on the
+What is real: every forward, backward and optimizer step (node/stage/stage_worker.py on the
 node/model/llama.py stages), every choice of the next-stage replica (node/pipeline/routing.py's
 Router, in load_aware or random mode, reading the simulated clock), the microbatch paths
 (node/pipeline/order.py, CheckFree+ swaps included) and every outer step (node/averaging/
@@ -32,13 +32,15 @@ from node.averaging.outer_replica import OuterReplica, RoundStart
 from node.config import SwarmConfig
 from node.pipeline.order import pipeline_order
 from node.pipeline.routing import Router
-from node.pipeline.stage_worker import StageWorker
 from node.pipeline.token_anchors import forward_hop_nbytes
 from node.simulate.clock import SimClock
 from node.simulate.collectives import ring_allreduce_seconds
 from node.simulate.links import LinkModel
 from node.simulate.sources import held_out_source, training_source
 from node.simulate.timeline import Microbatch, StageCosts, run_iteration
+from node.stage.access import live_parameters
+from node.stage.forward_only import chain_loss
+from node.stage.stage_worker import StageWorker
 
 
 class SyncMode(StrEnum):
@@ -100,12 +102,12 @@ class SimulatedSwarm:
         if self.sync == SyncMode.ALLREDUCE:
             gossip = dataclasses.replace(gossip, **ALLREDUCE_OUTER)
         self.inner_steps = gossip.inner_steps
-        self.outer = [[OuterReplica(w.module, gossip) for w in row] for row in self.workers]
+        self.outer = [[OuterReplica(live_parameters(w), gossip) for w in row] for row in self.workers]
         self.last_round_step = [[0] * replicas for _ in range(self.num_stages)]
         self.router = Router(
             random.Random(seed + 1), self.num_stages, clock=self.clock.now, mode=config.training.routing
         )
-        self.stage_bytes = [4 * sum(p.numel() for p in row[0].module.parameters()) for row in self.workers]
+        self.stage_bytes = [4 * replicas[0].total_numel for replicas in self.outer]
         self.activation_bytes = forward_hop_nbytes(config)
         if compute_seconds is None:  # measured once, on this host, for a block stage and for stage 0
             block = 1.0 / self.workers[1][0].measure_throughput()
@@ -247,11 +249,8 @@ class SimulatedSwarm:
         """Mean loss of each replica's own chain (replica r of every stage), in normal order."""
         losses = []
         for r in range(self.replicas):
-            for tokens, targets in batches:
-                hidden = self.workers[0][r].module.embed(tokens)
-                for stage in range(1, self.num_stages):
-                    hidden = self.workers[stage][r].module(hidden)
-                losses.append(float(self.workers[0][r].module.loss(hidden, targets)))
+            chain = [row[r] for row in self.workers]
+            losses += [chain_loss(chain, tokens, targets) for tokens, targets in batches]
         return sum(losses) / len(losses)
 
     @torch.no_grad()
@@ -260,9 +259,8 @@ class SimulatedSwarm:
         if self.replicas == 1:
             return 0.0
         values = []
-        for row in self.workers:
-            reference = list(row[0].module.parameters())
-            values += [relative_distance(reference, list(w.module.parameters())) for w in row[1:]]
+        for replicas in self.outer:  # an outer replica's parameters are its worker's live ones
+            values += [relative_distance(replicas[0].params, replica.params) for replica in replicas[1:]]
         return sum(values) / len(values)
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ keeps `--floor-windows` microbatches in flight (each value is one run). CPU is t
 three processes over the window, per completed microbatch, beside the single process measured
 before and after.
 
-A microbatch a worker's checks reject (node/pipeline/admission.py: a gradient gate, say, seeing a
+A microbatch a worker's checks reject (node/stage/admission.py: a gradient gate, say, seeing a
 norm spike the training itself made) is dropped, as the product's origin drops and retries one:
 the rejecting stage tells stage 0 with an ABORT frame, and stage 0 starts another. The report
 counts them. A stage that fails otherwise stops its run, which the report marks FAILED with the
@@ -134,8 +134,8 @@ class _Sealer:
 async def run_stage(stage: int, ports: list[int], window: int, sealed: bool) -> None:
     from node.config import SwarmConfig
     from node.model.data import open_source
-    from node.pipeline.admission import RejectedInput
-    from node.pipeline.stage_worker import StageWorker
+    from node.stage.admission import RejectedInput
+    from node.stage.stage_worker import StageWorker
 
     torch.set_num_threads(1)
     config = SwarmConfig()

@@ -30,7 +30,7 @@ from node.config import SwarmConfig  # noqa: E402
 from node.model.llama import build_stage  # noqa: E402
 from node.model.presets import PresetName, preset_named  # noqa: E402
 from node.model.synthetic import markov_source  # noqa: E402
-from node.pipeline.stage_worker import StageWorker  # noqa: E402
+from node.stage.stage_worker import StageWorker  # noqa: E402
 from protocol import Compression, decode_tensor, encode_tensor, wire_nbytes  # noqa: E402
 
 # label -> (codec, whether forward hops carry their token ids as anchors, as the swarm's do in a

@@ -106,8 +106,9 @@ def measure_case(case: Case, device: str) -> dict:
     from node.averaging.gossip_codec import PhiDither
     from node.averaging.outer_replica import OuterReplica
     from node.model.presets import load_config
-    from node.pipeline.stage_worker import StageWorker
     from node.recovery.edge_copies import edge_copies_for
+    from node.stage.access import live_parameters
+    from node.stage.stage_worker import StageWorker
     from protocol.stage_state import PART_KEYS, StageState
 
     cuda = device.startswith("cuda")
@@ -125,7 +126,7 @@ def measure_case(case: Case, device: str) -> dict:
     m, t = config.model, config.training
     started = time.monotonic()
     worker = StageWorker(config, stage, device=device, max_stored=in_flight)
-    replica = OuterReplica(worker.module, config.gossip)
+    replica = OuterReplica(live_parameters(worker), config.gossip)
     edge_copies = edge_copies_for(config, stage)
     if edge_copies is not None:  # copies of stage 0's parts, kept on the stage's device (node/recovery/edge_copies.py)
         shapes = {"embed_tokens.weight": (m.vocab_size, m.hidden_size), "norm.weight": (m.hidden_size,)}

@@ -27,7 +27,7 @@ if str(REPO) not in sys.path:
 from node.config import SwarmConfig  # noqa: E402
 from node.model.synthetic import markov_source  # noqa: E402
 from node.pipeline.order import pipeline_order  # noqa: E402
-from node.pipeline.stage_worker import StageWorker  # noqa: E402
+from node.stage.stage_worker import StageWorker  # noqa: E402
 
 
 def held_out_loss(workers: list[StageWorker], with_blocks: bool, tokens: torch.Tensor, targets: torch.Tensor) -> float:

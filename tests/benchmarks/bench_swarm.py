@@ -67,8 +67,8 @@ def log(text: str) -> None:
 def single_process(seconds: float, threads: int, warmup_microbatches: int = 4) -> dict:
     from node.config import SwarmConfig
     from node.model.data import open_source
-    from node.pipeline.admission import RejectedInput
-    from node.pipeline.stage_worker import StageWorker
+    from node.stage.admission import RejectedInput
+    from node.stage.stage_worker import StageWorker
     from tests.helpers.chain import chain_microbatch
 
     previous_threads = torch.get_num_threads()

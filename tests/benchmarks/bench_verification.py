@@ -39,9 +39,10 @@ from node.model.llama import build_stage  # noqa: E402
 from node.model.presets import load_config  # noqa: E402
 from node.monitor.observer import observe  # noqa: E402
 from node.pipeline.check_wire import CommitmentReply  # noqa: E402
-from node.pipeline.layer_replay import LayerLayout, replay_layer, stage_boundaries  # noqa: E402
-from node.pipeline.precision import StagePrecision  # noqa: E402
+from node.pipeline.layer_replay import replay_layer  # noqa: E402
 from node.pipeline.verdict import boundaries_to_open, judge  # noqa: E402
+from node.stage.layers import LayerLayout, stage_boundaries  # noqa: E402
+from node.stage.precision import StagePrecision  # noqa: E402
 from protocol import Message, MessageKind, encode_message  # noqa: E402
 from tests.helpers.check_harness import Swarm as CheckSwarm  # noqa: E402
 from tests.helpers.faulty_node import FaultKind, make_faulty  # noqa: E402

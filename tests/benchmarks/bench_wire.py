@@ -16,7 +16,7 @@ Link bound  Every host forwards one hop and sends one gradient per microbatch (s
             embedding and the head, so the pipeline is a ring: 0 -> 1 -> 2 -> 0 and back), so each
             uplink carries FORWARD + BACKWARD bytes a token: link bound = rate / that, in tokens/s.
 Compute     Each stage alone in this process before any swarm starts, one torch thread as the peers
-bound       run: forward+backward of one microbatch (node/pipeline/inner_optimizer.py's
+bound       run: forward+backward of one microbatch (node/stage/inner_optimizer.py's
             time_forward_backward, best of 2) plus one AdamW step over microbatches_per_step. In the
             swarm stage 0 has a core of its own and every other process shares the rest (taskset),
             as if each peer had its own machine: on a shared machine the scheduler would give the
@@ -165,8 +165,8 @@ def hop_table(preset: str, rate_mbit: float) -> list[dict]:
 def compute_bound(config: SwarmConfig, replicas: dict[int, int]) -> dict:
     """Seconds each stage takes for one microbatch alone here (one thread), and the pipeline's bound."""
     from node.model.llama import build_stage
-    from node.pipeline.inner_optimizer import ADAM_BETAS, ADAM_EPS, time_forward_backward
     from node.runtime.device import DeviceTransfers
+    from node.stage.inner_optimizer import ADAM_BETAS, ADAM_EPS, time_forward_backward
 
     t = config.training
     threads = torch.get_num_threads()

@@ -36,7 +36,7 @@ class Category(StrEnum):
     BINDINGS = "hivemind's p2pd bindings (Python side)"
     DHT = "DHT (hivemind DHT, dht/ records and signing)"
     TRANSPORT = "node/p2p: metering, conduct, transport, channels"
-    PIPELINE = "node/pipeline: handlers, routing, admission"
+    PIPELINE = "node/pipeline, node/stage: handlers, routing, admission"
     NODE = "other node code"
     TORCH_ON_LOOP = "torch on the event loop thread"
     LOOP = "event loop (uvloop C code, asyncio)"
@@ -52,6 +52,7 @@ RULES: tuple[tuple[str, Category], ...] = (
     ("dht/", Category.DHT),
     ("node/p2p/", Category.TRANSPORT),
     ("node/pipeline/", Category.PIPELINE),
+    ("node/stage/", Category.PIPELINE),  # the wire-input checks (admission.py) moved there
     ("node/", Category.NODE),
     ("torch/", Category.TORCH_ON_LOOP),
     ("asyncio/", Category.LOOP),

@@ -11,7 +11,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from node.pipeline.stage_worker import StageWorker
+from node.stage.stage_worker import StageWorker
 
 
 def chain_microbatch(

@@ -22,8 +22,8 @@ from node.pipeline.check_server import CheckServer
 from node.pipeline.hop_observations import Observed
 from node.pipeline.receipts import ReceiptBook, ReceiptKeeper
 from node.pipeline.spot_check import Finding
-from node.pipeline.stage_worker import StageWorker
 from node.pipeline.verifier import Verifier
+from node.stage.stage_worker import StageWorker
 from protocol import Message, MessageKind, decode_message, encode_message
 from protocol.tensors import decode_tensor, encode_tensor
 from tests.helpers.faulty_node import FaultKind, make_faulty, make_liar

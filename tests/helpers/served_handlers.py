@@ -24,8 +24,8 @@ from node.p2p.transport import Transport
 from node.pipeline.check_server import CheckServer
 from node.pipeline.receipts import ReceiptBook, ReceiptKeeper
 from node.pipeline.routing import Router
-from node.pipeline.stage_worker import StageWorker
 from node.pipeline.traffic import Pipeline
+from node.stage.stage_worker import StageWorker
 from protocol import Message, recv_message
 
 SWARM = "served-handlers"

@@ -15,7 +15,7 @@ from node.config import read_config
 from node.model.data import open_source
 from node.model.llama import ReferenceModel
 from node.pipeline.evaluation import MicrobatchPurpose
-from node.pipeline.stage_worker import StageWorker
+from node.stage.stage_worker import StageWorker
 from tests.helpers.inprocess_swarm import inprocess_swarm
 
 

@@ -1,5 +1,5 @@
 """A small swarm trains in bf16 on CPU: three real peers (one per stage) over libp2p on loopback,
-every stage computing under bf16 autocast, the weights staying fp32 (node/pipeline/precision.py)."""
+every stage computing under bf16 autocast, the weights staying fp32 (node/stage/precision.py)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,6 @@ from node.config import read_config
 from node.p2p.answer_budget import AnswerBudget, BudgetLimits
 from node.p2p.network import Network, start_network
 from node.p2p.transport import Transport, TransportError
-from node.pipeline.stage_worker import StageWorker
 from node.recovery.checkpoints import CHECKPOINT_SUFFIX, load_latest, save_checkpoint, stage_dir
 from node.recovery.edge_copies import EdgeCopies, edge_parts_for, refresh_due, refresh_edge_copies
 from node.recovery.state_transfer import (
@@ -30,6 +29,7 @@ from node.recovery.state_transfer import (
     state_provider,
 )
 from node.runtime.byte_progress import ByteProgress, Outcome
+from node.stage.stage_worker import StageWorker
 from protocol import MessageKind, ProtocolError, recv_message, send_message
 from protocol.stage_state import StageState, StatePart, encode_state
 

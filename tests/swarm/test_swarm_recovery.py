@@ -28,7 +28,6 @@ from node.local_swarm import NodeProcess, Swarm, wait_for
 from node.model.data import open_source
 from node.monitor.status import stage_status
 from node.p2p.transport import TransportError
-from node.pipeline.stage_worker import StageWorker
 from node.recovery.checkpoints import checkpoint_root, save_checkpoint
 from node.recovery.lost_stages import (
     LOST_EVENT_REFRESH,
@@ -39,6 +38,7 @@ from node.recovery.lost_stages import (
 )
 from node.recovery.rebalance import Move, Rebalancer, plan_move
 from node.recovery.rebuild import rebuild_stage
+from node.stage.stage_worker import StageWorker
 from protocol import MessageKind
 
 

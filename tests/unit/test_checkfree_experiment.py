@@ -37,9 +37,9 @@ import torch
 
 from node.config import RecoveryStrategy, read_config
 from node.model.llama import build_stage
-from node.pipeline.stage_worker import StageWorker
 from node.recovery.checkfree import execute_rebuild, plan_rebuild, recovered_lr_scale
 from node.simulate.sources import SecondOrderMarkov
+from node.stage.stage_worker import StageWorker
 
 TRAIN_STEPS = 300
 RECOVERY_STEPS = 20

@@ -29,16 +29,17 @@ from node.averaging.outer_replica import OuterReplica
 from node.config import GossipConfig, SwarmConfig, VerificationConfig
 from node.model.presets import load_config
 from node.pipeline.check_server import CheckServer
-from node.pipeline.evaluation import eval_forward
 from node.pipeline.layer_replay import replay_layer
 from node.pipeline.receipts import ReceiptBook, ReceiptKeeper
 from node.pipeline.spot_check import RecomputeTolerance
-from node.pipeline.stage_worker import StageWorker
 from node.recovery import edge_copies as edge_copies_module
 from node.recovery import rebuild as rebuild_module
 from node.recovery.edge_copies import EdgeCopies, edge_parts_for, refresh_edge_copies
 from node.recovery.rebuild import FetchedSource, rebuild_stage
 from node.recovery.state_transfer import adopt_state, capture_state, state_provider
+from node.stage.access import live_parameters
+from node.stage.forward_only import eval_forward
+from node.stage.stage_worker import StageWorker
 from protocol.stage_state import StageState, StatePart, check_header, decode_payload, encode_state
 from tests.helpers.served_handlers import MembersOnly
 
@@ -176,7 +177,7 @@ def test_a_noloco_exchange_sends_host_copies_and_steps_on_the_device():
     a, b = StageWorker(CONFIG, 2, device=DEVICE), StageWorker(CONFIG, 2, device=DEVICE)
     try:
         device = a.device
-        replicas = [OuterReplica(w.module, GossipConfig()) for w in (a, b)]
+        replicas = [OuterReplica(live_parameters(w), GossipConfig()) for w in (a, b)]
         for worker, seed in ((a, 3), (b, 4)):  # some inner progress on each replica
             out = worker.forward("k", hidden(CONFIG, seed))
             worker.backward("k", torch.full_like(out, 1e-3))
@@ -207,7 +208,10 @@ def test_a_noloco_exchange_sends_host_copies_and_steps_on_the_device():
 def test_an_outer_state_downloaded_to_the_host_is_imported_onto_the_device():
     a, b = StageWorker(CONFIG, 1, device=DEVICE), StageWorker(CONFIG, 1, device=DEVICE)
     try:
-        source, target = OuterReplica(a.module, GossipConfig()), OuterReplica(b.module, GossipConfig())
+        source, target = (
+            OuterReplica(live_parameters(a), GossipConfig()),
+            OuterReplica(live_parameters(b), GossipConfig()),
+        )
         exported = a.transfers.state_to_host(source.export_outer(), copy=False)
         assert on_host(exported.values())
         target.import_outer(exported, round=5)

@@ -9,7 +9,7 @@ import torch
 
 from node.averaging.fingerprint import WeightFingerprint, fingerprint_distance
 from node.config import SwarmConfig
-from node.pipeline.stage_worker import StageWorker
+from node.stage.stage_worker import StageWorker
 
 
 @pytest.mark.parametrize("distance", [0.01, 0.1, 0.5])

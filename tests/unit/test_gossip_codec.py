@@ -157,7 +157,7 @@ def test_a_round_decodes_the_partners_phi_and_delta_from_its_wire():
 
 def test_a_partner_whose_scales_hold_a_nan_is_refused_as_not_finite():
     module = torch.nn.Linear(16, 8)
-    replica = OuterReplica(module, GossipConfig())
+    replica = OuterReplica(dict(module.named_parameters()), GossipConfig())
     with torch.no_grad():
         module.weight.add_(0.01)
     start = replica.capture_start(inner_step=5, key=PhiDither(1))
@@ -170,7 +170,7 @@ def test_a_partner_whose_scales_hold_a_nan_is_refused_as_not_finite():
 
 def test_a_round_budget_is_the_payload_at_the_link_rate_on_top_of_the_round_timeout():
     module = torch.nn.Linear(1024, 1024)
-    replica = OuterReplica(module, GossipConfig())
+    replica = OuterReplica(dict(module.named_parameters()), GossipConfig())
     rates = {"fast": 100e6}
     transport = SimpleNamespace(channels=SimpleNamespace(peer_link_rate=lambda peer: rates.get(peer)))
     wire = GossipWire(transport, GossipConfig(), replica)

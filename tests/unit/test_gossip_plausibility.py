@@ -167,7 +167,7 @@ def test_divergence_memory():
 
 def test_outer_replica_checks_form_first_then_plausibility():
     module = torch.nn.Linear(64, 64)
-    replica = OuterReplica(module, GossipConfig())
+    replica = OuterReplica(dict(module.named_parameters()), GossipConfig())
     with torch.no_grad():
         module.weight.add_(0.01)
     start = replica.capture_start(inner_step=10)

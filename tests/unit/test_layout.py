@@ -3,11 +3,15 @@
 - no import cycle between modules of node/, dht/, protocol/ (every import counts: top-level, inside
   functions, under TYPE_CHECKING; `from X import Y` counts as an import of X.Y when Y is a module;
   the parent packages Python initialises on the way are not counted as imports);
-- layering: protocol/ imports nothing from dht/ or node/, dht/ nothing from node/;
+- layering: protocol/ imports nothing from dht/ or node/, dht/ nothing from node/; node/'s
+  subpackages import only earlier ones in NODE_ORDER (node/stage/, the worker's floor, below
+  pipeline, averaging, recovery, simulate and server);
 - node/ holds at most 6 loose modules beside its subpackages;
 - no module over 500 lines, no class over 300 lines (node/, dht/, protocol/, tests/);
 - a stage worker's training position (inner_step, last_grad_norm, lr_scale) is written by the
   worker alone (StageWorker.adopt for a state from elsewhere), never assigned from outside;
+- nothing outside node/stage/ reads or writes a stage worker's module (`worker.module`): the floor's
+  functions and StageWorker's methods are the way in;
 - nothing points at the old algorithms notes outside docs/ (see OLD_NOTES).
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 import ast
 import itertools
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -176,7 +181,7 @@ def test_lower_layers_import_nothing_from_higher_ones(graph):
 # node/'s subpackages in dependency order (docs/architecture.md): each may import the ones before it
 # (and node.config, dht, protocol), never one after it. node's loose modules (cli, demo, ...) sit
 # on top and may import anything.
-NODE_ORDER = ("runtime", "p2p", "model", "pipeline", "averaging", "recovery", "simulate", "server", "monitor")
+NODE_ORDER = ("runtime", "p2p", "model", "stage", "pipeline", "averaging", "recovery", "simulate", "server", "monitor")
 
 
 def node_order_violations(graph: Graph) -> list[str]:
@@ -203,6 +208,20 @@ def node_order_violations(graph: Graph) -> list[str]:
 def test_node_subpackages_depend_one_way(graph):
     offenders = node_order_violations(graph)
     assert not offenders, f"node/ subpackages must only import earlier ones in {NODE_ORDER}:\n" + "\n".join(offenders)
+
+
+def test_the_stage_floor_sits_below_every_package_that_uses_a_worker():
+    above = ("pipeline", "averaging", "recovery", "simulate", "server")
+    assert all(NODE_ORDER.index("stage") < NODE_ORDER.index(package) for package in above)
+    graph: Graph = {
+        "node.stage.stage_worker": {f"node.{package}.x": ["node/stage/stage_worker.py:1"] for package in above},
+        "node.pipeline.traffic": {"node.stage.stage_worker": ["node/pipeline/traffic.py:1"]},
+    }
+    graph["node.stage.stage_worker"]["node.model.llama"] = ["node/stage/stage_worker.py:2"]
+    assert node_order_violations(graph) == [
+        f"  node.stage.stage_worker imports node.{package}.x (node/stage/stage_worker.py:1)"
+        for package in sorted(above)
+    ]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -259,11 +278,21 @@ def outside_writes(tree: ast.AST, attributes: set[str]) -> list[tuple[int, str]]
     return found
 
 
+def findings_in_node(find: Callable[[ast.AST], list[tuple[int, str]]], spared: str | None = None) -> list[str]:
+    """`  path:line: what` for each (line, what) `find` reports in a module of node/, those under the
+    folder `spared` (relative to the root) left out."""
+    return [
+        f"  {path.relative_to(ROOT)}:{line}: {what}"
+        for path in python_files(ROOT, ("node",))
+        if spared is None or not path.is_relative_to(ROOT / spared)
+        for line, what in find(ast.parse(path.read_text(encoding="utf-8")))
+    ]
+
+
 def test_only_the_stage_worker_writes_its_training_position():
-    offenders = []
-    for path in python_files(ROOT, ("node",)):
-        for line, target in outside_writes(ast.parse(path.read_text(encoding="utf-8")), TRAINING_POSITION):
-            offenders.append(f"  {path.relative_to(ROOT)}:{line}: {target} = ...")
+    offenders = findings_in_node(
+        lambda tree: [(line, f"{target} = ...") for line, target in outside_writes(tree, TRAINING_POSITION)]
+    )
     assert not offenders, "a worker's training position assigned from outside (use StageWorker.adopt):\n" + "\n".join(
         offenders
     )
@@ -277,6 +306,53 @@ def test_the_writer_check_sees_assignments_to_other_objects_and_spares_self():
         (1, "worker.inner_step"),
         (3, "a.b.lr_scale"),
         (4, "w.last_grad_norm"),
+    ]
+
+
+# ------------------------------------------------------------------------------------------------
+# A worker's module is the floor's own
+
+
+def _holder_name(node: ast.expr) -> str | None:
+    """The name an object goes by: `w`, `self.worker` -> worker, `self.workers[s][r]` -> workers."""
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def worker_module_uses(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, expression) of every `.module` read or written on something named like a stage
+    worker: `w`, `worker`, `*worker` or `*workers` (indexed), as the code names them."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "module":
+            holder = _holder_name(node.value)
+            if holder is not None and (holder == "w" or holder.endswith(("worker", "workers"))):
+                found.append((node.lineno, ast.unparse(node)))
+    return sorted(found)
+
+
+def test_nothing_outside_the_stage_floor_touches_a_workers_module():
+    offenders = findings_in_node(worker_module_uses, spared="node/stage")
+    assert not offenders, "a stage worker's module used outside node/stage/ (use its functions there):\n" + "\n".join(
+        offenders
+    )
+
+
+def test_the_module_check_sees_workers_by_their_names_and_spares_other_modules():
+    tree = ast.parse(
+        "w.module(x)\nself.worker.module.embed(t)\nself.workers[0][r].module = m\nedge_worker.module\n"
+        "replica.module\nnode.module\nw.modules"
+    )
+    assert worker_module_uses(tree) == [
+        (1, "w.module"),
+        (2, "self.worker.module"),
+        (3, "self.workers[0][r].module"),
+        (4, "edge_worker.module"),
     ]
 
 

@@ -164,7 +164,7 @@ def test_a_24_gb_home_gpu_holds_every_stage_of_every_real_preset_at_its_widest_w
             continue
         config = preset_config(name)
         for stage in range(config.num_stages):
-            # what auto resolves to on a GPU with native bf16 and on an older one (node/pipeline/precision.py)
+            # what auto resolves to on a GPU with native bf16 and on an older one (node/stage/precision.py)
             for precision in (Precision.BF16, Precision.FP16):
                 needs = estimate_stage_memory(config, stage, precision=precision, device="cuda").total
                 assert needs <= HOME_GPU_BUDGET, (name, stage, precision, format_bytes(needs))

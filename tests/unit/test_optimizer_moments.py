@@ -1,4 +1,4 @@
-"""A joiner takes its donor's AdamW moments with the stage's state (node/pipeline/inner_optimizer.py
+"""A joiner takes its donor's AdamW moments with the stage's state (node/stage/inner_optimizer.py
 `adam_moments` / `load_adam_moments`, protocol/stage_state.py's "moments." section).
 
 Without them a joiner's first steps moved each weight by about lr where its stage mates moved by a
@@ -16,9 +16,9 @@ import torch
 
 from dht.records import PeerRecord, PeerState
 from node.model.presets import load_config
-from node.pipeline.inner_optimizer import adam_moments, load_adam_moments
-from node.pipeline.stage_worker import StageWorker
 from node.recovery.state_transfer import adopt_state, capture_state, state_provider
+from node.stage.inner_optimizer import adam_moments, load_adam_moments
+from node.stage.stage_worker import StageWorker
 from protocol import ProtocolError
 from protocol.stage_state import MOMENTS_DTYPE, StageState, StatePart, check_header, decode_payload, encode_state
 

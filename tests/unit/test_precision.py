@@ -1,4 +1,4 @@
-"""node/pipeline/precision.py and its use in the stage worker: bf16/fp16 autocast gradients against
+"""node/stage/precision.py and its use in the stage worker: bf16/fp16 autocast gradients against
 the fp32 reference, fp32 master weights / optimizer / outer state, fp16's loss scaler, `auto`."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import torch
 from node.averaging.outer_replica import OuterReplica
 from node.config import ConfigError, GossipConfig, Precision, SwarmConfig
 from node.model.data import open_source
-from node.pipeline.precision import INIT_SCALE, LossScaler, StagePrecision, resolve_precision
-from node.pipeline.stage_worker import StageWorker
+from node.stage.access import live_parameters
+from node.stage.precision import INIT_SCALE, LossScaler, StagePrecision, resolve_precision
+from node.stage.stage_worker import StageWorker
 
 BASE = SwarmConfig(num_stages=3)
 
@@ -144,7 +145,7 @@ def test_one_block_stage_alone_matches_fp32_for_the_same_input_and_gradient():
 @pytest.mark.parametrize("precision", [Precision.BF16, Precision.FP16])
 def test_master_weights_optimizer_state_and_outer_state_stay_fp32(precision):
     ws = [StageWorker(cfg(precision, microbatches_per_step=1), s) for s in range(3)]
-    replicas = [OuterReplica(w.module, GossipConfig()) for w in ws]
+    replicas = [OuterReplica(live_parameters(w), GossipConfig()) for w in ws]
     for i in range(3):  # three optimizer steps on every stage
         tokens, targets = batch(i, b=2, t=16)
         h = ws[0].embed(("s", i), tokens)

@@ -12,9 +12,9 @@ import torch
 
 from node.config import SwarmConfig
 from node.model.llama import build_stage
-from node.pipeline.stage_worker import StageWorker
 from node.recovery import rebuild
 from node.recovery.checkfree import checkfree_average
+from node.stage.stage_worker import StageWorker
 from protocol.stage_state import StageState
 
 

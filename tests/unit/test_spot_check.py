@@ -1,5 +1,5 @@
-"""Spot-checks, the pure rules (node/pipeline/spot_check.py) and the layer-by-layer replay
-(node/pipeline/layer_replay.py): what a check compares, and the tolerance that separates an honest
+"""Spot-checks, the pure rules (node/pipeline/spot_check.py), a stage's boundaries layer by layer
+(node/stage/layers.py) and their replay (node/pipeline/layer_replay.py): what a check compares, and the tolerance that separates an honest
 replica's rounding from a fault. The exchange over the wire is tests/unit/test_verifier.py."""
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from torch import nn
 from dht.records import PeerRecord, RecordError, VerificationReport
 from node.config import Precision, SwarmConfig, VerificationConfig
 from node.model.llama import build_stage
-from node.pipeline.layer_replay import LayerLayout, replay_layer, stage_boundaries
-from node.pipeline.precision import StagePrecision
+from node.pipeline.layer_replay import replay_layer
 from node.pipeline.spot_check import (
     CheckRate,
     Finding,
@@ -27,6 +26,8 @@ from node.pipeline.spot_check import (
     probe_direction,
     update_error,
 )
+from node.stage.layers import LayerLayout, stage_boundaries
+from node.stage.precision import StagePrecision
 from protocol.tensors import Compression, decode_tensor, encode_tensor
 from tests.helpers.faulty_node import FaultKind, make_faulty
 

@@ -1,4 +1,4 @@
-"""node/pipeline/stage_worker.py: pipeline == single process (grads and AdamW step), loss falls, clipping,
+"""node/stage/stage_worker.py: pipeline == single process (grads and AdamW step), loss falls, clipping,
 bad inputs, activation bookkeeping, lr schedule, staleness across a step, executor."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from node.config import SwarmConfig
 from node.model.data import open_source
 from node.model.llama import ReferenceModel
-from node.pipeline.stage_worker import ADAM_BETAS, ADAM_EPS, StageWorker, UnknownMicrobatch, lr_at, step_size
+from node.stage.stage_worker import ADAM_BETAS, ADAM_EPS, StageWorker, UnknownMicrobatch, lr_at, step_size
 from tests.helpers.chain import chain_microbatch
 
 BASE = SwarmConfig(num_stages=3)
@@ -453,7 +453,7 @@ def test_a_huge_gradient_is_dropped_alone_and_the_step_keeps_the_honest_ones():
 
 
 def test_an_absurdly_large_but_finite_gradient_is_refused_once_the_gate_has_a_yardstick():
-    from node.pipeline.admission import GATE_WARMUP_SAMPLES
+    from node.stage.admission import GATE_WARMUP_SAMPLES
 
     config = cfg(microbatches_per_step=1)
     block = StageWorker(config, 1)
@@ -474,7 +474,7 @@ def test_an_absurdly_large_but_finite_gradient_is_refused_once_the_gate_has_a_ya
 
 
 def test_the_gate_judges_a_collapsed_yardstick_by_its_floor():
-    from node.pipeline.admission import ABSURD_NORM_FACTOR, TYPICAL_NORM_FLOOR, GradientGate, RejectedInput
+    from node.stage.admission import ABSURD_NORM_FACTOR, TYPICAL_NORM_FLOOR, GradientGate, RejectedInput
 
     gate = GradientGate()
     for _ in range(20):  # gradients that collapsed, as in a diverging swarm

@@ -17,17 +17,11 @@ from node.model.data import VALIDATION_STREAM, DataError, open_heldout, open_sou
 from node.model.llama import ReferenceModel
 from node.monitor.dashboard import DashboardState, render_once
 from node.monitor.status import format_table
-from node.pipeline.admission import RejectedInput
-from node.pipeline.evaluation import (
-    PURPOSE_KEY,
-    MicrobatchPurpose,
-    eval_embed,
-    eval_forward,
-    eval_loss,
-    purpose_of,
-)
-from node.pipeline.stage_worker import StageWorker
+from node.pipeline.evaluation import PURPOSE_KEY, MicrobatchPurpose, purpose_of
 from node.pipeline.validation import ValidationResult, Validator, heldout_batches, open_validator
+from node.stage.admission import RejectedInput
+from node.stage.forward_only import eval_embed, eval_forward, eval_loss
+from node.stage.stage_worker import StageWorker
 from protocol import Message, MessageKind, ProtocolError, decode_message, encode_message
 
 CFG = SwarmConfig()

@@ -30,7 +30,7 @@ different stage-0 peers mix at the block stages: SWARM's design).
 
 Weight staleness: a microbatch forwarded before an optimizer step (or any other in-place change of
 the weights, e.g. a gossip update through load_state_dict) is backpropagated after it. A block
-stage's forward runs on a stashed copy of the weights (node/pipeline/weight_stash.py, PipeDream's
+stage's forward runs on a stashed copy of the weights (node/stage/weight_stash.py, PipeDream's
 weight stashing), so its stored graph stays valid and the backward differentiates the loss the
 forward really produced; the gradient is added to the live weights. When training.stashed_weights
 copies are already alive (or it is 0), the forward runs on the live weights; if they changed
@@ -45,11 +45,16 @@ pinned memory (`hidden_from_wire`, `tokens_from_wire`); results go back to the h
 one synchronizing copy (`_out`), after which a forward's time is read, so throughput is the
 compute's, not the kernel launches'. Per microbatch the device is read once more, for the fused
 finiteness check of its gradients (node/runtime/finite.py), and once per optimizer step, for the
-clipped norm (node/pipeline/inner_optimizer.py).
+clipped norm (node/stage/inner_optimizer.py).
 
-Precision (node/pipeline/precision.py): every forward runs under the stage's autocast and every
+Precision (node/stage/precision.py): every forward runs under the stage's autocast and every
 backward through ``StagePrecision.grad``, which applies and removes fp16's loss scale within the
 stage; weights, gradients, optimizer state and the tensors this worker returns stay fp32.
+
+``module`` is node/stage/'s own: code elsewhere reads the stage through this class's methods and
+node/stage/access.py (weights, shapes, moments, the parameters an outer replica steers), and
+computes with it through node/stage/forward_only.py and node/stage/layers.py
+(tests/unit/test_layout.py enforces it).
 """
 
 from __future__ import annotations
@@ -65,15 +70,18 @@ from torch import Tensor, nn
 
 from node.config import SwarmConfig
 from node.model.llama import BlockStage, EdgeStage, build_stage
-from node.pipeline.activation_store import ActivationStore, StoredMicrobatch, UnknownMicrobatch
-from node.pipeline.admission import (
+from node.runtime.compute_thread import ComputeThread
+from node.runtime.device import DeviceTransfers
+from node.runtime.meter import Meter
+from node.stage.activation_store import ActivationStore, StoredMicrobatch, UnknownMicrobatch
+from node.stage.admission import (
     GradientGate,
     RejectedInput,
     WireInputs,
     check_finite,
     check_state_dict,
 )
-from node.pipeline.inner_optimizer import (
+from node.stage.inner_optimizer import (
     ADAM_BETAS,
     ADAM_EPS,
     THROUGHPUT_EMA,
@@ -85,11 +93,8 @@ from node.pipeline.inner_optimizer import (
     step_size,
     time_forward_backward,
 )
-from node.pipeline.precision import StagePrecision
-from node.pipeline.weight_stash import WeightStashes
-from node.runtime.compute_thread import ComputeThread
-from node.runtime.device import DeviceTransfers
-from node.runtime.meter import Meter
+from node.stage.precision import StagePrecision
+from node.stage.weight_stash import WeightStashes
 
 T = TypeVar("T")
 
@@ -223,7 +228,7 @@ class StageWorker:
         self.store.clear()
 
     # ------------------------------------------------------------------------------------------
-    # Stored activations (node/pipeline/activation_store.py)
+    # Stored activations (node/stage/activation_store.py)
 
     @property
     def num_stored(self) -> int:

@@ -24,7 +24,7 @@ backward, and divides both its parameter gradients and the gradient it sends ups
 consequences:
 
 - nothing about the scale travels on the wire; gradients between stages are true gradients, so
-  `wire_compression` and the per-microbatch GradientGate (node/pipeline/admission.py) see the same
+  `wire_compression` and the per-microbatch GradientGate (node/stage/admission.py) see the same
   magnitudes as in fp32 and a scale change never looks like an absurd gradient;
 - clipping and the CheckFree gradient norm see unscaled fp32 gradients (they are unscaled before
   accumulation);

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from node.pipeline.weight_stash import StashedWeights
+from node.stage.weight_stash import StashedWeights
 
 logger = logging.getLogger(__name__)
 

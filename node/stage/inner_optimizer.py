@@ -2,7 +2,7 @@
 
 Pure functions of tensors and the config, no state of their own: the learning-rate schedule, how
 many backward passes make a step, adding a microbatch's gradients, the clipped AdamW step, the
-throughput estimate and the forward+backward timing a peer announces. node/pipeline/stage_worker.py
+throughput estimate and the forward+backward timing a peer announces. node/stage/stage_worker.py
 calls them on the stage's compute thread. On a GPU none of them reads the device more than once per
 call: the gradients are added and scaled with foreach kernels, the clip is applied on the device and
 only the total norm is read back, and the timing synchronizes before each clock reading.

@@ -15,7 +15,7 @@ update copies the parameters; later forwards share it) and lives as long as a st
 refers to it. `limit` bounds the copies alive at once: past it a forward runs on the live weights
 and its backward recomputes when they changed, so memory never grows with the window.
 
-Pure torch, no networking; called only from the stage's compute thread (node/pipeline/stage_worker.py).
+Pure torch, no networking; called only from the stage's compute thread (node/stage/stage_worker.py).
 """
 
 from __future__ import annotations
