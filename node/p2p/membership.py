@@ -7,11 +7,11 @@ opened (through the dialer, a direct link or a relay, as any hop to it would go)
 `LivenessSettings.ttl` seconds. That costs a running, reachable host per identity that speaks the
 swarm's protocol (and, in a private swarm, holds its key), for as long as it wants to stay a member.
 
-Checks run in the background: when a record shows up in the swarm view (so an honest joiner is
-usually checked while it is still loading its state, before it sends anything), and when a peer
-with a record but no recent answer asks for something. They are bounded: a few at once, a failed
-peer is asked again only after a growing pause, and only peers with a record are ever pinged, so a
-stranger cannot make us dial anyone.
+Checks run in the background: when an `online` record shows up in the swarm view (a peer routing
+and keep_connected dial anyway), and when a peer with a record but no recent answer asks us for
+something (over the connection it opened, so nothing new is dialed). They are bounded: a few at
+once, a failed peer is asked again only after a growing pause, and only peers with a record are
+ever pinged, so a stranger cannot make us dial anyone.
 """
 
 from __future__ import annotations
@@ -222,10 +222,14 @@ class Membership:
         return None if await self.liveness.wait_for(peer_id, wait) else LIVENESS_PENDING
 
     def on_refresh(self, peers_by_stage: dict[int, list[PeerRecord]]) -> None:
-        """A new picture of the swarm: ping members we have not heard from, forget departed peers."""
+        """A new picture of the swarm: ping `online` peers we have not heard from, forget departed
+        ones. Only `online` records: routing and keep_connected dial those anyway, while a
+        `joining` record's addresses are never dialed for it (records are free to sign: pinging
+        every one would let a stranger point the whole swarm's dials at someone else's host). A
+        joiner is pinged when it asks us for something, over the connection it opened."""
         present = [r for records in peers_by_stage.values() for r in records]
         for record in present:
-            if record.state in MEMBER_STATES and record.peer_id != self.me:
+            if record.state == PeerState.ONLINE and record.peer_id != self.me:
                 self.liveness.request(record.peer_id)
         self.liveness.forget_except(r.peer_id for r in present)
 

@@ -198,7 +198,10 @@ def test_admit_waits_for_the_first_answer_instead_of_refusing_the_first_request(
     run(body())
 
 
-def test_a_view_refresh_pings_new_members_only_and_forgets_departed_ones():
+def test_a_view_refresh_pings_new_online_peers_only_and_forgets_departed_ones():
+    """`joining` records are pinged only when their peer asks us something: a record is free to
+    sign, and its addresses could be anyone's."""
+
     async def body():
         pings = Pings(ORIGIN, BLOCK)
         records = [
@@ -210,10 +213,14 @@ def test_a_view_refresh_pings_new_members_only_and_forgets_departed_ones():
         gate, liveness = membership(pings, *records)
         gate.on_refresh(gate.view.peers_by_stage)
         await settle()
-        assert sorted(pings.sent) == [BLOCK, ORIGIN]
+        assert pings.sent == [ORIGIN]
         gate.on_refresh(gate.view.peers_by_stage)  # passed: not pinged again
         await settle()
-        assert len(pings.sent) == 2
+        assert pings.sent == [ORIGIN]
+        assert gate.refusal(BLOCK, stage=1) == LIVENESS_PENDING  # the joiner asks: now it is pinged
+        await settle()
+        assert pings.sent == [ORIGIN, BLOCK] and gate.refusal(BLOCK, stage=1) is None
+        await settle()  # the finished check leaves the running set
         gate.on_refresh({0: [records[0]]})
         assert liveness.passed(ORIGIN) and not liveness.passed(BLOCK)
 
