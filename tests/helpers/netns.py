@@ -71,16 +71,22 @@ error = struct.unpack_from("=i", reply, 16)[0]
 assert error == 0, f"conntrack flush failed: errno {-error}"
 """
 
-# a TCP sink for probes run in a host (standard library only, for `python -S -c`): listens on argv[1],
-# counts each connection's bytes until the sender shuts down its side, and answers the count (a
-# sender that closed instead gets nothing, and the sink goes on)
-TCP_SINK = r"""
-import socket, sys
+# the opening of every TCP probe server run in a host (standard library only, for `python -S -c`):
+# `srv` listens on argv[1] on every address, and says "ready" once it does
+TCP_LISTEN = r"""
+import socket, sys, threading
 srv = socket.socket()
 srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 srv.bind(("0.0.0.0", int(sys.argv[1])))
-srv.listen(8)
+srv.listen(64)
 print("ready", flush=True)
+"""
+
+# a TCP sink: counts each connection's bytes until the sender shuts down its side, and answers the
+# count (a sender that closed instead gets nothing, and the sink goes on)
+TCP_SINK = (
+    TCP_LISTEN
+    + r"""
 while True:
     conn, _ = srv.accept()
     got = 0
@@ -92,6 +98,7 @@ while True:
         pass
     conn.close()
 """
+)
 
 
 def _run(argv: list[str], *, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess[str]:

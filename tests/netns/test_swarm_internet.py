@@ -27,7 +27,7 @@ import pytest
 from dht.records import short_peer_id
 from node.local_swarm import Swarm, wait_for
 from tests.helpers.netns import TestBed, namespaces_supported, nat_supported
-from tests.helpers.swarms import make_swarm, peer_id_of
+from tests.helpers.swarms import bootstrap_on, join_placed, make_swarm, wait_for_peer_ids
 
 GOSSIP_EVERY = 8
 
@@ -50,42 +50,13 @@ def start_internet_swarm(bed: TestBed, swarm: Swarm, workdir: Path) -> dict[str,
     """Bootstrap + stage 0 on public hosts, stage 1 on a public host and behind the NAT; returns peer ids."""
     config = workdir / "swarm.toml"
     config.write_text(f"[gossip]\ninner_steps = {GOSSIP_EVERY}\n")
-    swarm.bootstrap(
-        "--num-stages",
-        "2",
-        "--heartbeat-period",
-        "2",
-        "--heartbeat-ttl",
-        "10",
-        "--config",
-        str(config),
-        host=bed.address("boot"),
-        launcher=bed.launcher("boot"),
-        timeout=90,
-    )
-    common = ["--threads", "1", "--quiet", "--join-jitter", "0"]
-    nodes = {
-        "stage0": swarm.join("stage0", "--stage", "0", *common, host=bed.address("pub"), launcher=bed.launcher("pub")),
-        "public1": swarm.join(
-            "public1", "--stage", "1", *common, host=bed.address("boot"), launcher=bed.launcher("boot")
-        ),
-        "home1": swarm.join(
-            "home1",
-            "--stage",
-            "1",
-            "--reachability",
-            "private",
-            *common,
-            host=bed.address("home"),
-            launcher=bed.launcher("home"),
-        ),
+    bootstrap_on(bed, "boot", swarm, 2, config)
+    placement = {
+        "stage0": ("pub", 0, ()),
+        "public1": ("boot", 1, ()),
+        "home1": ("home", 1, ("--reachability", "private")),
     }
-    ids = wait_for(
-        lambda: all(map(peer_id_of, nodes.values())) and {name: peer_id_of(node) for name, node in nodes.items()},
-        150,
-        lambda: "peers never joined:\n" + "\n".join(f"--- {n}\n{node.log()[-2000:]}" for n, node in nodes.items()),
-    )
-    return ids
+    return wait_for_peer_ids(join_placed(bed, swarm, placement))
 
 
 @pytest.mark.timeout(600)

@@ -15,7 +15,7 @@ import pytest
 
 from node.local_swarm import NodeProcess, Swarm, wait_for
 from tests.helpers.netns import TestBed, namespaces_supported
-from tests.helpers.swarms import make_swarm, peer_id_of
+from tests.helpers.swarms import bootstrap_on, join_placed, make_swarm, peer_id_of, wait_for_peer_ids
 
 pytestmark = [pytest.mark.slow]
 GOSSIP_EVERY = 8
@@ -30,27 +30,9 @@ def start(bed: TestBed, swarm: Swarm, workdir: Path) -> dict[str, NodeProcess]:
     for host in HOSTS:
         bed.add_public_host(host)
     (workdir / "swarm.toml").write_text(f"[gossip]\ninner_steps = {GOSSIP_EVERY}\n")
-    swarm.bootstrap(
-        *("--num-stages", "2", "--heartbeat-period", "2", "--heartbeat-ttl", "10"),
-        *("--config", str(workdir / "swarm.toml")),
-        host=bed.address("a"),
-        launcher=bed.launcher("a"),
-        timeout=90,
-    )
-    nodes = {
-        name: swarm.join(
-            name,
-            *("--stage", str(stage), "--threads", "1", "--quiet", "--join-jitter", "0"),
-            host=bed.address(host),
-            launcher=bed.launcher(host),
-        )
-        for name, (host, stage) in PEERS.items()
-    }
-    wait_for(
-        lambda: all(map(peer_id_of, nodes.values())),
-        150,
-        lambda: "peers never joined:\n" + "\n".join(f"--- {n}\n{p.log()[-1500:]}" for n, p in nodes.items()),
-    )
+    bootstrap_on(bed, "a", swarm, 2, workdir / "swarm.toml")
+    nodes = join_placed(bed, swarm, {name: (host, stage, ()) for name, (host, stage) in PEERS.items()})
+    wait_for_peer_ids(nodes)
     return nodes
 
 
@@ -95,12 +77,7 @@ def test_training_goes_on_over_slow_lossy_links(tmp_path: Path):
             )
             assert shaped > 0.05 * clean and shaped_rounds > 0
             # a newcomer downloads its stage's state over the shaped links
-            late = swarm.join(
-                "late",
-                *("--stage", "1", "--threads", "1", "--quiet", "--join-jitter", "0"),
-                host=bed.address("d"),
-                launcher=bed.launcher("d"),
-            )
+            late = join_placed(bed, swarm, {"late": ("d", 1, ())})["late"]
             wait_for(
                 lambda: "joined live stage 1" in late.log(),
                 240,

@@ -25,10 +25,8 @@ import pytest
 from dht.records import short_peer_id
 from node.local_swarm import NodeProcess, Swarm, wait_for
 from tests.helpers.netns import TestBed
-from tests.helpers.swarms import make_swarm, peer_id_of
+from tests.helpers.swarms import bootstrap_on, join_placed, make_swarm, wait_for_peer_ids
 from tests.netns.test_swarm_internet import peer, require_namespaces
-
-COMMON = ("--threads", "1", "--quiet", "--join-jitter", "0")
 
 
 def start_two_home_swarm(bed: TestBed, swarm: Swarm, workdir: Path) -> tuple[dict[str, NodeProcess], dict[str, str]]:
@@ -40,16 +38,8 @@ def start_two_home_swarm(bed: TestBed, swarm: Swarm, workdir: Path) -> tuple[dic
         "home0": ("home_a", "0", ("--reachability", "private")),
         "home1": ("home_b", "1", ("--reachability", "private")),
     }
-    nodes = {
-        name: swarm.join(name, "--stage", stage, *extra, *COMMON, host=bed.address(host), launcher=bed.launcher(host))
-        for name, (host, stage, extra) in placement.items()
-    }
-    ids = wait_for(
-        lambda: all(map(peer_id_of, nodes.values())) and {name: peer_id_of(node) for name, node in nodes.items()},
-        150,
-        lambda: "peers never joined:\n" + "\n".join(f"--- {n}\n{node.log()[-2000:]}" for n, node in nodes.items()),
-    )
-    return nodes, ids
+    nodes = join_placed(bed, swarm, placement)
+    return nodes, wait_for_peer_ids(nodes)
 
 
 @pytest.mark.slow
@@ -104,13 +94,7 @@ def bootstrap_on_boot(bed: TestBed, swarm: Swarm, workdir: Path, stages: int, in
     `inner_steps`, 2 s heartbeats."""
     config = workdir / "swarm.toml"
     config.write_text(f"[gossip]\ninner_steps = {inner_steps}\n[training]\nhop_timeout = 10.0\n")
-    swarm.bootstrap(
-        *("--num-stages", str(stages), "--heartbeat-period", "2", "--heartbeat-ttl", "10", "--reachability", "public"),
-        *("--config", str(config)),
-        host=bed.address("boot"),
-        launcher=bed.launcher("boot"),
-        timeout=90,
-    )
+    bootstrap_on(bed, "boot", swarm, stages, config, "--reachability", "public")
 
 
 def start_nat_only_swarm(bed: TestBed, swarm: Swarm, workdir: Path, homes: bool) -> dict[str, NodeProcess]:
@@ -123,19 +107,12 @@ def start_nat_only_swarm(bed: TestBed, swarm: Swarm, workdir: Path, homes: bool)
         "stage1": ("home_a" if homes else "pub_a", "1", home),
         "stage2": ("home_b" if homes else "pub_b", "2", home),
     }
-    return {
-        name: swarm.join(name, "--stage", stage, *extra, *COMMON, host=bed.address(host), launcher=bed.launcher(host))
-        for name, (host, stage, extra) in placement.items()
-    }
+    return join_placed(bed, swarm, placement)
 
 
 def stage0_rate(swarm: Swarm, bed: TestBed, nodes: dict[str, NodeProcess], seconds: float) -> tuple[float, dict]:
     """Stage 0's microbatches a second over `seconds` once every stage trains; and the last snapshot."""
-    ids = wait_for(
-        lambda: all(map(peer_id_of, nodes.values())) and {name: peer_id_of(node) for name, node in nodes.items()},
-        150,
-        lambda: "peers never joined:\n" + "\n".join(f"--- {n}\n{node.log()[-2000:]}" for n, node in nodes.items()),
-    )
+    ids = wait_for_peer_ids(nodes)
 
     def records() -> dict[str, dict | None]:
         snapshot = swarm.status(launcher=bed.launcher("pub"), timeout=90)
@@ -220,17 +197,8 @@ def test_two_home_replicas_behind_different_nats_average_with_each_other(tmp_pat
                 "home_a": ("home_a", "1", ("--reachability", "private")),
                 "home_b": ("home_b", "1", ("--reachability", "private")),
             }
-            nodes = {
-                name: swarm.join(
-                    name, "--stage", stage, *extra, *COMMON, host=bed.address(host), launcher=bed.launcher(host)
-                )
-                for name, (host, stage, extra) in placement.items()
-            }
-            ids = wait_for(
-                lambda: all(map(peer_id_of, nodes.values())) and {n: peer_id_of(node) for n, node in nodes.items()},
-                150,
-                lambda: "peers never joined:\n" + "\n".join(f"--- {n}\n{p.log()[-2000:]}" for n, p in nodes.items()),
-            )
+            nodes = join_placed(bed, swarm, placement)
+            ids = wait_for_peer_ids(nodes)
 
             def homes() -> list[dict | None]:
                 snapshot = swarm.status(launcher=bed.launcher("pub"), timeout=90)
