@@ -59,12 +59,7 @@ def preset_config(layers: int | None = None) -> SwarmConfig:
 CONFIG = preset_config()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def on_device(tensors, device: torch.device) -> bool:

@@ -4,18 +4,11 @@ from __future__ import annotations
 
 from node.p2p.bans import BanList
 from node.p2p.peer_conduct import ConductLimits, PeerConduct
+from tests.helpers.clock import FakeClock
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def conduct(**limits: float) -> tuple[PeerConduct, Clock, BanList]:
-    clock = Clock()
+def conduct(**limits: float) -> tuple[PeerConduct, FakeClock, BanList]:
+    clock = FakeClock()
     limits = {"total_streams": 8, **limits}
     bans = BanList(clock=clock)
     c = PeerConduct(ConductLimits(**limits), ban_until=lambda p: clock.now + 100, bans=bans, clock=clock)
@@ -76,7 +69,7 @@ def test_repeated_bad_input_bans_until_the_record_expires_and_strikes_decay():
 
 
 def test_a_ban_lasts_at_least_the_minimum_even_for_an_expiring_record():
-    clock = Clock()
+    clock = FakeClock()
     c = PeerConduct(ConductLimits(strikes_to_ban=1, min_ban_seconds=30), ban_until=lambda p: 0.0, clock=clock)
     assert c.strike("a", "x")
     clock.now += 29

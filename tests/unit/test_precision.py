@@ -25,12 +25,7 @@ TOLERANCE = {Precision.BF16: (0.03, 0.02), Precision.FP16: (0.005, 0.002)}  # (w
 LOW_PRECISION_FOOTPRINT = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cfg(precision: Precision | str, **training: object) -> SwarmConfig:
