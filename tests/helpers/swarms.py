@@ -8,17 +8,15 @@ the whole small-swarm suite shows a private swarm behaves as an open one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from node.local_swarm import NodeProcess, Swarm, peers_by_stage, wait_for
 from node.p2p.swarm_key import ENV_VAR, generate_swarm_key
-
-if TYPE_CHECKING:
-    from tests.helpers.netns import TestBed
+from tests.helpers.netns import TestBed
 
 PRIVATE_MODE_VAR = "PIPESWARM_TEST_PRIVATE"
 
@@ -105,6 +103,25 @@ def wait_for_peer_ids(nodes: dict[str, NodeProcess], timeout: float = 150.0) -> 
         timeout,
         lambda: "peers never joined:\n" + "\n".join(f"--- {n}\n{node.log()[-2000:]}" for n, node in nodes.items()),
     )
+
+
+@contextlib.contextmanager
+def testbed_swarm(
+    workdir: Path, public: Iterable[str], homes: Iterable[str] = (), symmetric: Iterable[str] = ()
+) -> Iterator[tuple[TestBed, Swarm]]:
+    """A namespace test bed with the public hosts `public` and the home hosts `homes` (each behind a
+    router of its own, a symmetric NAT for those in `symmetric`), and a swarm to start in it from
+    `workdir`: the swarm's processes are ended before the bed is taken down."""
+    with TestBed() as bed:
+        for host in public:
+            bed.add_public_host(host)
+        for host in homes:
+            bed.add_home_host(host, symmetric=host in symmetric)
+        swarm = make_swarm(workdir)
+        try:
+            yield bed, swarm
+        finally:
+            swarm.close()
 
 
 def make_swarm(workdir: Path) -> Swarm:

@@ -161,8 +161,6 @@ def test_exchange_applies_exactly_the_outer_step_on_both_sides():
 
 @pytest.mark.timeout(90)
 def test_peer_in_an_exchange_answers_busy():
-    config = gossip_config()
-
     async def scenario(peers):
         a, b, c = gossips(peers)
         for seed, gossip in enumerate((a, b, c)):
@@ -205,7 +203,7 @@ def test_peer_in_an_exchange_answers_busy():
         assert a.outer_state.round == 1
         assert not all(torch.equal(x, y) for x, y in zip(before, await on_executor(a, weights, a)))
 
-    run_in_swarm(config, [1, 1, 1], scenario)
+    run_in_swarm(gossip_config(), [1, 1, 1], scenario)
 
 
 @pytest.mark.timeout(90)
@@ -244,8 +242,6 @@ def test_only_a_peer_with_a_record_of_the_stage_gets_an_exchange():
 
 @pytest.mark.timeout(90)
 def test_mutual_pick_does_not_deadlock():
-    config = gossip_config()
-
     async def scenario(peers):
         a, b = await two_trained(peers)
         before = [await outer_and_weights(a), await outer_and_weights(b)]
@@ -263,13 +259,11 @@ def test_mutual_pick_does_not_deadlock():
             assert (await a.run_round(partner=b.me.peer_id)).status == "applied"
         await wait_until(lambda: a.outer_state.round == b.outer_state.round == 1)
 
-    run_in_swarm(config, [1, 1], scenario)
+    run_in_swarm(gossip_config(), [1, 1], scenario)
 
 
 @pytest.mark.timeout(90)
 def test_partner_disconnecting_mid_exchange_leaves_both_untouched():
-    config = gossip_config()
-
     async def scenario(peers):
         a, b = await two_trained(peers)
         before = [await outer_and_weights(a), await outer_and_weights(b)]
@@ -294,7 +288,7 @@ def test_partner_disconnecting_mid_exchange_leaves_both_untouched():
         b.wire.send_tensors = original_send  # b recovers: the next round works
         assert (await a.run_round(partner=b.me.peer_id)).status == "applied"
 
-    run_in_swarm(config, [1, 1], scenario)
+    run_in_swarm(gossip_config(), [1, 1], scenario)
 
 
 REFUSED_ATTEMPTS = 10  # a refusal closed too early was lost about one time in ten
@@ -304,7 +298,6 @@ def test_an_overdue_round_steps_alone_when_its_partner_refuses():
     """A partner that refuses us (it banned us) ends the attempt, and says so every time; an
     overdue round takes the lone step then instead of letting Delta grow until every partner
     rejects it."""
-    config = gossip_config()
 
     async def scenario(peers):
         a, b = await two_trained(peers)
@@ -319,7 +312,7 @@ def test_an_overdue_round_steps_alone_when_its_partner_refuses():
         assert b.outer_state.round == 0
         assert [o.status for o in a.rounds.history][-2:] == ["aborted", "lone"]
 
-    run_in_swarm(config, [1, 1], scenario)
+    run_in_swarm(gossip_config(), [1, 1], scenario)
 
 
 def poisoned(poison: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -348,8 +341,6 @@ POISON_REASON = {"nan": "NaN", "huge": "norm", "far": "reach", "random": "reach"
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("poison", list(POISON_REASON))
 def test_a_poisoned_round_is_rejected_and_the_sender_banned(poison, caplog):
-    config = gossip_config()
-
     async def scenario(peers):
         a, b, evil = gossips(peers)
         for seed, gossip in enumerate((a, b, evil)):
@@ -390,14 +381,13 @@ def test_a_poisoned_round_is_rejected_and_the_sender_banned(poison, caplog):
         assert (await a.run_round()).partners == (b.me.peer_id,)
 
     with caplog.at_level(logging.WARNING, logger="node.averaging"):
-        run_in_swarm(config, [1, 1, 1], scenario)
+        run_in_swarm(gossip_config(), [1, 1, 1], scenario)
 
 
 @pytest.mark.timeout(120)
 def test_a_replica_far_behind_its_stage_catches_up_instead_of_banning(caplog):
     """Two honest replicas that did not meet for many steps fail each other's plausibility check;
     the one behind takes the stage's state again (node/recovery/catch_up.py), the leader bans it."""
-    config = gossip_config()
 
     async def scenario(peers):
         ahead, behind = gossips(peers)
@@ -446,7 +436,7 @@ def test_a_replica_far_behind_its_stage_catches_up_instead_of_banning(caplog):
         assert "caught up with stage 1" in caplog.text
 
     with caplog.at_level(logging.INFO, logger="node"):
-        run_in_swarm(config, [1, 1], scenario)
+        run_in_swarm(gossip_config(), [1, 1], scenario)
 
 
 @pytest.mark.timeout(90)
@@ -482,7 +472,6 @@ def test_diloco_mode_averages_all_replicas():
 
 @pytest.mark.timeout(90)
 def test_a_silent_partner_frees_the_slot_within_the_stall_timeout():
-    config = gossip_config()
     margin = 2.5
 
     async def scenario(peers):
@@ -534,7 +523,7 @@ def test_a_silent_partner_frees_the_slot_within_the_stall_timeout():
         assert_same(await on_executor(b, weights, b), theta_b)
         assert b.rounds.cooling_down(silent_id) and not b.bans.is_banned(silent_id)
 
-    run_in_swarm(config, [1, 1, 1], scenario)
+    run_in_swarm(gossip_config(), [1, 1, 1], scenario)
 
 
 @pytest.mark.timeout(90)
@@ -542,7 +531,6 @@ def test_a_partner_whose_stream_never_opens_is_skipped_and_not_asked_again():
     """An online record nobody answers for (a crashed peer's, or a hostile one's) costs the
     initiator at most OPEN_TIMEOUT: it asks its next candidate, and leaves the ghost alone for
     STALL_COOLDOWN."""
-    config = gossip_config()
 
     async def scenario(peers):
         a, b = await two_trained(peers)
@@ -560,7 +548,7 @@ def test_a_partner_whose_stream_never_opens_is_skipped_and_not_asked_again():
         assert ghost not in a.rounds.candidates() and b.me.peer_id in a.rounds.candidates()
         assert not a.bans.is_banned(ghost)
 
-    run_in_swarm(config, [1, 1], scenario)
+    run_in_swarm(gossip_config(), [1, 1], scenario)
 
 
 @pytest.mark.timeout(120)
