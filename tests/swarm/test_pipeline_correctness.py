@@ -15,6 +15,7 @@ from node.model.data import open_source
 from node.model.llama import ReferenceModel
 from node.pipeline.evaluation import MicrobatchPurpose
 from node.pipeline.stage_worker import StageWorker
+from tests.helpers.chain import chain_microbatch
 from tests.helpers.inprocess_swarm import run_in_swarm
 
 
@@ -79,12 +80,7 @@ def test_swarm_training_follows_single_process_loss_curve():
     workers = [StageWorker(config, stage) for stage in range(3)]
     single = []
     for index, (tokens, targets) in enumerate(batches):
-        key = ("local", index)
-        hidden = workers[0].embed(key, tokens)
-        hidden = workers[2].forward(key, workers[1].forward(key, hidden))
-        loss, grad = workers[0].head_loss_backward(key, hidden, targets)
-        workers[0].embed_backward(key, workers[1].backward(key, workers[2].backward(key, grad)))
-        single.append(loss)
+        single.append(chain_microbatch(workers, ("local", index), tokens, targets))
     for worker in workers:
         worker.close()
 

@@ -11,6 +11,7 @@ from node.config import ConfigError, GossipConfig, Precision, SwarmConfig
 from node.model.data import open_source
 from node.pipeline.precision import INIT_SCALE, LossScaler, StagePrecision, resolve_precision
 from node.pipeline.stage_worker import StageWorker
+from tests.helpers.chain import chain_microbatch
 
 BASE = SwarmConfig(num_stages=3)
 
@@ -141,14 +142,7 @@ def test_master_weights_optimizer_state_and_outer_state_stay_fp32(precision):
     ws = [StageWorker(cfg(precision, microbatches_per_step=1), s) for s in range(3)]
     replicas = [OuterReplica(w.module, GossipConfig()) for w in ws]
     for i in range(3):  # three optimizer steps on every stage
-        tokens, targets = batch(i, b=2, t=16)
-        h = ws[0].embed(("s", i), tokens)
-        for w in ws[1:]:
-            h = w.forward(("s", i), h)
-        _, g = ws[0].head_loss_backward(("s", i), h, targets)
-        for w in reversed(ws[1:]):
-            g = w.backward(("s", i), g)
-        ws[0].embed_backward(("s", i), g)
+        chain_microbatch(ws, ("s", i), *batch(i, b=2, t=16))
     for w, replica in zip(ws, replicas):
         assert w.inner_step == 3
         assert all(p.dtype == torch.float32 for p in w.module.parameters())
@@ -238,15 +232,7 @@ def test_chained_stages_train_in_bf16_on_cpu():
     source = open_source(config, None, stream_id=1)
     losses = []
     for i in range(30):  # 30 optimizer steps
-        tokens, targets = source.next_batch(8, 32)
-        h = ws[0].embed(("b", i), tokens)
-        for w in ws[1:]:
-            h = w.forward(("b", i), h)
-        loss, g = ws[0].head_loss_backward(("b", i), h, targets)
-        for w in reversed(ws[1:]):
-            g = w.backward(("b", i), g)
-        ws[0].embed_backward(("b", i), g)
-        losses.append(loss)
+        losses.append(chain_microbatch(ws, ("b", i), *source.next_batch(8, 32)))
     close(ws)
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 1.0, (first, last)  # from ln(256) = 5.5 toward the chain's floor (1.10)
