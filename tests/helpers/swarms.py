@@ -16,7 +16,7 @@ from pathlib import Path
 
 from node.local_swarm import NodeProcess, Swarm, peers_by_stage, wait_for
 from node.p2p.swarm_key import ENV_VAR, generate_swarm_key
-from tests.helpers.netns import TestBed
+from tests.helpers.netns import TestBed, bed_with_hosts
 
 PRIVATE_MODE_VAR = "PIPESWARM_TEST_PRIVATE"
 
@@ -106,17 +106,12 @@ def wait_for_peer_ids(nodes: dict[str, NodeProcess], timeout: float = 150.0) -> 
 
 
 @contextlib.contextmanager
-def testbed_swarm(
+def swarm_on_bed(
     workdir: Path, public: Iterable[str], homes: Iterable[str] = (), symmetric: Iterable[str] = ()
 ) -> Iterator[tuple[TestBed, Swarm]]:
-    """A namespace test bed with the public hosts `public` and the home hosts `homes` (each behind a
-    router of its own, a symmetric NAT for those in `symmetric`), and a swarm to start in it from
+    """A namespace test bed of `bed_with_hosts(public, homes, symmetric)` and a swarm to start in it from
     `workdir`: the swarm's processes are ended before the bed is taken down."""
-    with TestBed() as bed:
-        for host in public:
-            bed.add_public_host(host)
-        for host in homes:
-            bed.add_home_host(host, symmetric=host in symmetric)
+    with bed_with_hosts(public, homes, symmetric) as bed:
         swarm = make_swarm(workdir)
         try:
             yield bed, swarm

@@ -26,16 +26,10 @@ import pytest
 
 from dht.records import short_peer_id
 from node.local_swarm import Swarm, wait_for
-from tests.helpers.netns import TestBed, namespaces_supported, nat_supported
-from tests.helpers.swarms import bootstrap_on, join_placed, testbed_swarm, wait_for_peer_ids
+from tests.helpers.netns import TestBed, require_namespaces
+from tests.helpers.swarms import bootstrap_on, join_placed, swarm_on_bed, wait_for_peer_ids
 
 GOSSIP_EVERY = 8
-
-
-def require_namespaces() -> None:
-    for supported, why in (namespaces_supported(), nat_supported()):
-        if not supported:
-            pytest.skip(why)
 
 
 def peer(snapshot: dict, peer_id: str) -> dict | None:
@@ -62,7 +56,7 @@ def start_internet_swarm(bed: TestBed, swarm: Swarm, workdir: Path) -> dict[str,
 @pytest.mark.timeout(600)
 def test_a_home_peer_behind_nat_serves_and_gossips(tmp_path: Path):
     require_namespaces()
-    with testbed_swarm(tmp_path, ("boot", "pub"), ("home",)) as (bed, swarm):
+    with swarm_on_bed(tmp_path, ("boot", "pub"), ("home",)) as (bed, swarm):
         ids = start_internet_swarm(bed, swarm, tmp_path)
         home_id, public_id = ids["home1"], ids["public1"]
 

@@ -14,19 +14,13 @@ from pathlib import Path
 import pytest
 
 from node.local_swarm import NodeProcess, Swarm, wait_for
-from tests.helpers.netns import TestBed, namespaces_supported
-from tests.helpers.swarms import bootstrap_on, join_placed, peer_id_of, testbed_swarm, wait_for_peer_ids
+from tests.helpers.netns import TestBed, require_namespaces
+from tests.helpers.swarms import bootstrap_on, join_placed, peer_id_of, swarm_on_bed, wait_for_peer_ids
 
 pytestmark = [pytest.mark.slow]
 GOSSIP_EVERY = 8
 HOSTS = ("a", "b", "c", "d")
 PEERS = {"stage0a": ("a", 0), "stage0b": ("b", 0), "stage1c": ("c", 1), "stage1d": ("d", 1)}
-
-
-def skip_without_namespaces() -> None:
-    ok, why = namespaces_supported()
-    if not ok:
-        pytest.skip(why)
 
 
 def start(bed: TestBed, swarm: Swarm, workdir: Path) -> dict[str, NodeProcess]:
@@ -61,8 +55,8 @@ def assert_healthy(swarm: Swarm) -> None:
 
 @pytest.mark.timeout(900)
 def test_training_goes_on_over_slow_lossy_links(tmp_path: Path):
-    skip_without_namespaces()
-    with testbed_swarm(tmp_path, HOSTS) as (bed, swarm):
+    require_namespaces(nat=False)
+    with swarm_on_bed(tmp_path, HOSTS) as (bed, swarm):
         start(bed, swarm, tmp_path)
         wait_for(lambda: totals(swarm, bed)[0] > 20, 120, "the swarm never trained")
         clean, clean_rounds = rate(swarm, bed, 40)
@@ -97,8 +91,8 @@ def test_training_goes_on_over_slow_lossy_links(tmp_path: Path):
 
 @pytest.mark.timeout(900)
 def test_a_partitioned_stage_comes_back_after_heal(tmp_path: Path):
-    skip_without_namespaces()
-    with testbed_swarm(tmp_path, HOSTS) as (bed, swarm):
+    require_namespaces(nat=False)
+    with swarm_on_bed(tmp_path, HOSTS) as (bed, swarm):
         nodes = start(bed, swarm, tmp_path)
         wait_for(lambda: totals(swarm, bed)[0] > 20, 120, "the swarm never trained")
         before, _ = rate(swarm, bed, 20)

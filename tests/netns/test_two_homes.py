@@ -24,9 +24,9 @@ import pytest
 
 from dht.records import short_peer_id
 from node.local_swarm import NodeProcess, Swarm, wait_for
-from tests.helpers.netns import TestBed
-from tests.helpers.swarms import bootstrap_on, join_placed, testbed_swarm, wait_for_peer_ids
-from tests.netns.test_swarm_internet import peer, require_namespaces
+from tests.helpers.netns import TestBed, require_namespaces
+from tests.helpers.swarms import bootstrap_on, join_placed, swarm_on_bed, wait_for_peer_ids
+from tests.netns.test_swarm_internet import peer
 
 
 def start_two_home_swarm(bed: TestBed, swarm: Swarm, workdir: Path) -> tuple[dict[str, NodeProcess], dict[str, str]]:
@@ -46,7 +46,7 @@ def start_two_home_swarm(bed: TestBed, swarm: Swarm, workdir: Path) -> tuple[dic
 @pytest.mark.timeout(900)
 def test_two_home_peers_behind_different_nats_train_beside_each_other(tmp_path: Path):
     require_namespaces()
-    with testbed_swarm(tmp_path, ("boot", "pub"), ("home_a", "home_b")) as (bed, swarm):
+    with swarm_on_bed(tmp_path, ("boot", "pub"), ("home_a", "home_b")) as (bed, swarm):
         nodes, ids = start_two_home_swarm(bed, swarm, tmp_path)
 
         def record(name: str) -> dict | None:
@@ -136,7 +136,7 @@ def test_stages_served_only_behind_two_nats_train_through_a_punch_or_the_relay(t
     for homes in (True, False):
         workdir = tmp_path / ("homes" if homes else "public")
         workdir.mkdir()
-        with testbed_swarm(
+        with swarm_on_bed(
             workdir, ("boot", "pub", "pub_a", "pub_b"), ("home_a", "home_b"), symmetric=("home_b",) if symmetric else ()
         ) as (bed, swarm):
             nodes = start_nat_only_swarm(bed, swarm, workdir, homes)
@@ -170,7 +170,7 @@ def test_two_home_replicas_behind_different_nats_average_with_each_other(tmp_pat
     """Stage 1 served only by two homes behind different routers: their NoLoCo rounds (gossip
     sessions on direct links, node/p2p/link_stream.py) find each other through the relay."""
     require_namespaces()
-    with testbed_swarm(tmp_path, ("boot", "pub"), ("home_a", "home_b")) as (bed, swarm):
+    with swarm_on_bed(tmp_path, ("boot", "pub"), ("home_a", "home_b")) as (bed, swarm):
         bootstrap_on_boot(bed, swarm, tmp_path, stages=2, inner_steps=5)
         placement = {
             "stage0": ("pub", "0", ("--reachability", "public", "--relay-budget", "1")),
