@@ -28,6 +28,10 @@ def private_mode() -> bool:
 # how a test peer joins: one compute thread (the suite shares two cores), nothing on the console
 PEER_FLAGS = ("--threads", "1", "--quiet")
 
+# a joiner's random wait before it takes its stage, short: the peers of a recovery or chaos swarm,
+# started at once, still reach the DHT one after another
+SHORT_JOIN_JITTER = ("--join-jitter", "0.5")
+
 # the small test swarms' heartbeat: a record every second, living 5 s, so that a peer that died
 # leaves every view within seconds and a test need not wait out the default 30 s TTL
 FAST_HEARTBEAT = ("--heartbeat-period", "1", "--heartbeat-ttl", "5")

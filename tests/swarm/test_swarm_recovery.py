@@ -40,6 +40,7 @@ from node.recovery.lost_stages import (
 from node.recovery.rebalance import Move, Rebalancer, plan_move
 from node.recovery.rebuild import rebuild_stage
 from protocol import MessageKind
+from tests.helpers.swarms import SHORT_JOIN_JITTER, join_peer
 
 
 def peer(pid: str, stage: int, state: str = "online", inner_step: int = 10, throughput: float = 1.0) -> PeerRecord:
@@ -309,7 +310,6 @@ edge_copy_interval = 5
 checkpoint_every = 5
 checkpoint_dir = "checkpoints"
 """
-PEER_FLAGS = ("--threads", "1", "--quiet", "--join-jitter", "0.5")
 
 
 def start_training_swarm(
@@ -321,7 +321,7 @@ def start_training_swarm(
     toml = swarm.workdir / "swarm.toml"
     toml.write_text(RECOVERY_TOML.format(num_stages=num_stages, strategy=strategy))
     swarm.bootstrap("--config", str(toml))
-    nodes = [swarm.join(f"s{stage}-{i}", "--stage", str(stage), *PEER_FLAGS) for i, stage in enumerate(stages)]
+    nodes = [join_peer(swarm, f"s{stage}-{i}", stage, *SHORT_JOIN_JITTER) for i, stage in enumerate(stages)]
 
     def trained():
         snap = swarm.observe()
@@ -416,7 +416,7 @@ def test_a_killed_middle_stage_is_rebuilt_by_a_joiner_as_the_gradient_weighted_a
     lost = wait_status(swarm, 2, "lost")
     assert lost["unrecoverable"] is None and lost["lost_stages"] == [2]
 
-    joiner = swarm.join("joiner", "--stage", "auto", *PEER_FLAGS)
+    joiner = join_peer(swarm, "joiner", "auto", *SHORT_JOIN_JITTER)
     dump = rebuild_dump(swarm, 2)
     assert (dump["action"], dump["sources"], dump["lr_scale"]) == ("average", [1, 3], pytest.approx(1.1))
     live = swarm.observe()
@@ -486,7 +486,7 @@ def test_with_checkfree_plus_a_lost_stage_0_comes_back_from_edge_copies_then_two
     loss_at_kill = mean_loss(swarm.observe())
     killed_at = kill_stage(swarm, [nodes[0]])
     wait_status(swarm, 0, "lost")
-    joiner = swarm.join("joiner", "--stage", "auto", *PEER_FLAGS)
+    joiner = join_peer(swarm, "joiner", "auto", *SHORT_JOIN_JITTER)
     dump = rebuild_dump(swarm, 0)
     assert (dump["action"], dump["sources"]) == ("edge_copies", [1, 2])
     embed, head = dump["fetched"][1]["weights"], dump["fetched"][2]["weights"]
@@ -526,7 +526,7 @@ def test_checkpoint_strategy_rolls_a_lost_stage_back_to_its_last_save(swarm: Swa
     # shared directory <workdir>/checkpoints (in real use: a disk or mount the new machine can read)
     weights, step = load_latest(checkpoint_root(swarm.workdir / "checkpoints", "pipeswarm-demo"), 1)
     assert step >= 10 and step % 5 == 0
-    joiner = swarm.join("joiner", "--stage", "auto", *PEER_FLAGS)
+    joiner = join_peer(swarm, "joiner", "auto", *SHORT_JOIN_JITTER)
     dump = rebuild_dump(swarm, 1)
     assert (dump["action"], dump["inner_step"], dump["lr_scale"]) == ("checkpoint", step, 1.0)
     for name, loaded in dump["loaded"].items():
