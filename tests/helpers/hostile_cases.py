@@ -136,13 +136,12 @@ class Result:
 @dataclass(frozen=True)
 class Case:
     """One row of the table (CASES, at the end of this file): what is sent, what a correct node
-    does, how it is sent (`run`, most often one of the drivers `frames`, `member_forwards` and
-    `gossip_with_material` over a small builder), and the check that must be the one refusing it.
-    `refused_by` are patterns (regular expressions, case-insensitive) that must all turn up in the
-    case's evidence (`evidence`) when it is rejected: one per input the case sends, each naming its
-    check's own refusal. `refused_by_stage0`, where given, replaces them against a stage-0 target,
-    whose handlers differ (a FORWARD there is a last hop, taken only for a microbatch the target
-    started)."""
+    does, how it is sent (`run`: a driver over a small builder, or the case's own function), and
+    the check that must be the one refusing it. `refused_by` are patterns (regular expressions,
+    case-insensitive) that must all turn up in the case's evidence (`evidence`) when it is
+    rejected: one per input the case sends, each naming its check's own refusal.
+    `refused_by_stage0`, where given, replaces them against a stage-0 target, whose handlers differ
+    (a FORWARD there is a last hop, taken only for a microbatch the target started)."""
 
     name: str
     service: str
