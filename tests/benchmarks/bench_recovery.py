@@ -30,8 +30,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from node.local_swarm import Swarm  # noqa: E402
+from tests.helpers.swarms import SHORT_JOIN_JITTER, join_peer  # noqa: E402
 from tests.swarm.test_swarm_recovery import (  # noqa: E402
-    PEER_FLAGS,
     kill_stage,
     rebuild_dump,
     recovery_seconds,
@@ -56,7 +56,7 @@ def run_once(name: str) -> dict:
             victims = [n for n, s in zip(nodes, stages) if s == victim_stage]
             killed_at = kill_stage(swarm, victims)
             if with_joiner:
-                swarm.join("joiner", "--stage", "auto", *PEER_FLAGS)
+                join_peer(swarm, "joiner", "auto", *SHORT_JOIN_JITTER)
             rebuild_dump(swarm, victim_stage, timeout=120)
             rebuilt_by = next(n for n in swarm.nodes if REBUILD_LINE.search(n.log()))
             seconds = recovery_seconds(rebuilt_by, victim_stage, killed_at)

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from node.local_swarm import NodeProcess, Swarm, wait_for
+from tests.helpers.swarms import SHORT_JOIN_JITTER, join_peer
 
 CHAOS_TOML = """
 num_stages = {num_stages}
@@ -43,7 +44,6 @@ rebalance_wait = 3.0
 edge_copy_interval = 5
 """
 STATUS_COUNTS = re.compile(r"done (\d+) retried (\d+) dropped (\d+)")
-PEER_FLAGS = ("--threads", "1", "--quiet", "--join-jitter", "0.5")
 
 
 @dataclass
@@ -79,7 +79,7 @@ class ChaosRun:
         toml.write_text(CHAOS_TOML.format(num_stages=self.num_stages))
         self.swarm.bootstrap("--config", str(toml))
         for stage in range(self.num_stages):
-            self.peers[stage] = [self._join("--stage", str(stage)) for _ in range(self.peers_per_stage)]
+            self.peers[stage] = [self._join(stage) for _ in range(self.peers_per_stage)]
         wait_for(
             lambda: all(
                 any(p["state"] == "online" and p["inner_step"] > 0 for p in s["peers"])
@@ -89,9 +89,9 @@ class ChaosRun:
             "the chaos swarm never trained on every stage",
         )
 
-    def _join(self, *stage_args: str) -> NodeProcess:
+    def _join(self, stage: int | str) -> NodeProcess:
         self.started += 1
-        return self.swarm.join(f"peer{self.started}", *stage_args, *PEER_FLAGS)
+        return join_peer(self.swarm, f"peer{self.started}", stage, *SHORT_JOIN_JITTER)
 
     def kill(self, victims: list[NodeProcess]) -> None:
         for node in victims:
@@ -116,7 +116,7 @@ class ChaosRun:
         self.peers[stage] = [n for n in self.peers[stage] if n not in victims]
         time.sleep(self.replace_after)
         for _ in victims:  # --stage auto: the newcomer goes where help is needed, not necessarily here
-            newcomer = self._join("--stage", "auto")
+            newcomer = self._join("auto")
             self.peers.setdefault(stage, []).append(newcomer)
 
     def observe(self) -> None:

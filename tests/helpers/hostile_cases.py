@@ -2,6 +2,12 @@
 the answer is judged. Run by tests/helpers/hostile_peer.py, which provides `ctx` (identities,
 streams to the target, notices the target sends back, the target's log).
 
+The table is CASES, at the end: one `Case` row a case (its name, service, what it sends and the
+refusal text of the check it targets). A row's `run` is a driver over a small builder where many
+cases send alike (`frames`: fixed frames each refused; `member_forwards`: FORWARDs past the
+membership gate; `bad_round` and `with_gossip_material`: gossip shaped like the target's state),
+or a function of its own where a case is one of a kind (floods, slow senders, held slots).
+
 Imports only `protocol`, torch and msgpack from the project: it runs beside py-libp2p, which
 cannot share a process with hivemind.
 """
@@ -130,14 +136,15 @@ class Result:
         return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class Case:
-    """One row of the table: what is sent, what a correct node does, and the check that must be
-    the one refusing it. `refused_by` are patterns (regular expressions, case-insensitive) that
-    must all turn up in the case's evidence (`evidence`) when it is rejected: one per input the
-    case sends, each naming its check's own refusal. `refused_by_stage0`, where given, replaces them
-    against a stage-0 target, whose handlers differ (a FORWARD there is a last hop, taken only for
-    a microbatch the target started)."""
+    """One row of the table (CASES, at the end of this file): what is sent, what a correct node
+    does, how it is sent (`run`: a driver over a small builder, or the case's own function), and
+    the check that must be the one refusing it. `refused_by` are patterns (regular expressions,
+    case-insensitive) that must all turn up in the case's evidence (`evidence`) when it is
+    rejected: one per input the case sends, each naming its check's own refusal.
+    `refused_by_stage0`, where given, replaces them against a stage-0 target, whose handlers differ
+    (a FORWARD there is a last hop, taken only for a microbatch the target started)."""
 
     name: str
     service: str
@@ -148,31 +155,12 @@ class Case:
     refused_by_stage0: tuple[str, ...] | None = None
     timeout: float | None = None
 
+    def __post_init__(self) -> None:
+        if not self.refused_by:
+            raise ValueError(f"case {self.name} names no check that must refuse it")
+
     def checks(self, stage: int) -> tuple[str, ...]:
         return self.refused_by_stage0 if stage == 0 and self.refused_by_stage0 is not None else self.refused_by
-
-
-CASES: list[Case] = []
-
-
-def case(
-    name: str,
-    service: str,
-    sent: str,
-    expected: str,
-    *,
-    refused_by: tuple[str, ...],
-    refused_by_stage0: tuple[str, ...] | None = None,
-    timeout: float | None = None,
-):
-    if not refused_by:
-        raise ValueError(f"case {name} names no check that must refuse it")
-
-    def register(fn: Callable[[Any, Result], Awaitable[None]]) -> Callable[[Any, Result], Awaitable[None]]:
-        CASES.append(Case(name, service, sent, expected, fn, refused_by, refused_by_stage0, timeout))
-        return fn
-
-    return register
 
 
 class NoMembersLeft(Exception):
@@ -538,38 +526,27 @@ class Input:
     service: str | None = None
 
 
-def input_case(
-    name: str,
-    service: str,
-    sent: str,
-    expected: str,
-    *,
-    refused_by: tuple[str, ...],
-    close_write: bool = False,
-    repetitions: int | None = None,
-):
-    """A row that sends fixed frames, each rejected every time (`must_reject`): the function only
-    builds the frames. `close_write`: end our side after the frame (the input is a truncation);
-    `repetitions`: sends of each (default: the run's setting)."""
+def frames(
+    build: Callable[[Any], list[Input]], *, close_write: bool = False, repetitions: int | None = None
+) -> Callable[[Any, Result], Awaitable[None]]:
+    """The driver of a row that sends fixed frames, each rejected every time (`must_reject`):
+    `build` only makes the frames. `close_write`: end our side after the frame (the input is a
+    truncation); `repetitions`: sends of each (default: the run's setting)."""
 
-    def register(build: Callable[[Any, Result], list[Input]]) -> Callable[[Any, Result], list[Input]]:
-        async def run(ctx, res: Result) -> None:
-            for one in build(ctx, res):
-                res.sent.append(one.label)
-                await must_reject(
-                    ctx,
-                    res,
-                    one.label,
-                    one.service or service,
-                    one.data,
-                    close_write=close_write,
-                    repetitions=repetitions,
-                )
+    async def run(ctx, res: Result) -> None:
+        for one in build(ctx):
+            res.sent.append(one.label)
+            await must_reject(
+                ctx,
+                res,
+                one.label,
+                one.service or res.service,
+                one.data,
+                close_write=close_write,
+                repetitions=repetitions,
+            )
 
-        case(name, service, sent, expected, refused_by=refused_by)(run)
-        return build
-
-    return register
+    return run
 
 
 def tensor_claiming(shape: list[int], data_bytes: int) -> dict:
@@ -581,103 +558,36 @@ def tensor_claiming(shape: list[int], data_bytes: int) -> dict:
 # Framing and envelope
 
 
-@input_case(
-    "random_bytes",
-    "forward",
-    "4 KiB of random bytes, then end of stream",
-    "ERROR reply (its first 8 bytes declare an absurd frame) or a closed stream",
-    refused_by=(r"frame declares \d+ bytes > max_frame_bytes",),
-    close_write=True,
-)
-def random_bytes(ctx, res: Result) -> list[Input]:
+def random_bytes(ctx) -> list[Input]:
     data = bytes(ctx.rng.randrange(256) for _ in range(4096))
     return [Input(f"{len(data)} random bytes, first 8 = {data[:8].hex()}", data)]
 
 
-@input_case(
-    "empty_stream",
-    "forward",
-    "open a stream and end it without a byte",
-    "ERROR reply ('stream closed at a frame boundary') or a closed stream",
-    refused_by=("stream closed at a frame boundary",),
-    close_write=True,
-)
-def empty_stream(ctx, res: Result) -> list[Input]:
+def empty_stream(ctx) -> list[Input]:
     return [Input("nothing, then end of stream", b"")]
 
 
-@input_case(
-    "truncated_header",
-    "backward",
-    "3 of the 8 length bytes, then end of stream",
-    "ERROR reply ('inside the length header') or a closed stream",
-    refused_by=("inside the length header",),
-    close_write=True,
-)
-def truncated_header(ctx, res: Result) -> list[Input]:
+def truncated_header(ctx) -> list[Input]:
     return [Input("b'\\x00\\x00\\x00' then EOF", b"\x00\x00\x00")]
 
 
-@input_case(
-    "truncated_frame",
-    "forward",
-    "a frame declaring 4096 bytes with 100 of them, then end of stream",
-    "ERROR reply ('closed mid-frame') or a closed stream",
-    refused_by=(r"closed mid-frame \(100 of 4096 bytes\)",),
-    close_write=True,
-)
-def truncated_frame(ctx, res: Result) -> list[Input]:
+def truncated_frame(ctx) -> list[Input]:
     full = encoded(ctx, forward_message(ctx, "x", ctx.microbatch_id()))
     return [Input("header 4096 + 100 payload bytes of a real FORWARD, then EOF", HEADER.pack(4096) + full[8:108])]
 
 
-@input_case(
-    "huge_length_prefix",
-    "forward",
-    "a length prefix of 8 GiB followed by 1 KiB, stream left open",
-    "an immediate ERROR (declared length over max_frame_bytes), no read of the payload, no allocation",
-    refused_by=(
-        "frame declares 8589934592 bytes > max_frame_bytes",
-        "frame declares 18446744073709551615 bytes > max_frame_bytes",
-    ),
-)
-def huge_length_prefix(ctx, res: Result) -> list[Input]:
+def huge_length_prefix(ctx) -> list[Input]:
     return [
         Input("header 8589934592, 1024 zero bytes, no EOF", HEADER.pack(8 << 30) + bytes(1024)),
         Input("header 2**64-1, 16 zero bytes, no EOF", HEADER.pack((1 << 64) - 1) + bytes(16), service="abort"),
     ]
 
 
-@input_case(
-    "garbage_msgpack",
-    "forward",
-    "a well-formed frame whose payload is the current version then invalid msgpack",
-    "ERROR ('malformed msgpack')",
-    refused_by=("malformed msgpack",),
-)
-def garbage_msgpack(ctx, res: Result) -> list[Input]:
+def garbage_msgpack(ctx) -> list[Input]:
     return [Input("frame(version byte + b'\\xc1' * 16)", garbage_frame())]
 
 
-@input_case(
-    "wrong_msgpack_types",
-    "forward",
-    "envelopes whose fields have the wrong msgpack types",
-    "ERROR for each (header/meta/tensor types are validated)",
-    refused_by=(
-        "envelope must be a map",
-        "sender_stage must be an int",
-        "request_id must be an unsigned",
-        "meta must be a map",
-        "tensors must be a map",
-        "'microbatch_id' must be int",
-        "'hop' must be int",
-        "'path' must be list",
-        "int is not allowed for map key",
-    ),
-    repetitions=1,
-)
-def wrong_msgpack_types(ctx, res: Result) -> list[Input]:
+def wrong_msgpack_types(ctx) -> list[Input]:
     tensors = {"hidden": encode_tensor(hidden(ctx))}
     variants = {
         "body is a list": [1, 2, 3],
@@ -695,26 +605,11 @@ def wrong_msgpack_types(ctx, res: Result) -> list[Input]:
     return [Input(label, frame(raw_message(PROTOCOL_VERSION, value))) for label, value in variants.items()]
 
 
-@input_case(
-    "unknown_kind",
-    "forward",
-    "a valid envelope with kind 'detonate'",
-    "ERROR ('unknown message kind')",
-    refused_by=("unknown message kind 'detonate'",),
-)
-def unknown_kind(ctx, res: Result) -> list[Input]:
+def unknown_kind(ctx) -> list[Input]:
     return [Input("kind='detonate'", frame(raw_message(PROTOCOL_VERSION, body(ctx, "detonate", {}))))]
 
 
-@input_case(
-    "unknown_version",
-    "forward",
-    "a valid FORWARD under protocol versions 99 and 2**40",
-    "ERROR ('protocol version ... not supported')",
-    refused_by=("protocol version 99 not supported", "protocol version 1099511627776 not supported"),
-    repetitions=1,
-)
-def unknown_version(ctx, res: Result) -> list[Input]:
+def unknown_version(ctx) -> list[Input]:
     payload = encoded(ctx, forward_message(ctx, "x", ctx.microbatch_id()))[HEADER.size :]
     assert payload[0] == PROTOCOL_VERSION  # a positive fixint: swap in another version
     return [
@@ -722,13 +617,6 @@ def unknown_version(ctx, res: Result) -> list[Input]:
     ]
 
 
-@case(
-    "wrong_swarm_id",
-    "forward",
-    "a valid FORWARD naming another swarm; and a stream to another swarm's protocol",
-    "ERROR ('message for swarm ...'), and the other swarm's protocol refused at negotiation",
-    refused_by=("message for swarm 'some-other-swarm'", "protocol swarm#1 refused StreamFailure"),
-)
 async def wrong_swarm_id(ctx, res: Result) -> None:
     me = (await case_identity(ctx, res)).peer_id
     msg = ctx.message(
@@ -760,28 +648,13 @@ def _forward_with(ctx, me: str, mb: int, tensor_obj: dict) -> bytes:
     return frame(raw_message(PROTOCOL_VERSION, body(ctx, "forward", forward_meta(ctx, me, mb), {"hidden": tensor_obj})))
 
 
-@input_case(
-    "tensor_byte_count",
-    "forward",
-    "FORWARD whose hidden declares [1,T,H] float32 but carries 100 bytes",
-    "ERROR ('tensor data has 100 bytes ...')",
-    refused_by=("tensor data has 100 bytes",),
-)
-def tensor_byte_count(ctx, res: Result) -> list[Input]:
+def tensor_byte_count(ctx) -> list[Input]:
     obj = encode_tensor(hidden(ctx))
     obj["data"] = obj["data"][:100]
     return [Input("hidden data truncated to 100 bytes", _forward_with(ctx, "x", ctx.microbatch_id(), obj))]
 
 
-@input_case(
-    "tensor_bad_dtype",
-    "forward",
-    "FORWARD whose hidden has dtype 'complex128', and one with codec 'zip'",
-    "ERROR ('unsupported tensor dtype' / 'unknown tensor codec')",
-    refused_by=("unsupported tensor dtype 'complex128'", "unknown tensor codec 'zip'"),
-    repetitions=1,
-)
-def tensor_bad_dtype(ctx, res: Result) -> list[Input]:
+def tensor_bad_dtype(ctx) -> list[Input]:
     inputs = []
     for key, value in (("dtype", "complex128"), ("codec", "zip")):
         obj = encode_tensor(hidden(ctx))
@@ -790,82 +663,59 @@ def tensor_bad_dtype(ctx, res: Result) -> list[Input]:
     return inputs
 
 
-@input_case(
-    "tensor_dtype_disagrees",
-    "forward",
-    "FORWARD whose hidden says float16 but carries float32 bytes",
-    "ERROR (byte count does not match shape x itemsize)",
-    refused_by=(r"tensor data has \d+ bytes, shape \[[\d, ]+\] with codec 'none' needs",),
-)
-def tensor_dtype_disagrees(ctx, res: Result) -> list[Input]:
+def tensor_dtype_disagrees(ctx) -> list[Input]:
     obj = encode_tensor(hidden(ctx))
     obj["dtype"] = "float16"
     return [Input("dtype float16, data of a float32 tensor", _forward_with(ctx, "x", ctx.microbatch_id(), obj))]
 
 
-@case(
-    "tensor_int_hidden",
-    "forward",
-    "FORWARD whose hidden is a well-formed int64 tensor",
-    "rejected: ERROR, or ACK then an ABORT notice ('expected a floating-point tensor')",
-    refused_by=("expected a floating-point tensor, got torch.int64",),
-    refused_by_stage0=("unknown microbatch",),
-)
-async def tensor_int_hidden(ctx, res: Result) -> None:
-    ident = await member_identity(ctx, res)
-    mb = ctx.microbatch_id()
-    t = torch.ones((1, ctx.seq_len, ctx.hidden_size), dtype=torch.int64)
-    res.sent.append("hidden int64 [1,T,H]")
-    await send_and_follow(ctx, res, "int hidden", "forward", forward_message(ctx, ident.peer_id, mb, t), mb)
+@dataclass(frozen=True)
+class HiddenVariant:
+    """One FORWARD a member sends: its hidden tensor, made once the microbatch id is drawn."""
+
+    sent: str  # the report's "sent"
+    label: str  # its replies' label
+    tensor: Callable[[], torch.Tensor]
 
 
-@case(
-    "tensor_shape_disagrees",
-    "forward",
-    "FORWARD whose hidden is [1,T,H+1] and one of [1,T] (both well-formed)",
-    "rejected: ERROR, or ACK then an ABORT notice (hidden size / dims)",
-    refused_by=(r"hidden size \d+ != \d+", r"expected \[batch, seq, hidden\]"),
-    refused_by_stage0=("unknown microbatch",),
-)
-async def tensor_shape_disagrees(ctx, res: Result) -> None:
-    ident = await member_identity(ctx, res)
-    for shape in ((1, ctx.seq_len, ctx.hidden_size + 1), (1, ctx.seq_len)):
-        mb = ctx.microbatch_id()
-        res.sent.append(f"hidden {list(shape)}")
-        await send_and_follow(
-            ctx,
-            res,
-            f"shape {list(shape)}",
-            "forward",
-            forward_message(ctx, ident.peer_id, mb, hidden(ctx, shape=shape)),
-            mb,
-        )
+def member_forwards(build: Callable[[Any], list[HiddenVariant]]) -> Callable[[Any, Result], Awaitable[None]]:
+    """The driver of a row whose FORWARDs must pass the membership gate to reach the tensor check
+    they target: each variant from one member identity, followed (`send_and_follow`) to its ERROR,
+    its ABORT notice, or the node's computed answer."""
+
+    async def run(ctx, res: Result) -> None:
+        ident = await member_identity(ctx, res)
+        for variant in build(ctx):
+            mb = ctx.microbatch_id()
+            tensor = variant.tensor()
+            res.sent.append(variant.sent)
+            await send_and_follow(
+                ctx, res, variant.label, "forward", forward_message(ctx, ident.peer_id, mb, tensor), mb
+            )
+
+    return run
 
 
-@input_case(
-    "absurd_shape",
-    "forward",
-    "FORWARD whose hidden declares shape [2**40, 2**40, 64] (and [2**62]) with 16 bytes",
-    "ERROR before any allocation ('needs ... bytes > max_tensor_bytes')",
-    refused_by=("bytes > max_tensor_bytes",),
-    repetitions=1,
-)
-def absurd_shape(ctx, res: Result) -> list[Input]:
+def tensor_int_hidden(ctx) -> list[HiddenVariant]:
+    shape = (1, ctx.seq_len, ctx.hidden_size)
+    return [HiddenVariant("hidden int64 [1,T,H]", "int hidden", lambda: torch.ones(shape, dtype=torch.int64))]
+
+
+def tensor_shape_disagrees(ctx) -> list[HiddenVariant]:
+    return [
+        HiddenVariant(f"hidden {list(shape)}", f"shape {list(shape)}", lambda shape=shape: hidden(ctx, shape=shape))
+        for shape in ((1, ctx.seq_len, ctx.hidden_size + 1), (1, ctx.seq_len))
+    ]
+
+
+def absurd_shape(ctx) -> list[Input]:
     return [
         Input(f"shape {shape}, 16 bytes", _forward_with(ctx, "x", ctx.microbatch_id(), tensor_claiming(shape, 16)))
         for shape in ([1 << 40, 1 << 40, 64], [1 << 62], [0, 1 << 62, 1 << 62])
     ]
 
 
-@input_case(
-    "absurd_dims",
-    "forward",
-    "FORWARD whose hidden has 64 dims of size 1, and one with a negative dim",
-    "ERROR ('dims > max_tensor_dims' / 'non-negative ints')",
-    refused_by=("dims > max_tensor_dims", "non-negative"),
-    repetitions=1,
-)
-def absurd_dims(ctx, res: Result) -> list[Input]:
+def absurd_dims(ctx) -> list[Input]:
     return [
         Input(
             f"shape of {len(shape)} dims, {shape[:4]}",
@@ -875,35 +725,22 @@ def absurd_dims(ctx, res: Result) -> list[Input]:
     ]
 
 
-@case(
-    "nan_activations",
-    "forward",
-    "FORWARD whose hidden holds NaN, and one holding +Inf",
-    "rejected: ERROR, or ACK then an ABORT notice ('contains NaN or infinite values')",
-    refused_by=("contains NaN or infinite values",),
-    refused_by_stage0=("unknown microbatch",),
-)
-async def nan_activations(ctx, res: Result) -> None:
-    ident = await member_identity(ctx, res)
-    for value in (math.nan, math.inf):
-        mb = ctx.microbatch_id()
+def nan_activations(ctx) -> list[HiddenVariant]:
+    def holding(value: float) -> torch.Tensor:
         t = hidden(ctx)
         t[0, 0, 0] = value
-        res.sent.append(f"hidden with one {value}")
-        await send_and_follow(ctx, res, f"{value} hidden", "forward", forward_message(ctx, ident.peer_id, mb, t), mb)
+        return t
+
+    return [
+        HiddenVariant(f"hidden with one {value}", f"{value} hidden", lambda value=value: holding(value))
+        for value in (math.nan, math.inf)
+    ]
 
 
 # ------------------------------------------------------------------------------------------------
 # Pipeline semantics
 
 
-@case(
-    "forward_bad_path",
-    "forward",
-    "FORWARD whose path does not end with the sender, and one with an invalid order",
-    "ERROR ('inconsistent hop' / 'bad stage order')",
-    refused_by=("inconsistent hop", "bad stage order"),
-)
 async def forward_bad_path(ctx, res: Result) -> None:
     ident = await case_identity(ctx, res)
     meta = forward_meta(ctx, ident.peer_id, ctx.microbatch_id())
@@ -918,14 +755,6 @@ async def forward_bad_path(ctx, res: Result) -> None:
     await must_reject(ctx, res, "order", "forward", encoded(ctx, msg), close_write=False, repetitions=1)
 
 
-@case(
-    "stranger_forward",
-    "forward",
-    "a valid FORWARD from a peer that is in no DHT record and on no path",
-    "refused: the node computes only for microbatches of peers of the swarm",
-    refused_by=("not a member of this swarm",),
-    refused_by_stage0=("unknown microbatch",),
-)
 async def stranger_forward(ctx, res: Result) -> None:
     ident = await ctx.identity("stranger", res.nursery)
     mb = ctx.microbatch_id()
@@ -937,14 +766,6 @@ async def stranger_forward(ctx, res: Result) -> None:
     )
 
 
-@case(
-    "forward_flood",
-    "forward",
-    "many valid FORWARDs from one stranger, 8 at a time",
-    "refused (as stranger_forward); at least BUSY beyond the queue",
-    refused_by=("not a member of this swarm",),
-    refused_by_stage0=("unknown microbatch",),
-)
 async def forward_flood(ctx, res: Result) -> None:
     ident = await ctx.identity("flooder", res.nursery)
     count = 24 if ctx.settings.quick else 300
@@ -1000,14 +821,6 @@ class _Sink(Result):
         pass
 
 
-@case(
-    "nan_gradient",
-    "backward",
-    "after our own FORWARD was computed, a BACKWARD whose grad holds NaN",
-    "rejected: ERROR, or ACK then an ABORT notice ('contains NaN or infinite values'); no step poisoned",
-    refused_by=("contains NaN or infinite values",),
-    refused_by_stage0=("unknown microbatch",),
-)
 async def nan_gradient(ctx, res: Result) -> None:
     grad = hidden(ctx)
     grad[0, 0, 0] = math.nan
@@ -1036,14 +849,6 @@ async def backward_after_own_forward(ctx, res: Result, grad: torch.Tensor, label
     return notices
 
 
-@case(
-    "backward_never_sent",
-    "backward",
-    "a BACKWARD for a microbatch we never forwarded there",
-    "rejected: ERROR ('unknown microbatch'), or ACK then an ABORT notice",
-    refused_by=("is unknown, finished, dropped or expired",),
-    refused_by_stage0=("unknown microbatch",),
-)
 async def backward_never_sent(ctx, res: Result) -> None:
     ident = await case_identity(ctx, res)
     mb = ctx.microbatch_id()
@@ -1052,14 +857,6 @@ async def backward_never_sent(ctx, res: Result) -> None:
     await send_and_follow(ctx, res, "unknown microbatch", "backward", msg, mb)
 
 
-@case(
-    "backward_huge_gradient",
-    "backward",
-    "after our own FORWARD was computed, a BACKWARD of 3e38 per element (finite in fp32)",
-    "rejected, or at most this microbatch dropped: the honest gradients accumulated for the step survive",
-    refused_by=("norm is not finite",),
-    refused_by_stage0=("unknown microbatch",),
-)
 async def backward_huge_gradient(ctx, res: Result) -> None:
     # the in-process case is tests/unit/test_stage_worker.py
     res.sent.append("BACKWARD grad = 3e38 everywhere (float32, 'none' codec), after our own forward (block stages)")
@@ -1084,25 +881,11 @@ async def backward_huge_gradient(ctx, res: Result) -> None:
     res.set(ACCEPTED, detail[:400])
 
 
-@input_case(
-    "abort_list_id",
-    "abort",
-    "an ABORT (ERROR on the abort service) whose microbatch_id is a list",
-    "ERROR ('bad request') or ACK; no exception in the handler",
-    refused_by=("'microbatch_id' must be an integer",),
-)
-def abort_list_id(ctx, res: Result) -> list[Input]:
+def abort_list_id(ctx) -> list[Input]:
     msg = ctx.message(MessageKind.ERROR, {"reason": "hostile", "microbatch_id": [1, 2, 3], "token": token_for(1)})
     return [Input("ERROR{reason:'hostile', microbatch_id:[1,2,3]} to abort", encoded(ctx, msg))]
 
 
-@case(
-    "backward_names_a_victim",
-    "backward",
-    "a BACKWARD whose path names another peer (a victim we also run) as the microbatch's origin",
-    "no notice to the victim (no reflection); the notice of the failure goes back to the sender",
-    refused_by=(r'"to_victim": 0', r'"returned_to_sender": "backward failed'),
-)
 async def backward_names_a_victim(ctx, res: Result) -> None:
     sender = await case_identity(ctx, res)
     victim = await ctx.identity("victim", res.nursery)
@@ -1145,13 +928,6 @@ async def backward_names_a_victim(ctx, res: Result) -> None:
         res.set(*judge_any(reply))
 
 
-@case(
-    "abort_unrelated",
-    "abort",
-    "an ABORT for a microbatch the sender is on no path of",
-    "ERROR (the sender is not on the microbatch's path / unknown microbatch)",
-    refused_by=("unknown microbatch",),
-)
 async def abort_unrelated(ctx, res: Result) -> None:
     ident = await ctx.identity("aborter", res.nursery)
     mb = ctx.microbatch_id()
@@ -1168,15 +944,7 @@ async def abort_unrelated(ctx, res: Result) -> None:
 # State download
 
 
-@input_case(
-    "state_wrong_stage",
-    "state",
-    "a STATE_REQUEST for a stage the peer does not serve",
-    "ERROR ('this peer serves stage ...')",
-    refused_by=(r"cannot serve stage \d+ part 'stage'",),
-    repetitions=1,
-)
-def state_wrong_stage(ctx, res: Result) -> list[Input]:
+def state_wrong_stage(ctx) -> list[Input]:
     return [
         Input(
             f"STATE_REQUEST stage {stage}",
@@ -1186,15 +954,7 @@ def state_wrong_stage(ctx, res: Result) -> list[Input]:
     ]
 
 
-@input_case(
-    "state_bad_request",
-    "state",
-    "a STATE_REQUEST for an unknown part, and a FORWARD sent to the state service",
-    "ERROR for both",
-    refused_by=(r"cannot serve stage \d+ part '../../private_key'", "expected a state request, got forward"),
-    repetitions=1,
-)
-def state_bad_request(ctx, res: Result) -> list[Input]:
+def state_bad_request(ctx) -> list[Input]:
     bad_part = ctx.message(MessageKind.STATE_REQUEST, {"stage": ctx.stage, "part": "../../private_key"})
     return [
         Input("part '../../private_key'", encoded(ctx, bad_part)),
@@ -1202,13 +962,6 @@ def state_bad_request(ctx, res: Result) -> list[Input]:
     ]
 
 
-@case(
-    "state_download_loop",
-    "state",
-    "one identity asking for the target's whole stage state again and again (reset after each header)",
-    "served a few times, then ERROR ('answer budget spent ...') before any copy is taken",
-    refused_by=(r"answer budget spent \(\d+ per identity",),
-)
 async def state_download_loop(ctx, res: Result) -> None:
     ident = await ctx.identity("state-looper", res.nursery)
     served = 0
@@ -1277,7 +1030,11 @@ async def download_state(ctx, res: Result, ident) -> dict | None:
     return None
 
 
-def gossip_material(state: dict) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]] | None:
+# (parameter names, phi, theta) of the target's stage, from its downloaded state
+GossipMaterial = tuple[list[str], list[torch.Tensor], list[torch.Tensor]]
+
+
+def gossip_material(state: dict) -> GossipMaterial | None:
     """(parameter names, phi, theta) from a downloaded state; None when it has no outer state."""
     tensors = state["tensors"]
     names = [n[len("outer.phi.") :] for n in tensors if n.startswith("outer.phi.")]
@@ -1418,7 +1175,7 @@ async def gossip_round(
     res.set(*judge(final))
 
 
-async def material(ctx, res: Result) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]] | None:
+async def material(ctx, res: Result) -> GossipMaterial | None:
     ident = await ctx.identity("state-reader", res.nursery)
     state = await download_state(ctx, res, ident)
     if state is None:
@@ -1433,30 +1190,27 @@ async def material(ctx, res: Result) -> tuple[list[str], list[torch.Tensor], lis
     return found
 
 
-@case(
-    "gossip_from_stranger",
-    "gossip",
-    "a well-formed GOSSIP_REQUEST from a peer with no record in the swarm",
-    "BUSY ('gossip partners are the stage's members: no record of you at stage N here')",
-    refused_by=(r"gossip partners are the stage's members: no record of you at stage \d+",),
-)
-async def gossip_from_stranger(ctx, res: Result) -> None:
-    found = await material(ctx, res)
-    if found is None:
-        return
+def with_gossip_material(
+    play: Callable[[Any, Result, GossipMaterial], Awaitable[None]],
+) -> Callable[[Any, Result], Awaitable[None]]:
+    """The driver of a gossip row whose tensors are shaped like the target's own: its state is
+    downloaded first (`material`, INCONCLUSIVE when that fails), then `play` runs with it."""
+
+    async def run(ctx, res: Result) -> None:
+        found = await material(ctx, res)
+        if found is not None:
+            await play(ctx, res, found)
+
+    return run
+
+
+async def gossip_from_stranger(ctx, res: Result, found: GossipMaterial) -> None:
     _names, phi, _theta = found
     request = ctx.message(MessageKind.GOSSIP_REQUEST, request_meta(len(phi), sum(p.numel() for p in phi)))
     label = "GOSSIP_REQUEST, well-formed, from a stranger"
     await must_reject(ctx, res, label, "gossip", encoded(ctx, request), close_write=False, repetitions=1)
 
 
-@case(
-    "gossip_wrong_stage",
-    "gossip",
-    "a GOSSIP_REQUEST claiming another stage, and one with wrong tensor counts",
-    "ERROR ('this peer serves stage ...' / 'num_tensors ... != ...')",
-    refused_by=(r"this peer serves stage \d+, not \d+", r"num_tensors 100000 != \d+"),
-)
 async def gossip_wrong_stage(ctx, res: Result) -> None:
     ident = await ctx.identity("gossip-wrong", res.nursery)
     other = (ctx.stage + 1) % ctx.num_stages
@@ -1480,17 +1234,7 @@ async def gossip_wrong_stage(ctx, res: Result) -> None:
         res.worst(INCONCLUSIVE, "always BUSY")
 
 
-@case(
-    "gossip_chunk_shape",
-    "gossip",
-    "an accepted round whose first chunk has the wrong shape (2-D, too long)",
-    "the stream closed or an ERROR; no ban of anyone honest, the slot freed",
-    refused_by=(r"as responder: ProtocolError\('chunk 0 has \d+ torch.float32 elements \(2-D\)",),
-)
-async def gossip_chunk_shape(ctx, res: Result) -> None:
-    found = await material(ctx, res)
-    if found is None:
-        return
+async def gossip_chunk_shape(ctx, res: Result, found: GossipMaterial) -> None:
     _names, phi, _theta = found
 
     async def bad_chunks(wire) -> None:
@@ -1505,71 +1249,54 @@ async def gossip_chunk_shape(ctx, res: Result) -> None:
     await gossip_round(ctx, res, "gossip-shape", phi, phi, chunks=bad_chunks)
 
 
-@case(
-    "gossip_nan_weights",
-    "gossip",
-    "an accepted round whose Delta holds a NaN (phi's residues decode to finite values whatever they hold)",
-    "GOSSIP_DONE accept=False ('holds NaN or Inf'), the sender banned",
-    refused_by=(r"gossip_done phi: tensor \d+ holds NaN or Inf",),
-)
-async def gossip_nan_weights(ctx, res: Result) -> None:
-    found = await material(ctx, res)
-    if found is None:
-        return
+@dataclass(frozen=True)
+class BadRound:
+    """What a round of a gossip row sends: phi and Delta made from the target's own."""
+
+    sent: str  # the report's "sent"
+    phi: list[torch.Tensor]
+    delta: list[torch.Tensor]
+
+
+def bad_round(label: str, build: Callable[[GossipMaterial], BadRound]) -> Callable[[Any, Result], Awaitable[None]]:
+    """The driver of a row that plays one whole round (`gossip_round`, as member `label`) of the
+    tensors `build` makes from the target's own state."""
+
+    async def play(ctx, res: Result, found: GossipMaterial) -> None:
+        sent = build(found)
+        res.sent.append(sent.sent)
+        await gossip_round(ctx, res, label, sent.phi, sent.delta)
+
+    return with_gossip_material(play)
+
+
+def gossip_nan_weights(found: GossipMaterial) -> BadRound:
     names, phi, theta = found
-    bad = [p - t for p, t in zip(phi, theta)]
-    bad[0].view(-1)[0] = math.nan  # its block's scale becomes NaN
-    res.sent.append(f"phi = the target's phi; Delta = its own with {names[0]}[0] = NaN")
-    await gossip_round(ctx, res, "gossip-nan", phi, bad)
+    delta = [p - t for p, t in zip(phi, theta)]
+    delta[0].view(-1)[0] = math.nan  # its block's scale becomes NaN
+    return BadRound(f"phi = the target's phi; Delta = its own with {names[0]}[0] = NaN", phi, delta)
 
 
-@case(
-    "gossip_huge_weights",
-    "gossip",
-    "an accepted round whose Delta is the target's x 1e6 (its grid steps too, so phi may decode far off)",
-    "GOSSIP_DONE accept=False from a plausibility check (the norm, or the cosine if phi decodes far off)",
-    # which plausibility check speaks first depends on how far off the x 1e6 phi decodes (its norm,
-    # or its cosine with ours): any of them, not an earlier gate
-    refused_by=(r"gossip_done (phi|delta): ",),
-)
-async def gossip_huge_weights(ctx, res: Result) -> None:
-    found = await material(ctx, res)
-    if found is None:
-        return
+def gossip_huge_weights(found: GossipMaterial) -> BadRound:
     _names, phi, theta = found
-    res.sent.append("phi = 1e6 x the target's phi; Delta = 1e6 x its own")
-    await gossip_round(ctx, res, "gossip-huge", [p * 1e6 for p in phi], [(p - t) * 1e6 for p, t in zip(phi, theta)])
+    return BadRound(
+        "phi = 1e6 x the target's phi; Delta = 1e6 x its own",
+        [p * 1e6 for p in phi],
+        [(p - t) * 1e6 for p, t in zip(phi, theta)],
+    )
 
 
-@case(
-    "gossip_negated_weights",
-    "gossip",
-    "an accepted round whose phi and Delta are the target's own, negated",
-    "GOSSIP_DONE accept=False: a partner pointing the opposite way is not an honest replica",
-    refused_by=(r"gossip_done (phi|delta): ",),
-)
-async def gossip_negated_weights(ctx, res: Result) -> None:
-    found = await material(ctx, res)
-    if found is None:
-        return
+def gossip_negated_weights(found: GossipMaterial) -> BadRound:
     _names, phi, theta = found
     # the negated phi decodes within the grid's reach of the target's own: the negated Delta is what the checks see
-    res.sent.append("phi = -(the target's phi), Delta = -(its phi - theta): same norms, opposite direction")
-    await gossip_round(ctx, res, "gossip-negated", [-p for p in phi], [-(p - t) for p, t in zip(phi, theta)])
+    return BadRound(
+        "phi = -(the target's phi), Delta = -(its phi - theta): same norms, opposite direction",
+        [-p for p in phi],
+        [-(p - t) for p, t in zip(phi, theta)],
+    )
 
 
-@case(
-    "gossip_accept_then_silence",
-    "gossip",
-    "a valid GOSSIP_REQUEST, then silence after the target's ACCEPT (its chunks are read, none sent)",
-    "the node drops a silent partner quickly; honest partners are not kept BUSY for the round timeout",
-    timeout=180,
-    refused_by=("went silent mid-exchange",),
-)
-async def gossip_accept_then_silence(ctx, res: Result) -> None:
-    found = await material(ctx, res)
-    if found is None:
-        return
+async def gossip_accept_then_silence(ctx, res: Result, found: GossipMaterial) -> None:
     _names, phi, _theta = found
     s = ctx.settings
     ident = await ctx.member("silent", res.nursery, stage=ctx.stage)
@@ -1639,14 +1366,6 @@ async def gossip_accept_then_silence(ctx, res: Result) -> None:
 # Resources
 
 
-@case(
-    "request_flood",
-    "forward",
-    "hundreds of malformed requests, each on its own stream, many at once",
-    "every one answered ERROR (or refused) within the deadline; the node keeps serving",
-    timeout=300,
-    refused_by=("malformed msgpack",),
-)
 async def request_flood(ctx, res: Result) -> None:
     s = ctx.settings
     ident = await case_identity(ctx, res)
@@ -1699,14 +1418,6 @@ async def request_flood(ctx, res: Result) -> None:
         )
 
 
-@case(
-    "slow_senders",
-    "forward",
-    "streams that drip a (malformed) frame one byte at a time",
-    "each answered ERROR once complete (or cut at the read timeout); other requests served meanwhile",
-    timeout=150,
-    refused_by=("malformed msgpack",),
-)
 async def slow_senders(ctx, res: Result) -> None:
     s = ctx.settings
     data = garbage_frame()
@@ -1804,14 +1515,6 @@ class contextlib_suppress:
         return exc[0] is not None and issubclass(exc[0], Exception)
 
 
-@case(
-    "half_open_streams",
-    "forward",
-    "many streams opened and left idle (no byte sent), spread over several peer ids",
-    "refused beyond a per-peer limit or closed early; the node keeps serving others",
-    timeout=240,
-    refused_by=("too many (open streams|streams from this peer)",),
-)
 async def half_open_streams(ctx, res: Result) -> None:
     s = ctx.settings
     count = s.half_open_streams
@@ -1907,3 +1610,355 @@ async def half_open_streams(ctx, res: Result) -> None:
 async def _reset_quietly(wire) -> None:
     with trio.move_on_after(2.0):
         await wire.reset()
+
+
+# ------------------------------------------------------------------------------------------------
+# The table: every case, in the order a run plays them
+
+CASES: list[Case] = [
+    Case(
+        "random_bytes",
+        "forward",
+        "4 KiB of random bytes, then end of stream",
+        "ERROR reply (its first 8 bytes declare an absurd frame) or a closed stream",
+        frames(random_bytes, close_write=True),
+        refused_by=(r"frame declares \d+ bytes > max_frame_bytes",),
+    ),
+    Case(
+        "empty_stream",
+        "forward",
+        "open a stream and end it without a byte",
+        "ERROR reply ('stream closed at a frame boundary') or a closed stream",
+        frames(empty_stream, close_write=True),
+        refused_by=("stream closed at a frame boundary",),
+    ),
+    Case(
+        "truncated_header",
+        "backward",
+        "3 of the 8 length bytes, then end of stream",
+        "ERROR reply ('inside the length header') or a closed stream",
+        frames(truncated_header, close_write=True),
+        refused_by=("inside the length header",),
+    ),
+    Case(
+        "truncated_frame",
+        "forward",
+        "a frame declaring 4096 bytes with 100 of them, then end of stream",
+        "ERROR reply ('closed mid-frame') or a closed stream",
+        frames(truncated_frame, close_write=True),
+        refused_by=(r"closed mid-frame \(100 of 4096 bytes\)",),
+    ),
+    Case(
+        "huge_length_prefix",
+        "forward",
+        "a length prefix of 8 GiB followed by 1 KiB, stream left open",
+        "an immediate ERROR (declared length over max_frame_bytes), no read of the payload, no allocation",
+        frames(huge_length_prefix),
+        refused_by=(
+            "frame declares 8589934592 bytes > max_frame_bytes",
+            "frame declares 18446744073709551615 bytes > max_frame_bytes",
+        ),
+    ),
+    Case(
+        "garbage_msgpack",
+        "forward",
+        "a well-formed frame whose payload is the current version then invalid msgpack",
+        "ERROR ('malformed msgpack')",
+        frames(garbage_msgpack),
+        refused_by=("malformed msgpack",),
+    ),
+    Case(
+        "wrong_msgpack_types",
+        "forward",
+        "envelopes whose fields have the wrong msgpack types",
+        "ERROR for each (header/meta/tensor types are validated)",
+        frames(wrong_msgpack_types, repetitions=1),
+        refused_by=(
+            "envelope must be a map",
+            "sender_stage must be an int",
+            "request_id must be an unsigned",
+            "meta must be a map",
+            "tensors must be a map",
+            "'microbatch_id' must be int",
+            "'hop' must be int",
+            "'path' must be list",
+            "int is not allowed for map key",
+        ),
+    ),
+    Case(
+        "unknown_kind",
+        "forward",
+        "a valid envelope with kind 'detonate'",
+        "ERROR ('unknown message kind')",
+        frames(unknown_kind),
+        refused_by=("unknown message kind 'detonate'",),
+    ),
+    Case(
+        "unknown_version",
+        "forward",
+        "a valid FORWARD under protocol versions 99 and 2**40",
+        "ERROR ('protocol version ... not supported')",
+        frames(unknown_version, repetitions=1),
+        refused_by=("protocol version 99 not supported", "protocol version 1099511627776 not supported"),
+    ),
+    Case(
+        "wrong_swarm_id",
+        "forward",
+        "a valid FORWARD naming another swarm; and a stream to another swarm's protocol",
+        "ERROR ('message for swarm ...'), and the other swarm's protocol refused at negotiation",
+        wrong_swarm_id,
+        refused_by=("message for swarm 'some-other-swarm'", "protocol swarm#1 refused StreamFailure"),
+    ),
+    Case(
+        "tensor_byte_count",
+        "forward",
+        "FORWARD whose hidden declares [1,T,H] float32 but carries 100 bytes",
+        "ERROR ('tensor data has 100 bytes ...')",
+        frames(tensor_byte_count),
+        refused_by=("tensor data has 100 bytes",),
+    ),
+    Case(
+        "tensor_bad_dtype",
+        "forward",
+        "FORWARD whose hidden has dtype 'complex128', and one with codec 'zip'",
+        "ERROR ('unsupported tensor dtype' / 'unknown tensor codec')",
+        frames(tensor_bad_dtype, repetitions=1),
+        refused_by=("unsupported tensor dtype 'complex128'", "unknown tensor codec 'zip'"),
+    ),
+    Case(
+        "tensor_dtype_disagrees",
+        "forward",
+        "FORWARD whose hidden says float16 but carries float32 bytes",
+        "ERROR (byte count does not match shape x itemsize)",
+        frames(tensor_dtype_disagrees),
+        refused_by=(r"tensor data has \d+ bytes, shape \[[\d, ]+\] with codec 'none' needs",),
+    ),
+    Case(
+        "tensor_int_hidden",
+        "forward",
+        "FORWARD whose hidden is a well-formed int64 tensor",
+        "rejected: ERROR, or ACK then an ABORT notice ('expected a floating-point tensor')",
+        member_forwards(tensor_int_hidden),
+        refused_by=("expected a floating-point tensor, got torch.int64",),
+        refused_by_stage0=("unknown microbatch",),
+    ),
+    Case(
+        "tensor_shape_disagrees",
+        "forward",
+        "FORWARD whose hidden is [1,T,H+1] and one of [1,T] (both well-formed)",
+        "rejected: ERROR, or ACK then an ABORT notice (hidden size / dims)",
+        member_forwards(tensor_shape_disagrees),
+        refused_by=(r"hidden size \d+ != \d+", r"expected \[batch, seq, hidden\]"),
+        refused_by_stage0=("unknown microbatch",),
+    ),
+    Case(
+        "absurd_shape",
+        "forward",
+        "FORWARD whose hidden declares shape [2**40, 2**40, 64] (and [2**62]) with 16 bytes",
+        "ERROR before any allocation ('needs ... bytes > max_tensor_bytes')",
+        frames(absurd_shape, repetitions=1),
+        refused_by=("bytes > max_tensor_bytes",),
+    ),
+    Case(
+        "absurd_dims",
+        "forward",
+        "FORWARD whose hidden has 64 dims of size 1, and one with a negative dim",
+        "ERROR ('dims > max_tensor_dims' / 'non-negative ints')",
+        frames(absurd_dims, repetitions=1),
+        refused_by=("dims > max_tensor_dims", "non-negative"),
+    ),
+    Case(
+        "nan_activations",
+        "forward",
+        "FORWARD whose hidden holds NaN, and one holding +Inf",
+        "rejected: ERROR, or ACK then an ABORT notice ('contains NaN or infinite values')",
+        member_forwards(nan_activations),
+        refused_by=("contains NaN or infinite values",),
+        refused_by_stage0=("unknown microbatch",),
+    ),
+    Case(
+        "forward_bad_path",
+        "forward",
+        "FORWARD whose path does not end with the sender, and one with an invalid order",
+        "ERROR ('inconsistent hop' / 'bad stage order')",
+        forward_bad_path,
+        refused_by=("inconsistent hop", "bad stage order"),
+    ),
+    Case(
+        "stranger_forward",
+        "forward",
+        "a valid FORWARD from a peer that is in no DHT record and on no path",
+        "refused: the node computes only for microbatches of peers of the swarm",
+        stranger_forward,
+        refused_by=("not a member of this swarm",),
+        refused_by_stage0=("unknown microbatch",),
+    ),
+    Case(
+        "forward_flood",
+        "forward",
+        "many valid FORWARDs from one stranger, 8 at a time",
+        "refused (as stranger_forward); at least BUSY beyond the queue",
+        forward_flood,
+        refused_by=("not a member of this swarm",),
+        refused_by_stage0=("unknown microbatch",),
+    ),
+    Case(
+        "nan_gradient",
+        "backward",
+        "after our own FORWARD was computed, a BACKWARD whose grad holds NaN",
+        "rejected: ERROR, or ACK then an ABORT notice ('contains NaN or infinite values'); no step poisoned",
+        nan_gradient,
+        refused_by=("contains NaN or infinite values",),
+        refused_by_stage0=("unknown microbatch",),
+    ),
+    Case(
+        "backward_never_sent",
+        "backward",
+        "a BACKWARD for a microbatch we never forwarded there",
+        "rejected: ERROR ('unknown microbatch'), or ACK then an ABORT notice",
+        backward_never_sent,
+        refused_by=("is unknown, finished, dropped or expired",),
+        refused_by_stage0=("unknown microbatch",),
+    ),
+    Case(
+        "backward_huge_gradient",
+        "backward",
+        "after our own FORWARD was computed, a BACKWARD of 3e38 per element (finite in fp32)",
+        "rejected, or at most this microbatch dropped: the honest gradients accumulated for the step survive",
+        backward_huge_gradient,
+        refused_by=("norm is not finite",),
+        refused_by_stage0=("unknown microbatch",),
+    ),
+    Case(
+        "abort_list_id",
+        "abort",
+        "an ABORT (ERROR on the abort service) whose microbatch_id is a list",
+        "ERROR ('bad request') or ACK; no exception in the handler",
+        frames(abort_list_id),
+        refused_by=("'microbatch_id' must be an integer",),
+    ),
+    Case(
+        "backward_names_a_victim",
+        "backward",
+        "a BACKWARD whose path names another peer (a victim we also run) as the microbatch's origin",
+        "no notice to the victim (no reflection); the notice of the failure goes back to the sender",
+        backward_names_a_victim,
+        refused_by=(r'"to_victim": 0', r'"returned_to_sender": "backward failed'),
+    ),
+    Case(
+        "abort_unrelated",
+        "abort",
+        "an ABORT for a microbatch the sender is on no path of",
+        "ERROR (the sender is not on the microbatch's path / unknown microbatch)",
+        abort_unrelated,
+        refused_by=("unknown microbatch",),
+    ),
+    Case(
+        "state_wrong_stage",
+        "state",
+        "a STATE_REQUEST for a stage the peer does not serve",
+        "ERROR ('this peer serves stage ...')",
+        frames(state_wrong_stage, repetitions=1),
+        refused_by=(r"cannot serve stage \d+ part 'stage'",),
+    ),
+    Case(
+        "state_bad_request",
+        "state",
+        "a STATE_REQUEST for an unknown part, and a FORWARD sent to the state service",
+        "ERROR for both",
+        frames(state_bad_request, repetitions=1),
+        refused_by=(r"cannot serve stage \d+ part '../../private_key'", "expected a state request, got forward"),
+    ),
+    Case(
+        "state_download_loop",
+        "state",
+        "one identity asking for the target's whole stage state again and again (reset after each header)",
+        "served a few times, then ERROR ('answer budget spent ...') before any copy is taken",
+        state_download_loop,
+        refused_by=(r"answer budget spent \(\d+ per identity",),
+    ),
+    Case(
+        "gossip_from_stranger",
+        "gossip",
+        "a well-formed GOSSIP_REQUEST from a peer with no record in the swarm",
+        "BUSY ('gossip partners are the stage's members: no record of you at stage N here')",
+        with_gossip_material(gossip_from_stranger),
+        refused_by=(r"gossip partners are the stage's members: no record of you at stage \d+",),
+    ),
+    Case(
+        "gossip_wrong_stage",
+        "gossip",
+        "a GOSSIP_REQUEST claiming another stage, and one with wrong tensor counts",
+        "ERROR ('this peer serves stage ...' / 'num_tensors ... != ...')",
+        gossip_wrong_stage,
+        refused_by=(r"this peer serves stage \d+, not \d+", r"num_tensors 100000 != \d+"),
+    ),
+    Case(
+        "gossip_chunk_shape",
+        "gossip",
+        "an accepted round whose first chunk has the wrong shape (2-D, too long)",
+        "the stream closed or an ERROR; no ban of anyone honest, the slot freed",
+        with_gossip_material(gossip_chunk_shape),
+        refused_by=(r"as responder: ProtocolError\('chunk 0 has \d+ torch.float32 elements \(2-D\)",),
+    ),
+    Case(
+        "gossip_nan_weights",
+        "gossip",
+        "an accepted round whose Delta holds a NaN (phi's residues decode to finite values whatever they hold)",
+        "GOSSIP_DONE accept=False ('holds NaN or Inf'), the sender banned",
+        bad_round("gossip-nan", gossip_nan_weights),
+        refused_by=(r"gossip_done phi: tensor \d+ holds NaN or Inf",),
+    ),
+    Case(
+        "gossip_huge_weights",
+        "gossip",
+        "an accepted round whose Delta is the target's x 1e6 (its grid steps too, so phi may decode far off)",
+        "GOSSIP_DONE accept=False from a plausibility check (the norm, or the cosine if phi decodes far off)",
+        bad_round("gossip-huge", gossip_huge_weights),
+        refused_by=(r"gossip_done (phi|delta): ",),
+    ),
+    Case(
+        "gossip_negated_weights",
+        "gossip",
+        "an accepted round whose phi and Delta are the target's own, negated",
+        "GOSSIP_DONE accept=False: a partner pointing the opposite way is not an honest replica",
+        bad_round("gossip-negated", gossip_negated_weights),
+        refused_by=(r"gossip_done (phi|delta): ",),
+    ),
+    Case(
+        "gossip_accept_then_silence",
+        "gossip",
+        "a valid GOSSIP_REQUEST, then silence after the target's ACCEPT (its chunks are read, none sent)",
+        "the node drops a silent partner quickly; honest partners are not kept BUSY for the round timeout",
+        with_gossip_material(gossip_accept_then_silence),
+        refused_by=("went silent mid-exchange",),
+        timeout=180,
+    ),
+    Case(
+        "request_flood",
+        "forward",
+        "hundreds of malformed requests, each on its own stream, many at once",
+        "every one answered ERROR (or refused) within the deadline; the node keeps serving",
+        request_flood,
+        refused_by=("malformed msgpack",),
+        timeout=300,
+    ),
+    Case(
+        "slow_senders",
+        "forward",
+        "streams that drip a (malformed) frame one byte at a time",
+        "each answered ERROR once complete (or cut at the read timeout); other requests served meanwhile",
+        slow_senders,
+        refused_by=("malformed msgpack",),
+        timeout=150,
+    ),
+    Case(
+        "half_open_streams",
+        "forward",
+        "many streams opened and left idle (no byte sent), spread over several peer ids",
+        "refused beyond a per-peer limit or closed early; the node keeps serving others",
+        half_open_streams,
+        refused_by=("too many (open streams|streams from this peer)",),
+        timeout=240,
+    ),
+]

@@ -6,9 +6,11 @@ real libp2p streams on loopback.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from dht.announcer import PeerAnnouncer
 from dht.records import ConfigRecord, PeerRecord
@@ -18,6 +20,8 @@ from node.config import SwarmConfig
 from node.p2p.network import Network, start_network
 from node.server.stage_service import ServiceOptions, StageService, running_service
 from protocol.version import PROTOCOL_VERSION
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -70,3 +74,17 @@ async def inprocess_swarm(
             await stack.aclose()
             for network in reversed(networks):
                 await network.shutdown()
+
+
+def run_in_swarm(
+    config: SwarmConfig, stages: list[int], scenario: Callable[[list[Peer]], Awaitable[T]], direct_links: bool = True
+) -> T:
+    """`scenario(peers)` in an event loop of its own, inside an `inprocess_swarm(config, stages)`
+    that is shut down after it (whatever it raised); what it returned. How a synchronous test runs
+    its steps among a few real peers."""
+
+    async def in_swarm() -> T:
+        async with inprocess_swarm(config, stages, direct_links) as peers:
+            return await scenario(peers)
+
+    return asyncio.run(in_swarm())

@@ -45,6 +45,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from .delay_line import DelayLineClient
@@ -71,16 +72,22 @@ error = struct.unpack_from("=i", reply, 16)[0]
 assert error == 0, f"conntrack flush failed: errno {-error}"
 """
 
-# a TCP sink for probes run in a host (standard library only, for `python -S -c`): listens on argv[1],
-# counts each connection's bytes until the sender shuts down its side, and answers the count (a
-# sender that closed instead gets nothing, and the sink goes on)
-TCP_SINK = r"""
-import socket, sys
+# the opening of every TCP probe server run in a host (standard library only, for `python -S -c`):
+# `srv` listens on argv[1] on every address, and says "ready" once it does
+TCP_LISTEN = r"""
+import socket, sys, threading
 srv = socket.socket()
 srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 srv.bind(("0.0.0.0", int(sys.argv[1])))
-srv.listen(8)
+srv.listen(64)
 print("ready", flush=True)
+"""
+
+# a TCP sink: counts each connection's bytes until the sender shuts down its side, and answers the
+# count (a sender that closed instead gets nothing, and the sink goes on)
+TCP_SINK = (
+    TCP_LISTEN
+    + r"""
 while True:
     conn, _ = srv.accept()
     got = 0
@@ -92,6 +99,7 @@ while True:
         pass
     conn.close()
 """
+)
 
 
 def _run(argv: list[str], *, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -169,6 +177,15 @@ def nat_supported() -> tuple[bool, str]:
     """Whether home hosts (NAT routers, made with nftables) can be built here; when not, the reason."""
     ok = shutil.which("nft") is not None
     return ok, "" if ok else "`nft` is not installed (Debian package nftables); home hosts need it"
+
+
+def require_namespaces(nat: bool = True) -> None:
+    """Skip the calling test where a test bed cannot be built here, or (with `nat`) its home hosts."""
+    import pytest  # the benchmarks build test beds too, without pytest
+
+    for supported, why in (namespaces_supported(), *([nat_supported()] if nat else [])):
+        if not supported:
+            pytest.skip(why)
 
 
 def sweep_stale() -> list[str]:
@@ -559,3 +576,18 @@ class TestBed:
         left = set(self._namespaces) & set(_netns_list())
         if left:
             warnings.warn(f"test bed could not delete namespaces {sorted(left)}", RuntimeWarning, stacklevel=2)
+
+
+@contextlib.contextmanager
+def bed_with_hosts(
+    public: Iterable[str], homes: Iterable[str] = (), symmetric: Iterable[str] = ()
+) -> Iterator[TestBed]:
+    """A test bed with the public hosts `public`, then the home hosts `homes` (each behind a router
+    of its own; a symmetric NAT for those in `symmetric`), closed after the block."""
+    symmetric = set(symmetric)
+    with TestBed() as bed:
+        for host in public:
+            bed.add_public_host(host)
+        for host in homes:
+            bed.add_home_host(host, symmetric=host in symmetric)
+        yield bed

@@ -21,8 +21,7 @@ import time
 
 import pytest
 
-from tests.helpers.netns import TestBed
-from tests.netns.test_swarm_internet import require_namespaces
+from tests.helpers.netns import TestBed, bed_with_hosts, require_namespaces
 
 PROBE = [sys.executable, "-m", "tests.helpers.traversal_probe"]
 MiB = 1 << 20
@@ -72,11 +71,8 @@ def homes(bed: TestBed, relay: dict, *names: str) -> dict[str, str]:
 @pytest.mark.timeout(300)
 def test_homes_behind_two_nats_punch_through_or_are_relayed_within_budget():
     require_namespaces()
-    with TestBed() as bed:
-        bed.add_public_host("pub")
-        bed.add_home_host("home_a")
-        bed.add_home_host("home_b")  # keeps source ports
-        bed.add_home_host("home_c", symmetric=True)
+    # home_b's router keeps source ports, home_c's is a symmetric NAT
+    with bed_with_hosts(("pub",), ("home_a", "home_b", "home_c"), symmetric=("home_c",)) as bed:
         bed.shape("pub", delay_ms=10)
         relay_probe = Probe(bed, "pub", "relay", 24 * MiB, 100 * MiB)
         relay = relay_probe.wait_for("port", 30)
@@ -105,10 +101,7 @@ def test_homes_behind_two_nats_punch_through_or_are_relayed_within_budget():
 @pytest.mark.timeout(300)
 def test_a_home_is_reachable_again_after_its_router_forgets_every_connection():
     require_namespaces()
-    with TestBed() as bed:
-        bed.add_public_host("pub")
-        bed.add_home_host("home_a")
-        bed.add_home_host("home_b")
+    with bed_with_hosts(("pub",), ("home_a", "home_b")) as bed:
         relay = Probe(bed, "pub", "relay", 64 * MiB, 100 * MiB).wait_for("port", 30)
         ids = homes(bed, relay, "home_b")
         assert ask(bed, "home_a", relay, "pub", ids["home_b"], MiB).get("path") == "punched"

@@ -27,8 +27,7 @@ from pathlib import Path
 import pytest
 
 from node.local_swarm import wait_for
-from tests.helpers.netns import TestBed
-from tests.netns.test_swarm_internet import require_namespaces
+from tests.helpers.netns import TestBed, bed_with_hosts, require_namespaces
 
 PROBE = str(Path(__file__).resolve().parents[1] / "helpers" / "relay_probe.py")
 DIAL_FOR = 330.0  # seconds the dialer keeps trying: the 3-minute boot delay plus margin
@@ -50,10 +49,7 @@ def line_value(log: Path, prefix: str, contains: str = "") -> str | None:
 @pytest.mark.timeout(600)
 def test_a_relay_circuit_reaches_a_home_peer_once_it_holds_a_reservation(tmp_path: Path):
     require_namespaces()
-    with TestBed() as bed:
-        for host in ("relay", "dialer"):
-            bed.add_public_host(host)
-        bed.add_home_host("home")
+    with bed_with_hosts(("relay", "dialer"), ("home",)) as bed:
         bed.cut_between("home", "dialer")
         logs = {name: tmp_path / f"{name}.log" for name in ("relay", "home", "dialer")}
         started(bed, "relay", logs["relay"], "relay")

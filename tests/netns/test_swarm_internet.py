@@ -26,16 +26,10 @@ import pytest
 
 from dht.records import short_peer_id
 from node.local_swarm import Swarm, wait_for
-from tests.helpers.netns import TestBed, namespaces_supported, nat_supported
-from tests.helpers.swarms import make_swarm, peer_id_of
+from tests.helpers.netns import TestBed, require_namespaces
+from tests.helpers.swarms import bootstrap_on, join_placed, swarm_on_bed, wait_for_peer_ids
 
 GOSSIP_EVERY = 8
-
-
-def require_namespaces() -> None:
-    for supported, why in (namespaces_supported(), nat_supported()):
-        if not supported:
-            pytest.skip(why)
 
 
 def peer(snapshot: dict, peer_id: str) -> dict | None:
@@ -50,101 +44,61 @@ def start_internet_swarm(bed: TestBed, swarm: Swarm, workdir: Path) -> dict[str,
     """Bootstrap + stage 0 on public hosts, stage 1 on a public host and behind the NAT; returns peer ids."""
     config = workdir / "swarm.toml"
     config.write_text(f"[gossip]\ninner_steps = {GOSSIP_EVERY}\n")
-    swarm.bootstrap(
-        "--num-stages",
-        "2",
-        "--heartbeat-period",
-        "2",
-        "--heartbeat-ttl",
-        "10",
-        "--config",
-        str(config),
-        host=bed.address("boot"),
-        launcher=bed.launcher("boot"),
-        timeout=90,
-    )
-    common = ["--threads", "1", "--quiet", "--join-jitter", "0"]
-    nodes = {
-        "stage0": swarm.join("stage0", "--stage", "0", *common, host=bed.address("pub"), launcher=bed.launcher("pub")),
-        "public1": swarm.join(
-            "public1", "--stage", "1", *common, host=bed.address("boot"), launcher=bed.launcher("boot")
-        ),
-        "home1": swarm.join(
-            "home1",
-            "--stage",
-            "1",
-            "--reachability",
-            "private",
-            *common,
-            host=bed.address("home"),
-            launcher=bed.launcher("home"),
-        ),
+    bootstrap_on(bed, "boot", swarm, 2, config)
+    placement = {
+        "stage0": ("pub", 0, ()),
+        "public1": ("boot", 1, ()),
+        "home1": ("home", 1, ("--reachability", "private")),
     }
-    ids = wait_for(
-        lambda: all(map(peer_id_of, nodes.values())) and {name: peer_id_of(node) for name, node in nodes.items()},
-        150,
-        lambda: "peers never joined:\n" + "\n".join(f"--- {n}\n{node.log()[-2000:]}" for n, node in nodes.items()),
-    )
-    return ids
+    return wait_for_peer_ids(join_placed(bed, swarm, placement))
 
 
 @pytest.mark.timeout(600)
 def test_a_home_peer_behind_nat_serves_and_gossips(tmp_path: Path):
     require_namespaces()
-    with TestBed() as bed:
-        bed.add_public_host("boot")
-        bed.add_public_host("pub")
-        bed.add_home_host("home")
-        swarm = make_swarm(tmp_path)
-        try:
-            ids = start_internet_swarm(bed, swarm, tmp_path)
-            home_id, public_id = ids["home1"], ids["public1"]
+    with swarm_on_bed(tmp_path, ("boot", "pub"), ("home",)) as (bed, swarm):
+        ids = start_internet_swarm(bed, swarm, tmp_path)
+        home_id, public_id = ids["home1"], ids["public1"]
 
-            def status() -> dict:
-                return swarm.status(launcher=bed.launcher("pub"), timeout=90)
+        def status() -> dict:
+            return swarm.status(launcher=bed.launcher("pub"), timeout=90)
 
-            def home_record() -> dict | None:
-                return peer(status(), home_id)
+        def home_record() -> dict | None:
+            return peer(status(), home_id)
 
-            record = wait_for(
-                lambda: (r := home_record()) and r["state"] == "online" and r,
-                180,
-                lambda: f"the home peer never came online: {home_record()}\n" + swarm.nodes[-1].log()[-3000:],
-            )
-            # its only direct address is on its LAN, which nobody outside can dial (tests/netns/test_testbed.py);
-            # it also names the circuit through its relay (node/p2p/reachability.py), so it reads as `relay`
-            direct = [a for a in record["addrs"] if "/p2p-circuit" not in a]
-            assert direct and all(f"/ip4/{bed.address('home')}/" in a for a in direct), record
-            assert any(a.startswith(f"/ip4/{bed.address('boot')}/") for a in record["addrs"] if a not in direct), record
-            assert record["reachability"] == "relay", record
-            first_step = record["inner_step"]
-            started = time.monotonic()
-            record = wait_for(
-                lambda: (r := home_record()) and r["inner_step"] >= first_step + 2 * GOSSIP_EVERY and r,
-                240,
-                lambda: f"the home peer did no work: {home_record()}\n{swarm.nodes[-1].log()[-3000:]}",
-            )
-            print(
-                f"home peer: inner steps {first_step} -> {record['inner_step']} in {time.monotonic() - started:.0f} s"
-            )
+        record = wait_for(
+            lambda: (r := home_record()) and r["state"] == "online" and r,
+            180,
+            lambda: f"the home peer never came online: {home_record()}\n" + swarm.nodes[-1].log()[-3000:],
+        )
+        # its only direct address is on its LAN, which nobody outside can dial (tests/netns/test_testbed.py);
+        # it also names the circuit through its relay (node/p2p/reachability.py), so it reads as `relay`
+        direct = [a for a in record["addrs"] if "/p2p-circuit" not in a]
+        assert direct and all(f"/ip4/{bed.address('home')}/" in a for a in direct), record
+        assert any(a.startswith(f"/ip4/{bed.address('boot')}/") for a in record["addrs"] if a not in direct), record
+        assert record["reachability"] == "relay", record
+        first_step = record["inner_step"]
+        started = time.monotonic()
+        record = wait_for(
+            lambda: (r := home_record()) and r["inner_step"] >= first_step + 2 * GOSSIP_EVERY and r,
+            240,
+            lambda: f"the home peer did no work: {home_record()}\n{swarm.nodes[-1].log()[-3000:]}",
+        )
+        print(f"home peer: inner steps {first_step} -> {record['inner_step']} in {time.monotonic() - started:.0f} s")
 
-            # wait for a round with the public peer, not for any round: lone rounds also count, and a
-            # first meeting during lr warmup can fail the Delta norm check and ban the partner for a
-            # while (docs/gossip.md, known limit 1; seen in a full `make test`)
-            def averaged_with_public() -> dict | None:
-                r = home_record()
-                seen = f"with {short_peer_id(public_id)}" in swarm.nodes[-1].log()
-                return r if r and r["outer_round"] >= 1 and (r["last_partner"] == public_id or seen) else None
+        # wait for a round with the public peer, not for any round: lone rounds also count, and a
+        # first meeting during lr warmup can fail the Delta norm check and ban the partner for a
+        # while (docs/gossip.md, known limit 1; seen in a full `make test`)
+        def averaged_with_public() -> dict | None:
+            r = home_record()
+            seen = f"with {short_peer_id(public_id)}" in swarm.nodes[-1].log()
+            return r if r and r["outer_round"] >= 1 and (r["last_partner"] == public_id or seen) else None
 
-            wait_for(
-                averaged_with_public,
-                240,
-                lambda: (
-                    f"the home peer never averaged with {public_id}: {home_record()}\n{swarm.nodes[-1].log()[-3000:]}"
-                ),
-            )
-            for node in swarm.nodes:
-                assert node.process.poll() is None, f"{node.name} died:\n{node.log()[-2000:]}"
-                assert "Traceback" not in node.log(), f"{node.name}:\n{node.log()[-3000:]}"
-        finally:
-            swarm.close()
+        wait_for(
+            averaged_with_public,
+            240,
+            lambda: f"the home peer never averaged with {public_id}: {home_record()}\n{swarm.nodes[-1].log()[-3000:]}",
+        )
+        for node in swarm.nodes:
+            assert node.process.poll() is None, f"{node.name} died:\n{node.log()[-2000:]}"
+            assert "Traceback" not in node.log(), f"{node.name}:\n{node.log()[-3000:]}"

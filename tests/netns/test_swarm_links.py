@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from node.local_swarm import NodeProcess, Swarm, wait_for
-from tests.helpers.netns import TestBed, namespaces_supported
-from tests.helpers.swarms import make_swarm, peer_id_of
+from tests.helpers.netns import TestBed, require_namespaces
+from tests.helpers.swarms import bootstrap_on, join_placed, peer_id_of, swarm_on_bed, wait_for_peer_ids
 
 pytestmark = [pytest.mark.slow]
 GOSSIP_EVERY = 8
@@ -24,33 +24,10 @@ PEERS = {"stage0a": ("a", 0), "stage0b": ("b", 0), "stage1c": ("c", 1), "stage1d
 
 
 def start(bed: TestBed, swarm: Swarm, workdir: Path) -> dict[str, NodeProcess]:
-    ok, why = namespaces_supported()
-    if not ok:
-        pytest.skip(why)
-    for host in HOSTS:
-        bed.add_public_host(host)
     (workdir / "swarm.toml").write_text(f"[gossip]\ninner_steps = {GOSSIP_EVERY}\n")
-    swarm.bootstrap(
-        *("--num-stages", "2", "--heartbeat-period", "2", "--heartbeat-ttl", "10"),
-        *("--config", str(workdir / "swarm.toml")),
-        host=bed.address("a"),
-        launcher=bed.launcher("a"),
-        timeout=90,
-    )
-    nodes = {
-        name: swarm.join(
-            name,
-            *("--stage", str(stage), "--threads", "1", "--quiet", "--join-jitter", "0"),
-            host=bed.address(host),
-            launcher=bed.launcher(host),
-        )
-        for name, (host, stage) in PEERS.items()
-    }
-    wait_for(
-        lambda: all(map(peer_id_of, nodes.values())),
-        150,
-        lambda: "peers never joined:\n" + "\n".join(f"--- {n}\n{p.log()[-1500:]}" for n, p in nodes.items()),
-    )
+    bootstrap_on(bed, "a", swarm, 2, workdir / "swarm.toml")
+    nodes = join_placed(bed, swarm, {name: (host, stage, ()) for name, (host, stage) in PEERS.items()})
+    wait_for_peer_ids(nodes)
     return nodes
 
 
@@ -78,81 +55,70 @@ def assert_healthy(swarm: Swarm) -> None:
 
 @pytest.mark.timeout(900)
 def test_training_goes_on_over_slow_lossy_links(tmp_path: Path):
-    with TestBed() as bed:
-        swarm = make_swarm(tmp_path)
-        try:
-            start(bed, swarm, tmp_path)
-            wait_for(lambda: totals(swarm, bed)[0] > 20, 120, "the swarm never trained")
-            clean, clean_rounds = rate(swarm, bed, 40)
-            for host in HOSTS:
-                bed.shape(host, delay_ms=50, jitter_ms=10, loss=0.005, rate_mbit=50)
-            time.sleep(10)  # let in-flight work drain into the new conditions
-            shaped, shaped_rounds = rate(swarm, bed, 60)
-            print(
-                f"stage-0 steps/s: clean {clean:.2f}, shaped {shaped:.2f} (ratio {shaped / max(clean, 1e-9):.2f}); "
-                f"gossip rounds: clean {clean_rounds} in 40 s, shaped {shaped_rounds} in 60 s; "
-                f"delay line {bed.delay_line_stats()}"
-            )
-            assert shaped > 0.05 * clean and shaped_rounds > 0
-            # a newcomer downloads its stage's state over the shaped links
-            late = swarm.join(
-                "late",
-                *("--stage", "1", "--threads", "1", "--quiet", "--join-jitter", "0"),
-                host=bed.address("d"),
-                launcher=bed.launcher("d"),
-            )
-            wait_for(
-                lambda: "joined live stage 1" in late.log(),
-                240,
-                lambda: f"the late joiner never took over a state:\n{late.log()[-3000:]}",
-            )
-            wait_for(
-                lambda: any(
-                    p["state"] == "online" and p["peer_id"] == peer_id_of(late)
-                    for stage in totals(swarm, bed)[2]["stages"]
-                    for p in stage["peers"]
-                ),
-                240,
-                lambda: f"the late joiner never came online:\n{late.log()[-3000:]}",
-            )
-            assert_healthy(swarm)
-        finally:
-            swarm.close()
+    require_namespaces(nat=False)
+    with swarm_on_bed(tmp_path, HOSTS) as (bed, swarm):
+        start(bed, swarm, tmp_path)
+        wait_for(lambda: totals(swarm, bed)[0] > 20, 120, "the swarm never trained")
+        clean, clean_rounds = rate(swarm, bed, 40)
+        for host in HOSTS:
+            bed.shape(host, delay_ms=50, jitter_ms=10, loss=0.005, rate_mbit=50)
+        time.sleep(10)  # let in-flight work drain into the new conditions
+        shaped, shaped_rounds = rate(swarm, bed, 60)
+        print(
+            f"stage-0 steps/s: clean {clean:.2f}, shaped {shaped:.2f} (ratio {shaped / max(clean, 1e-9):.2f}); "
+            f"gossip rounds: clean {clean_rounds} in 40 s, shaped {shaped_rounds} in 60 s; "
+            f"delay line {bed.delay_line_stats()}"
+        )
+        assert shaped > 0.05 * clean and shaped_rounds > 0
+        # a newcomer downloads its stage's state over the shaped links
+        late = join_placed(bed, swarm, {"late": ("d", 1, ())})["late"]
+        wait_for(
+            lambda: "joined live stage 1" in late.log(),
+            240,
+            lambda: f"the late joiner never took over a state:\n{late.log()[-3000:]}",
+        )
+        wait_for(
+            lambda: any(
+                p["state"] == "online" and p["peer_id"] == peer_id_of(late)
+                for stage in totals(swarm, bed)[2]["stages"]
+                for p in stage["peers"]
+            ),
+            240,
+            lambda: f"the late joiner never came online:\n{late.log()[-3000:]}",
+        )
+        assert_healthy(swarm)
 
 
 @pytest.mark.timeout(900)
 def test_a_partitioned_stage_comes_back_after_heal(tmp_path: Path):
-    with TestBed() as bed:
-        swarm = make_swarm(tmp_path)
-        try:
-            nodes = start(bed, swarm, tmp_path)
-            wait_for(lambda: totals(swarm, bed)[0] > 20, 120, "the swarm never trained")
-            before, _ = rate(swarm, bed, 20)
-            cut_at = time.monotonic()
-            bed.cut("c")
-            bed.cut("d")  # every stage-1 peer is gone for longer than the lost-stage grace (10 s) and the TTL
-            during, _ = rate(swarm, bed, 45)
-            bed.heal("c")
-            bed.heal("d")
-            healed_at = time.monotonic()
-            steps = totals(swarm, bed)[0]
-            resumed = wait_for(
-                lambda: totals(swarm, bed)[0] >= steps + 20 and time.monotonic(),
-                300,
-                lambda: (
-                    "stage 0 never trained again after the heal:\n"
-                    + "\n".join(f"--- {n}\n{p.log()[-1500:]}" for n, p in nodes.items())
-                ),
-            )
-            after, _ = rate(swarm, bed, 30)
-            _, _, snapshot = totals(swarm, bed)
-            stage1 = [p for p in snapshot["stages"][1]["peers"] if p["state"] == "online"]
-            print(
-                f"partition of stage 1 for {healed_at - cut_at:.0f} s: stage-0 steps/s {before:.2f} before, "
-                f"{during:.2f} during, {after:.2f} after; training resumed {resumed - healed_at:.0f} s after the "
-                f"heal; stage 1 online after: {len(stage1)} peers, outer rounds {[p['outer_round'] for p in stage1]}"
-            )
-            assert len(stage1) == 2, snapshot["stages"][1]
-            assert_healthy(swarm)
-        finally:
-            swarm.close()
+    require_namespaces(nat=False)
+    with swarm_on_bed(tmp_path, HOSTS) as (bed, swarm):
+        nodes = start(bed, swarm, tmp_path)
+        wait_for(lambda: totals(swarm, bed)[0] > 20, 120, "the swarm never trained")
+        before, _ = rate(swarm, bed, 20)
+        cut_at = time.monotonic()
+        bed.cut("c")
+        bed.cut("d")  # every stage-1 peer is gone for longer than the lost-stage grace (10 s) and the TTL
+        during, _ = rate(swarm, bed, 45)
+        bed.heal("c")
+        bed.heal("d")
+        healed_at = time.monotonic()
+        steps = totals(swarm, bed)[0]
+        resumed = wait_for(
+            lambda: totals(swarm, bed)[0] >= steps + 20 and time.monotonic(),
+            300,
+            lambda: (
+                "stage 0 never trained again after the heal:\n"
+                + "\n".join(f"--- {n}\n{p.log()[-1500:]}" for n, p in nodes.items())
+            ),
+        )
+        after, _ = rate(swarm, bed, 30)
+        _, _, snapshot = totals(swarm, bed)
+        stage1 = [p for p in snapshot["stages"][1]["peers"] if p["state"] == "online"]
+        print(
+            f"partition of stage 1 for {healed_at - cut_at:.0f} s: stage-0 steps/s {before:.2f} before, "
+            f"{during:.2f} during, {after:.2f} after; training resumed {resumed - healed_at:.0f} s after the "
+            f"heal; stage 1 online after: {len(stage1)} peers, outer rounds {[p['outer_round'] for p in stage1]}"
+        )
+        assert len(stage1) == 2, snapshot["stages"][1]
+        assert_healthy(swarm)

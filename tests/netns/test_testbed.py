@@ -18,18 +18,14 @@ import time
 
 import pytest
 
-from tests.helpers.netns import TCP_SINK, TestBed, namespaces_supported, nat_supported, sweep_stale
+from tests.helpers.netns import TCP_LISTEN, TCP_SINK, TestBed, namespaces_supported, nat_supported, sweep_stale
 
 # -S: the probes need only the standard library, and start faster without site-packages
 PY = [sys.executable, "-S", "-c"]
 
-TCP_ECHO = r"""
-import socket, sys, threading
-srv = socket.socket()
-srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-srv.bind(("0.0.0.0", int(sys.argv[1])))
-srv.listen(64)
-print("ready", flush=True)
+TCP_ECHO = (
+    TCP_LISTEN
+    + r"""
 def serve(conn, peer):
     with conn:
         while data := conn.recv(65536):
@@ -37,6 +33,7 @@ def serve(conn, peer):
 while True:
     threading.Thread(target=serve, args=srv.accept(), daemon=True).start()
 """
+)
 
 TCP_CLIENT = r"""
 import json, socket, sys, time

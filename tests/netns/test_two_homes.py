@@ -24,11 +24,9 @@ import pytest
 
 from dht.records import short_peer_id
 from node.local_swarm import NodeProcess, Swarm, wait_for
-from tests.helpers.netns import TestBed
-from tests.helpers.swarms import make_swarm, peer_id_of
-from tests.netns.test_swarm_internet import peer, require_namespaces
-
-COMMON = ("--threads", "1", "--quiet", "--join-jitter", "0")
+from tests.helpers.netns import TestBed, require_namespaces
+from tests.helpers.swarms import bootstrap_on, join_placed, swarm_on_bed, wait_for_peer_ids
+from tests.netns.test_swarm_internet import peer
 
 
 def start_two_home_swarm(bed: TestBed, swarm: Swarm, workdir: Path) -> tuple[dict[str, NodeProcess], dict[str, str]]:
@@ -40,63 +38,47 @@ def start_two_home_swarm(bed: TestBed, swarm: Swarm, workdir: Path) -> tuple[dic
         "home0": ("home_a", "0", ("--reachability", "private")),
         "home1": ("home_b", "1", ("--reachability", "private")),
     }
-    nodes = {
-        name: swarm.join(name, "--stage", stage, *extra, *COMMON, host=bed.address(host), launcher=bed.launcher(host))
-        for name, (host, stage, extra) in placement.items()
-    }
-    ids = wait_for(
-        lambda: all(map(peer_id_of, nodes.values())) and {name: peer_id_of(node) for name, node in nodes.items()},
-        150,
-        lambda: "peers never joined:\n" + "\n".join(f"--- {n}\n{node.log()[-2000:]}" for n, node in nodes.items()),
-    )
-    return nodes, ids
+    nodes = join_placed(bed, swarm, placement)
+    return nodes, wait_for_peer_ids(nodes)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_home_peers_behind_different_nats_train_beside_each_other(tmp_path: Path):
     require_namespaces()
-    with TestBed() as bed:
-        bed.add_public_host("boot")
-        bed.add_public_host("pub")
-        bed.add_home_host("home_a")
-        bed.add_home_host("home_b")
-        swarm = make_swarm(tmp_path)
-        try:
-            nodes, ids = start_two_home_swarm(bed, swarm, tmp_path)
+    with swarm_on_bed(tmp_path, ("boot", "pub"), ("home_a", "home_b")) as (bed, swarm):
+        nodes, ids = start_two_home_swarm(bed, swarm, tmp_path)
 
-            def record(name: str) -> dict | None:
-                return peer(swarm.status(launcher=bed.launcher("pub"), timeout=90), ids[name])
+        def record(name: str) -> dict | None:
+            return peer(swarm.status(launcher=bed.launcher("pub"), timeout=90), ids[name])
 
-            for name in ("home0", "home1"):
-                r = wait_for(
-                    lambda name=name: (r := record(name)) and r["state"] == "online" and r["inner_step"] > 0 and r,
-                    240,
-                    lambda name=name: f"{name} never trained: {record(name)}\n{nodes[name].log()[-3000:]}",
-                )
-                assert r["reachability"] == "relay", r
-            names = ("home0", "public0", "home1", "public1")
-            first = {name: record(name)["inner_step"] for name in names}
-            started, home0_log = time.monotonic(), len(nodes["home0"].log())
-            time.sleep(60)
-            last = {name: record(name)["inner_step"] for name in names}
-            seconds = time.monotonic() - started
-            made = {name: last[name] - first[name] for name in names}
-            print(
-                f"two homes, {seconds:.0f} s: inner steps made: stage 0: home0 (NAT A) {made['home0']}, "
-                f"public0 {made['public0']}; stage 1: home1 (NAT B) {made['home1']}, public1 {made['public1']}; "
-                f"homes' share: stage 0 {made['home0'] / max(1, made['home0'] + made['public0']):.0%}, "
-                f"stage 1 {made['home1'] / max(1, made['home1'] + made['public1']):.0%}"
+        for name in ("home0", "home1"):
+            r = wait_for(
+                lambda name=name: (r := record(name)) and r["state"] == "online" and r["inner_step"] > 0 and r,
+                240,
+                lambda name=name: f"{name} never trained: {record(name)}\n{nodes[name].log()[-3000:]}",
             )
-            assert made["home0"] > 10 and made["home1"] > 10, made
-            home1 = short_peer_id(ids["home1"])
-            # while home1 was the only stage-1 peer online, home0 tried it (and banned it); not since
-            assert f"banned {home1}" not in nodes["home0"].log()[home0_log:], nodes["home0"].log()[-3000:]
-            for name, node in nodes.items():
-                assert node.process.poll() is None, f"{name} died:\n{node.log()[-2000:]}"
-                assert "Traceback" not in node.log(), f"{name}:\n{node.log()[-3000:]}"
-        finally:
-            swarm.close()
+            assert r["reachability"] == "relay", r
+        names = ("home0", "public0", "home1", "public1")
+        first = {name: record(name)["inner_step"] for name in names}
+        started, home0_log = time.monotonic(), len(nodes["home0"].log())
+        time.sleep(60)
+        last = {name: record(name)["inner_step"] for name in names}
+        seconds = time.monotonic() - started
+        made = {name: last[name] - first[name] for name in names}
+        print(
+            f"two homes, {seconds:.0f} s: inner steps made: stage 0: home0 (NAT A) {made['home0']}, "
+            f"public0 {made['public0']}; stage 1: home1 (NAT B) {made['home1']}, public1 {made['public1']}; "
+            f"homes' share: stage 0 {made['home0'] / max(1, made['home0'] + made['public0']):.0%}, "
+            f"stage 1 {made['home1'] / max(1, made['home1'] + made['public1']):.0%}"
+        )
+        assert made["home0"] > 10 and made["home1"] > 10, made
+        home1 = short_peer_id(ids["home1"])
+        # while home1 was the only stage-1 peer online, home0 tried it (and banned it); not since
+        assert f"banned {home1}" not in nodes["home0"].log()[home0_log:], nodes["home0"].log()[-3000:]
+        for name, node in nodes.items():
+            assert node.process.poll() is None, f"{name} died:\n{node.log()[-2000:]}"
+            assert "Traceback" not in node.log(), f"{name}:\n{node.log()[-3000:]}"
 
 
 def bootstrap_on_boot(bed: TestBed, swarm: Swarm, workdir: Path, stages: int, inner_steps: int) -> None:
@@ -104,13 +86,7 @@ def bootstrap_on_boot(bed: TestBed, swarm: Swarm, workdir: Path, stages: int, in
     `inner_steps`, 2 s heartbeats."""
     config = workdir / "swarm.toml"
     config.write_text(f"[gossip]\ninner_steps = {inner_steps}\n[training]\nhop_timeout = 10.0\n")
-    swarm.bootstrap(
-        *("--num-stages", str(stages), "--heartbeat-period", "2", "--heartbeat-ttl", "10", "--reachability", "public"),
-        *("--config", str(config)),
-        host=bed.address("boot"),
-        launcher=bed.launcher("boot"),
-        timeout=90,
-    )
+    bootstrap_on(bed, "boot", swarm, stages, config, "--reachability", "public")
 
 
 def start_nat_only_swarm(bed: TestBed, swarm: Swarm, workdir: Path, homes: bool) -> dict[str, NodeProcess]:
@@ -123,19 +99,12 @@ def start_nat_only_swarm(bed: TestBed, swarm: Swarm, workdir: Path, homes: bool)
         "stage1": ("home_a" if homes else "pub_a", "1", home),
         "stage2": ("home_b" if homes else "pub_b", "2", home),
     }
-    return {
-        name: swarm.join(name, "--stage", stage, *extra, *COMMON, host=bed.address(host), launcher=bed.launcher(host))
-        for name, (host, stage, extra) in placement.items()
-    }
+    return join_placed(bed, swarm, placement)
 
 
 def stage0_rate(swarm: Swarm, bed: TestBed, nodes: dict[str, NodeProcess], seconds: float) -> tuple[float, dict]:
     """Stage 0's microbatches a second over `seconds` once every stage trains; and the last snapshot."""
-    ids = wait_for(
-        lambda: all(map(peer_id_of, nodes.values())) and {name: peer_id_of(node) for name, node in nodes.items()},
-        150,
-        lambda: "peers never joined:\n" + "\n".join(f"--- {n}\n{node.log()[-2000:]}" for n, node in nodes.items()),
-    )
+    ids = wait_for_peer_ids(nodes)
 
     def records() -> dict[str, dict | None]:
         snapshot = swarm.status(launcher=bed.launcher("pub"), timeout=90)
@@ -165,32 +134,26 @@ def test_stages_served_only_behind_two_nats_train_through_a_punch_or_the_relay(t
     require_namespaces()
     rates = {}
     for homes in (True, False):
-        with TestBed() as bed:
-            for host in ("boot", "pub", "pub_a", "pub_b"):
-                bed.add_public_host(host)
-            bed.add_home_host("home_a")
-            bed.add_home_host("home_b", symmetric=symmetric)
-            workdir = tmp_path / ("homes" if homes else "public")
-            workdir.mkdir()
-            swarm = make_swarm(workdir)
-            try:
-                nodes = start_nat_only_swarm(bed, swarm, workdir, homes)
-                rates[homes], last = stage0_rate(swarm, bed, nodes, 60)
-                if homes:
-                    path = "relayed" if symmetric else "punched"
-                    stage1, stage2 = last["stage1"], last["stage2"]
-                    print(
-                        f"homes: relays {stage1['relays']}, {stage2['relays']}; paths {stage1['paths']}, {stage2['paths']}"
-                    )
-                    assert stage1["reachability"] == stage2["reachability"] == "relay"
-                    assert stage1["relays"] == stage2["relays"] == [last["stage0"]["peer_id"]]
-                    assert stage1["paths"].get(stage2["peer_id"]) == path, stage1["paths"]
-                    assert f"a {path} direct link" in nodes["stage1"].log() + nodes["stage2"].log()
-                for name, node in nodes.items():
-                    assert node.process.poll() is None, f"{name} died:\n{node.log()[-2000:]}"
-                    assert "Traceback" not in node.log(), f"{name}:\n{node.log()[-3000:]}"
-            finally:
-                swarm.close()
+        workdir = tmp_path / ("homes" if homes else "public")
+        workdir.mkdir()
+        with swarm_on_bed(
+            workdir, ("boot", "pub", "pub_a", "pub_b"), ("home_a", "home_b"), symmetric=("home_b",) if symmetric else ()
+        ) as (bed, swarm):
+            nodes = start_nat_only_swarm(bed, swarm, workdir, homes)
+            rates[homes], last = stage0_rate(swarm, bed, nodes, 60)
+            if homes:
+                path = "relayed" if symmetric else "punched"
+                stage1, stage2 = last["stage1"], last["stage2"]
+                print(
+                    f"homes: relays {stage1['relays']}, {stage2['relays']}; paths {stage1['paths']}, {stage2['paths']}"
+                )
+                assert stage1["reachability"] == stage2["reachability"] == "relay"
+                assert stage1["relays"] == stage2["relays"] == [last["stage0"]["peer_id"]]
+                assert stage1["paths"].get(stage2["peer_id"]) == path, stage1["paths"]
+                assert f"a {path} direct link" in nodes["stage1"].log() + nodes["stage2"].log()
+            for name, node in nodes.items():
+                assert node.process.poll() is None, f"{name} died:\n{node.log()[-2000:]}"
+                assert "Traceback" not in node.log(), f"{name}:\n{node.log()[-3000:]}"
     ratio = rates[True] / max(rates[False], 1e-9)
     print(
         f"stage 1 and 2 behind {'a symmetric' if symmetric else 'port-preserving'} NAT B: stage 0 "
@@ -207,56 +170,39 @@ def test_two_home_replicas_behind_different_nats_average_with_each_other(tmp_pat
     """Stage 1 served only by two homes behind different routers: their NoLoCo rounds (gossip
     sessions on direct links, node/p2p/link_stream.py) find each other through the relay."""
     require_namespaces()
-    with TestBed() as bed:
-        for host in ("boot", "pub"):
-            bed.add_public_host(host)
-        bed.add_home_host("home_a")
-        bed.add_home_host("home_b")
-        swarm = make_swarm(tmp_path)
-        try:
-            bootstrap_on_boot(bed, swarm, tmp_path, stages=2, inner_steps=5)
-            placement = {
-                "stage0": ("pub", "0", ("--reachability", "public", "--relay-budget", "1")),
-                "home_a": ("home_a", "1", ("--reachability", "private")),
-                "home_b": ("home_b", "1", ("--reachability", "private")),
-            }
-            nodes = {
-                name: swarm.join(
-                    name, "--stage", stage, *extra, *COMMON, host=bed.address(host), launcher=bed.launcher(host)
-                )
-                for name, (host, stage, extra) in placement.items()
-            }
-            ids = wait_for(
-                lambda: all(map(peer_id_of, nodes.values())) and {n: peer_id_of(node) for n, node in nodes.items()},
-                150,
-                lambda: "peers never joined:\n" + "\n".join(f"--- {n}\n{p.log()[-2000:]}" for n, p in nodes.items()),
-            )
+    with swarm_on_bed(tmp_path, ("boot", "pub"), ("home_a", "home_b")) as (bed, swarm):
+        bootstrap_on_boot(bed, swarm, tmp_path, stages=2, inner_steps=5)
+        placement = {
+            "stage0": ("pub", "0", ("--reachability", "public", "--relay-budget", "1")),
+            "home_a": ("home_a", "1", ("--reachability", "private")),
+            "home_b": ("home_b", "1", ("--reachability", "private")),
+        }
+        nodes = join_placed(bed, swarm, placement)
+        ids = wait_for_peer_ids(nodes)
 
-            def homes() -> list[dict | None]:
-                snapshot = swarm.status(launcher=bed.launcher("pub"), timeout=90)
-                return [peer(snapshot, ids[name]) for name in ("home_a", "home_b")]
+        def homes() -> list[dict | None]:
+            snapshot = swarm.status(launcher=bed.launcher("pub"), timeout=90)
+            return [peer(snapshot, ids[name]) for name in ("home_a", "home_b")]
 
-            def averaged() -> list[dict] | None:
-                found = homes()
-                return found if all(r and r["outer_round"] >= 2 and r["last_partner"] for r in found) else None  # type: ignore[return-value]
+        def averaged() -> list[dict] | None:
+            found = homes()
+            return found if all(r and r["outer_round"] >= 2 and r["last_partner"] for r in found) else None  # type: ignore[return-value]
 
-            began = time.monotonic()
-            a, b = wait_for(
-                averaged,
-                420,
-                lambda: (
-                    f"the homes never averaged together: {homes()}\n"
-                    + "\n".join(f"--- {n}\n{p.log()[-2500:]}" for n, p in nodes.items())
-                ),
-            )
-            print(
-                f"two home replicas: outer rounds {a['outer_round']} and {b['outer_round']} after "
-                f"{time.monotonic() - began:.0f} s; partners {short_peer_id(a['last_partner'])}, "
-                f"{short_peer_id(b['last_partner'])}; paths {a['paths']}, {b['paths']}"
-            )
-            assert a["last_partner"] == ids["home_b"] and b["last_partner"] == ids["home_a"], (a, b)
-            for name, node in nodes.items():
-                assert node.process.poll() is None, f"{name} died:\n{node.log()[-2000:]}"
-                assert "Traceback" not in node.log(), f"{name}:\n{node.log()[-3000:]}"
-        finally:
-            swarm.close()
+        began = time.monotonic()
+        a, b = wait_for(
+            averaged,
+            420,
+            lambda: (
+                f"the homes never averaged together: {homes()}\n"
+                + "\n".join(f"--- {n}\n{p.log()[-2500:]}" for n, p in nodes.items())
+            ),
+        )
+        print(
+            f"two home replicas: outer rounds {a['outer_round']} and {b['outer_round']} after "
+            f"{time.monotonic() - began:.0f} s; partners {short_peer_id(a['last_partner'])}, "
+            f"{short_peer_id(b['last_partner'])}; paths {a['paths']}, {b['paths']}"
+        )
+        assert a["last_partner"] == ids["home_b"] and b["last_partner"] == ids["home_a"], (a, b)
+        for name, node in nodes.items():
+            assert node.process.poll() is None, f"{name} died:\n{node.log()[-2000:]}"
+            assert "Traceback" not in node.log(), f"{name}:\n{node.log()[-3000:]}"

@@ -23,6 +23,7 @@ import pytest
 from node.local_swarm import Swarm, wait_for
 from node.model.corpus import load_prepared, prepare_corpus
 from node.model.shards import DataFile, build_manifest
+from tests.helpers.swarms import join_peer
 
 WORDS = "the swarm trains a model while peers come and go every stage keeps its weights".split()
 SHARD_BYTES = 4096
@@ -68,9 +69,8 @@ def test_a_stage0_peer_without_data_fetches_the_shards_and_trains(swarm: Swarm, 
         "--data", str(data), "--shard-size", str(SHARD_BYTES),
     )  # fmt: skip
     assert f"manifest {manifest.hash}" in founder.log()
-    common = ("--threads", "1", "--quiet", "--join-jitter", "0")
-    block = swarm.join("peer1", "--stage", "1", *common)
-    fetcher = swarm.join("peer0", "--stage", "0", *common, python_prefix=LYING_HOLDER)
+    block = join_peer(swarm, "peer1", 1, "--join-jitter", "0")
+    fetcher = join_peer(swarm, "peer0", 0, "--join-jitter", "0", python_prefix=LYING_HOLDER)
     nodes = [founder, block, fetcher]
 
     def logs() -> str:
@@ -99,7 +99,7 @@ def test_a_stage0_peer_without_data_fetches_the_shards_and_trains(swarm: Swarm, 
     assert liar is not None
     second_cache = tmp_path / "cache2"
     swarm.env["XDG_CACHE_HOME"] = str(second_cache)
-    second = swarm.join("peer2", "--stage", "0", *common)
+    second = join_peer(swarm, "peer2", 0, "--join-jitter", "0")
     nodes.append(second)
     wait_for(lambda: "swarm data:" in second.log(), 60, lambda: "the second stage-0 peer fetched no data:\n" + logs())
     assert f"avoiding {liar[-8:]} for the swarm's data: sent a wrong shard" in second.log(), logs()

@@ -23,7 +23,7 @@ import time
 import pytest
 
 from node.local_swarm import NodeProcess, Swarm, peers_by_stage, wait_for
-from tests.helpers.swarms import bootstrap_fast, private_mode
+from tests.helpers.swarms import private_mode, start_small_swarm
 
 SWARM_ID = "pipeswarm-demo"
 FORGERIES = ("pin", "phantom", "event", "config")
@@ -36,8 +36,7 @@ def stage_steps(snapshot: dict, stage: int = 0) -> int:
 
 def start_training_swarm(swarm: Swarm) -> dict[int, str]:
     """Bootstrap + one training peer per stage; returns the peer id serving each stage once stage 0 steps."""
-    bootstrap_fast(swarm, 3)
-    nodes = [swarm.join(f"peer{stage}", "--stage", str(stage), "--threads", "1", "--quiet") for stage in range(3)]
+    nodes = start_small_swarm(swarm, 3, range(3))
     snapshot = wait_for(
         lambda: (s := swarm.observe()) and all(len(ids) == 1 for ids in peers_by_stage(s).values()) and s,
         150,

@@ -43,7 +43,7 @@ import pytest
 
 from dht.signing import Identity
 from node.local_swarm import NodeProcess, Swarm, peers_by_stage, wait_for
-from tests.helpers.swarms import bootstrap_fast, peer_id_of, private_mode
+from tests.helpers.swarms import bootstrap_fast, join_peer, peer_id_of, private_mode, wait_online
 
 SCRIPT = Path(__file__).resolve().parent.parent / "helpers" / "hostile_peer.py"
 MEMBER_RECORDS = Path(__file__).resolve().parent.parent / "helpers" / "member_records.py"
@@ -108,26 +108,12 @@ def start_swarm(swarm: Swarm, workdir: Path) -> dict[int, Target]:
     targets = {}
     for stage in range(NUM_STAGES):
         port = free_port()
-        node = swarm.join(
-            f"target{stage}",
-            "--stage",
-            str(stage),
-            "--threads",
-            "1",
-            "--quiet",
-            "--port",
-            str(port),
-            "--name",
-            f"target{stage}",
-            python_prefix=LIMITED,
+        node = join_peer(
+            swarm, f"target{stage}", stage, "--port", str(port), "--name", f"target{stage}", python_prefix=LIMITED
         )
         targets[stage] = Target(node, stage, port)
-        swarm.join(f"honest{stage}", "--stage", str(stage), "--threads", "1", "--quiet")
-    wait_for(
-        lambda: sum(map(len, peers_by_stage(swarm.observe()).values())) == 2 * NUM_STAGES,
-        ONLINE_TIMEOUT,
-        lambda: "peers never came online:\n" + "\n".join(n.log()[-1500:] for n in swarm.nodes),
-    )
+        join_peer(swarm, f"honest{stage}", stage)
+    wait_online(swarm, 2 * NUM_STAGES, ONLINE_TIMEOUT)
     for target in targets.values():
         node = target.node
         target.peer_id = wait_for(lambda node=node: peer_id_of(node), 30, f"{node.name} never named its peer id")

@@ -16,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from node.local_swarm import NodeProcess, Swarm, wait_for
+from tests.helpers.swarms import join_peer
 
 METRICS_LINE = re.compile(r"Prometheus metrics on http://127\.0\.0\.1:(\d+)/metrics")
 
@@ -66,8 +67,8 @@ def test_a_training_peer_serves_growing_prometheus_metrics(swarm: Swarm):
     founder = swarm.bootstrap(
         "--num-stages", "2", "--heartbeat-period", "1", "--heartbeat-ttl", "5", "--metrics-port", "0"
     )
-    edge = swarm.join("edge", "--stage", "0", "--threads", "1", "--quiet", "--metrics-port", "0")
-    block = swarm.join("block", "--stage", "1", "--threads", "1", "--quiet", "--metrics-port", "0")
+    edge = join_peer(swarm, "edge", 0, "--metrics-port", "0")
+    block = join_peer(swarm, "block", 1, "--metrics-port", "0")
     ports = {
         node.name: wait_for(lambda n=node: metrics_port(n), 60, f"{node.name}: no metrics line")
         for node in (founder, edge, block)

@@ -5,7 +5,6 @@ One peer per stage (so routing is deterministic), uncompressed activations, real
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -16,7 +15,8 @@ from node.model.data import open_source
 from node.model.llama import ReferenceModel
 from node.pipeline.evaluation import MicrobatchPurpose
 from node.stage.stage_worker import StageWorker
-from tests.helpers.inprocess_swarm import inprocess_swarm
+from tests.helpers.chain import chain_microbatch
+from tests.helpers.inprocess_swarm import run_in_swarm
 
 
 def exact_config(microbatches_per_step: int):
@@ -45,19 +45,16 @@ def test_swarm_gradients_equal_single_process_gradients():
     source = open_source(config, None, stream_id=7)
     batches = [source.next_batch(4, 32) for _ in range(2)]
 
-    async def swarm_grads():
-        async with inprocess_swarm(config, stages=[0, 1, 2]) as peers:
-            for tokens, targets in batches:
-                loss = await peers[0].service.pipeline.run_microbatch(tokens, targets)
-                assert loss is not None
-            # every hop went over direct links (node/p2p/direct.py), not through p2pd
-            assert [peer.network.direct.opened for peer in peers] == [2, 2, 2]
-            assert [peer.network.direct.accepted for peer in peers] == [2, 2, 2]
-            return [
-                {name: p.grad.clone() for name, p in peer.service.worker.module.named_parameters()} for peer in peers
-            ]
+    async def swarm_grads(peers):
+        for tokens, targets in batches:
+            loss = await peers[0].service.pipeline.run_microbatch(tokens, targets)
+            assert loss is not None
+        # every hop went over direct links (node/p2p/direct.py), not through p2pd
+        assert [peer.network.direct.opened for peer in peers] == [2, 2, 2]
+        assert [peer.network.direct.accepted for peer in peers] == [2, 2, 2]
+        return [{name: p.grad.clone() for name, p in peer.service.worker.module.named_parameters()} for peer in peers]
 
-    grads = asyncio.run(swarm_grads())
+    grads = run_in_swarm(config, [0, 1, 2], swarm_grads)
 
     reference = ReferenceModel(config)
     for tokens, targets in batches:
@@ -74,22 +71,16 @@ def test_swarm_training_follows_single_process_loss_curve():
     source = open_source(config, None, stream_id=11)
     batches = [source.next_batch(4, 32) for _ in range(8)]
 
-    async def swarm_losses():
-        async with inprocess_swarm(config, stages=[0, 1, 2]) as peers:
-            return [await peers[0].service.pipeline.run_microbatch(t, y) for t, y in batches]
+    async def swarm_losses(peers):
+        return [await peers[0].service.pipeline.run_microbatch(t, y) for t, y in batches]
 
-    swarm = asyncio.run(swarm_losses())
+    swarm = run_in_swarm(config, [0, 1, 2], swarm_losses)
 
     # the same stages, optimizers and schedule chained in one process, no network
     workers = [StageWorker(config, stage) for stage in range(3)]
     single = []
     for index, (tokens, targets) in enumerate(batches):
-        key = ("local", index)
-        hidden = workers[0].embed(key, tokens)
-        hidden = workers[2].forward(key, workers[1].forward(key, hidden))
-        loss, grad = workers[0].head_loss_backward(key, hidden, targets)
-        workers[0].embed_backward(key, workers[1].backward(key, workers[2].backward(key, grad)))
-        single.append(loss)
+        single.append(chain_microbatch(workers, ("local", index), tokens, targets))
     for worker in workers:
         worker.close()
 
@@ -104,24 +95,23 @@ def test_a_microbatch_lost_mid_pipeline_is_retried_at_once_not_at_the_deadline()
     source = open_source(config, None, stream_id=3)
     tokens, targets = source.next_batch(4, 32)
 
-    async def run():
-        async with inprocess_swarm(config, stages=[0, 1, 2]) as peers:
-            last_stage = peers[2].service.worker
-            real_forward, calls = last_stage.forward, []
+    async def run(peers):
+        last_stage = peers[2].service.worker
+        real_forward, calls = last_stage.forward, []
 
-            def fail_once(key, hidden):
-                calls.append(key)
-                if len(calls) == 1:
-                    raise ValueError("simulated bad activations")
-                return real_forward(key, hidden)
+        def fail_once(key, hidden):
+            calls.append(key)
+            if len(calls) == 1:
+                raise ValueError("simulated bad activations")
+            return real_forward(key, hidden)
 
-            last_stage.forward = fail_once
-            pipeline = peers[0].service.pipeline
-            started = time.monotonic()
-            loss = await pipeline.run_microbatch(tokens, targets)
-            return loss, time.monotonic() - started, pipeline.stats.retried, len(calls)
+        last_stage.forward = fail_once
+        pipeline = peers[0].service.pipeline
+        started = time.monotonic()
+        loss = await pipeline.run_microbatch(tokens, targets)
+        return loss, time.monotonic() - started, pipeline.stats.retried, len(calls)
 
-    loss, seconds, retried, calls = asyncio.run(run())
+    loss, seconds, retried, calls = run_in_swarm(config, [0, 1, 2], run)
     assert loss is not None and retried == 1 and calls == 2
     # the stage that failed told the origin: far sooner than the 90 s deadline (3 x hop_timeout)
     assert seconds < 15, seconds
@@ -135,20 +125,19 @@ def test_evaluation_microbatches_give_the_reference_loss_and_train_nothing():
     config = exact_config(microbatches_per_step=1).replace(recovery={"checkfree_plus": True})
     batches = [open_source(config, None, stream_id=13).next_batch(4, 32) for _ in range(3)]
 
-    async def run():
-        async with inprocess_swarm(config, stages=[0, 1, 2]) as peers:
-            pipeline = peers[0].service.pipeline
-            losses = [await pipeline.run_microbatch(t, y, MicrobatchPurpose.EVAL) for t, y in batches]
-            workers = [peer.service.worker for peer in peers]
-            untouched = all(
-                w.num_stored == 0 and w.inner_step == 0 and w.microbatches_done == 0 and w.evicted == 0
-                and all(p.grad is None for p in w.module.parameters())
-                for w in workers
-            )  # fmt: skip
-            stats = pipeline.stats
-            return losses, untouched, (stats.completed, len(stats.losses), stats.retried, len(pipeline.in_flight))
+    async def run(peers):
+        pipeline = peers[0].service.pipeline
+        losses = [await pipeline.run_microbatch(t, y, MicrobatchPurpose.EVAL) for t, y in batches]
+        workers = [peer.service.worker for peer in peers]
+        untouched = all(
+            w.num_stored == 0 and w.inner_step == 0 and w.microbatches_done == 0 and w.evicted == 0
+            and all(p.grad is None for p in w.module.parameters())
+            for w in workers
+        )  # fmt: skip
+        stats = pipeline.stats
+        return losses, untouched, (stats.completed, len(stats.losses), stats.retried, len(pipeline.in_flight))
 
-    losses, untouched, stats = asyncio.run(run())
+    losses, untouched, stats = run_in_swarm(config, [0, 1, 2], run)
     reference = ReferenceModel(config)  # every stage at its initial weights, chained in the normal order
     with torch.no_grad():
         expected = [float(reference(t, y)) for t, y in batches]

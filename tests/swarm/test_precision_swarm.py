@@ -3,7 +3,6 @@ every stage computing under bf16 autocast, the weights staying fp32 (node/stage/
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 
 from node.config import Precision, read_config
 from node.model.data import open_source
-from tests.helpers.inprocess_swarm import inprocess_swarm
+from tests.helpers.inprocess_swarm import run_in_swarm
 
 MICROBATCHES = 30
 
@@ -38,14 +37,13 @@ def test_a_swarm_trains_in_bf16_on_cpu():
     source = open_source(config, None, stream_id=2)
     batches = [source.next_batch(8, 32) for _ in range(MICROBATCHES)]
 
-    async def train() -> tuple[list[float | None], float, list]:
-        async with inprocess_swarm(config, stages=[0, 1, 2]) as peers:
-            workers = [peer.service.worker for peer in peers]
-            start = time.perf_counter()
-            losses = [await peers[0].service.pipeline.run_microbatch(t, y) for t, y in batches]
-            return losses, time.perf_counter() - start, workers
+    async def train(peers) -> tuple[list[float | None], float, list]:
+        workers = [peer.service.worker for peer in peers]
+        start = time.perf_counter()
+        losses = [await peers[0].service.pipeline.run_microbatch(t, y) for t, y in batches]
+        return losses, time.perf_counter() - start, workers
 
-    losses, seconds, workers = asyncio.run(train())
+    losses, seconds, workers = run_in_swarm(config, [0, 1, 2], train)
     assert all(loss is not None for loss in losses), losses
     assert all(w.precision.precision is Precision.BF16 for w in workers)
     assert all(w.inner_step == MICROBATCHES for w in workers)  # every stage stepped on every microbatch

@@ -5,11 +5,24 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from node.local_swarm import Swarm, peers_by_stage, wait_for
 from node.p2p.swarm_key import ENV_VAR
+from tests.helpers.swarms import bootstrap_fast, join_peer, wait_online
+
+
+def keygen(swarm: Swarm, path: Path) -> subprocess.CompletedProcess[str]:
+    """`node keygen --swarm-key path`, in the swarm's environment."""
+    return subprocess.run(
+        [sys.executable, "-m", "node", "keygen", "--swarm-key", str(path)],
+        capture_output=True,
+        text=True,
+        env=swarm.env,
+        timeout=60,
+    )
 
 
 def stage0_steps(swarm: Swarm) -> int:
@@ -22,33 +35,14 @@ def test_private_swarm_trains_with_the_key_and_refuses_joiners_without_it(swarm:
     swarm.env.pop(ENV_VAR, None)  # this test hands out the keys itself (also under `make test-private`)
     key, wrong = tmp_path / "swarm.key", tmp_path / "wrong.key"
     for path in (key, wrong):
-        made = subprocess.run(
-            [sys.executable, "-m", "node", "keygen", "--swarm-key", str(path)],
-            capture_output=True,
-            text=True,
-            env=swarm.env,
-            timeout=60,
-        )
+        made = keygen(swarm, path)
         assert made.returncode == 0 and "fingerprint" in made.stdout, made.stderr
-    again = subprocess.run(
-        [sys.executable, "-m", "node", "keygen", "--swarm-key", str(key)],
-        capture_output=True,
-        text=True,
-        env=swarm.env,
-        timeout=60,
-    )
+    again = keygen(swarm, key)
     assert again.returncode == 2 and "exists already" in again.stderr and "Traceback" not in again.stderr
 
-    swarm.bootstrap("--num-stages", "3", "--heartbeat-period", "1", "--heartbeat-ttl", "5", "--swarm-key", str(key))
-    members = [
-        swarm.join(f"peer{i}", "--stage", str(i), "--threads", "1", "--quiet", "--swarm-key", str(key))
-        for i in range(3)
-    ]
-    wait_for(
-        lambda: sum(map(len, peers_by_stage(swarm.observe()).values())) == 3,
-        150,
-        lambda: "members never came online:\n" + "\n".join(n.log()[-1500:] for n in members),
-    )
+    bootstrap_fast(swarm, 3, extra=("--swarm-key", str(key)))
+    members = [join_peer(swarm, f"peer{i}", i, "--swarm-key", str(key)) for i in range(3)]
+    wait_online(swarm, 3, 150, members)
     first = wait_for(lambda: (steps := stage0_steps(swarm)) > 0 and steps, 120, "the private swarm never trained")
 
     keyless = swarm.join("keyless", "--stage", "auto", "--find-timeout", "20")

@@ -31,7 +31,7 @@ import pytest
 from node.local_swarm import NodeProcess, Swarm
 from node.monitor.observer import observe
 from tests.helpers.faulty_node import FaultKind
-from tests.helpers.swarms import make_swarm, peer_id_of
+from tests.helpers.swarms import join_peer, make_swarm, peer_id_of
 
 ONLINE_TIMEOUT = 150.0
 CATCH_BOUND = 240.0  # issue 40: banned by stage 0 within 4 minutes of its fault
@@ -119,12 +119,11 @@ def start(
         timeout=ONLINE_TIMEOUT,
     )  # fmt: skip
     for peer in peers:
-        args = ("--stage", str(peer.stage), "--threads", "1", "--quiet")
         if peer.fault is None:
-            swarm.join(peer.name, *args)
+            join_peer(swarm, peer.name, peer.stage)
         else:
             prefix = ["-m", "tests.helpers.faulty_node", peer.fault.value, "--fault-after", str(peer.fault_after)]
-            swarm.join(peer.name, *args, python_prefix=prefix)
+            join_peer(swarm, peer.name, peer.stage, python_prefix=prefix)
     return swarm
 
 
@@ -300,10 +299,9 @@ async def every_kind_run(swarm: Swarm, peers: list[Peer]) -> None:
         router, mates = ids["stage0"], {ids["honest-a"], ids["honest-b"]}
         await keep_watching(observer, watch, 30.0)  # some training first: the faults join a trained swarm
         for kind in FaultKind:
-            faulty = swarm.join(
-                f"faulty-{kind}", "--stage", "1", "--threads", "1", "--quiet",
-                python_prefix=["-m", "tests.helpers.faulty_node", kind.value],
-            )  # fmt: skip
+            faulty = join_peer(
+                swarm, f"faulty-{kind}", 1, python_prefix=["-m", "tests.helpers.faulty_node", kind.value]
+            )
             joined = time.monotonic()
             peer = Peer(faulty.name, 1, kind)
             faulty_id = (await wait_online(observer, swarm, [peer], watch))[faulty.name]

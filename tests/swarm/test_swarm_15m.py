@@ -19,6 +19,7 @@ import time
 import pytest
 
 from node.local_swarm import Swarm, peers_by_stage, wait_for
+from tests.helpers.swarms import join_peer
 
 TRAIN_SECONDS = 300  # measured after every stage is online and stage 0 reported a first loss
 TRAINING = {"microbatch_size": 4, "sequence_length": 64, "microbatches_per_step": 2, "min_in_flight": 2}
@@ -45,9 +46,7 @@ def test_a_15m_preset_swarm_trains_on_two_cores(swarm: Swarm, tmp_path):
     swarm.bootstrap(
         "--num-stages", "3", "--preset", "15m", "--config", str(config), "--heartbeat-period", "2", "--heartbeat-ttl", "10"
     )  # fmt: skip
-    nodes = [
-        swarm.join(f"peer{s}", "--stage", str(s), "--threads", "1", "--quiet", "--join-jitter", "0") for s in range(3)
-    ]
+    nodes = [join_peer(swarm, f"peer{s}", s, "--join-jitter", "0") for s in range(3)]
     wait_for(
         lambda: all(len(peers_by_stage(swarm.observe())[s]) == 1 for s in range(3)),
         600,  # a 18M-parameter stage 0 takes minutes to build and time on two shared, busy cores

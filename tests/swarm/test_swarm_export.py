@@ -24,6 +24,7 @@ from node.local_swarm import Swarm, peers_by_stage, wait_for
 from node.model.corpus import load_prepared, prepare_corpus
 from node.model.hf import WEIGHTS_FILE, split_state_dict
 from node.model.llama import build_stage
+from tests.helpers.swarms import join_peer
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -84,9 +85,9 @@ def test_prepared_corpus_trains_exports_and_generates(swarm: Swarm, tmp_path):
         "--num-stages", "3", "--heartbeat-period", "1", "--heartbeat-ttl", "5", "--data", str(data),
         "--config", str(tmp_path / "swarm.toml"),
     )  # fmt: skip
-    common = ("--threads", "1", "--quiet", "--join-jitter", "0")
     nodes = [
-        swarm.join(f"peer{s}", "--stage", str(s), *common, *(["--data", str(data)] if s == 0 else [])) for s in range(3)
+        join_peer(swarm, f"peer{s}", s, "--join-jitter", "0", *(["--data", str(data)] if s == 0 else []))
+        for s in range(3)
     ]
     wait_for(
         lambda: all(len(peers_by_stage(swarm.observe())[s]) >= 1 for s in range(3)),
@@ -97,7 +98,7 @@ def test_prepared_corpus_trains_exports_and_generates(swarm: Swarm, tmp_path):
     first_val = wait_for(lambda: stage0_val(swarm.observe()), 60, "no validation loss reported")
 
     # the intruder's data was made with another tokenizer: refused, one line, exit code 3
-    intruder = swarm.join("intruder", "--stage", "0", *common, "--data", str(other))
+    intruder = join_peer(swarm, "intruder", 0, "--join-jitter", "0", "--data", str(other))
     wait_for(lambda: intruder.process.poll() is not None, 90, lambda: f"intruder still running:\n{intruder.log()}")
     assert intruder.process.returncode == 3, intruder.log()
     refusal = [line for line in intruder.log().splitlines() if "refusing to join" in line]

@@ -24,7 +24,7 @@ import pytest
 from node.averaging.fingerprint import fingerprint_distance
 from node.local_swarm import Swarm
 from node.monitor.observer import observe
-from tests.helpers.swarms import bootstrap_fast, make_swarm
+from tests.helpers.swarms import make_swarm, start_small_swarm
 
 PEERS_PER_STAGE = 3
 NUM_STAGES = 2
@@ -84,9 +84,9 @@ def start_swarm(workdir: Path, mode: str, swarms: dict[str, Swarm]) -> None:
     workdir.mkdir()
     swarm = swarms[mode] = make_swarm(workdir)
     config = write_config(workdir / "swarm.toml", mode)
-    bootstrap_fast(swarm, NUM_STAGES, config, timeout=ONLINE_TIMEOUT)
-    for i in range(NUM_STAGES * PEERS_PER_STAGE):
-        swarm.join(f"peer{i}", "--stage", str(i % NUM_STAGES), "--threads", "1", "--quiet")
+    start_small_swarm(
+        swarm, NUM_STAGES, [i % NUM_STAGES for i in range(NUM_STAGES * PEERS_PER_STAGE)], config, ONLINE_TIMEOUT
+    )
 
 
 def record(run: Run, snapshot: dict, late: bool) -> None:

@@ -40,6 +40,7 @@ from node.recovery.rebalance import Move, Rebalancer, plan_move
 from node.recovery.rebuild import rebuild_stage
 from node.stage.stage_worker import StageWorker
 from protocol import MessageKind
+from tests.helpers.swarms import SHORT_JOIN_JITTER, join_peer
 
 
 def peer(pid: str, stage: int, state: str = "online", inner_step: int = 10, throughput: float = 1.0) -> PeerRecord:
@@ -205,53 +206,52 @@ def test_a_peer_can_leave_its_stage_service_and_serve_another_stage_in_the_same_
     from dht.registry import SwarmRegistry
     from node.p2p.network import start_network
     from node.server.stage_service import ServiceOptions, running_service
-    from tests.helpers.inprocess_swarm import inprocess_swarm
+    from tests.helpers.inprocess_swarm import run_in_swarm
 
     config = SwarmConfig(num_stages=3).replace(heartbeat={"period": 1.0, "ttl": 4.0}, gossip={"mode": "none"})
 
-    async def run():
-        async with inprocess_swarm(config, [0, 2]) as peers:
-            anchor_addrs = await peers[0].network.visible_maddrs()
-            network = await start_network(host="127.0.0.1", initial_peers=anchor_addrs)
-            try:
-                me = PeerAnnouncer(
-                    SwarmRegistry(network.dht, config.swarm_id), PeerRecord(peer_id=network.peer_id, stage=1), 1.0, 4.0
-                )
-                for stage in (1, 2, 1):  # leave and enter again, twice
-                    await me.claim(stage)
-                    async with running_service(network, config, me, ServiceOptions(device="cpu")) as service:
-                        assert me.state == "online" and service.worker.stage == stage
-                        # another peer reaches this peer's forward handler, answered by the new stage's
-                        # service (hop 2 of order [stage, other] expects `other`: a refusal naming `stage`)
-                        client = peers[0].service.transport
-                        other = 3 - stage
-                        message = client.message(
-                            MessageKind.FORWARD,
-                            {
-                                "order": [stage, other],
-                                "path": ["x", peers[0].me.peer_id],
-                                "hop": 2,
-                                "origin": "x",
-                                "microbatch_id": 1,
-                            },
-                            {"hidden": torch.zeros(1, 4, 64)},
-                        )
-                        with pytest.raises(TransportError, match=f"serves stage {stage} "):
-                            await client.request(network.peer_id, "forward", message, timeout=10)
+    async def run(peers):
+        anchor_addrs = await peers[0].network.visible_maddrs()
+        network = await start_network(host="127.0.0.1", initial_peers=anchor_addrs)
+        try:
+            me = PeerAnnouncer(
+                SwarmRegistry(network.dht, config.swarm_id), PeerRecord(peer_id=network.peer_id, stage=1), 1.0, 4.0
+            )
+            for stage in (1, 2, 1):  # leave and enter again, twice
+                await me.claim(stage)
+                async with running_service(network, config, me, ServiceOptions(device="cpu")) as service:
+                    assert me.state == "online" and service.worker.stage == stage
+                    # another peer reaches this peer's forward handler, answered by the new stage's
+                    # service (hop 2 of order [stage, other] expects `other`: a refusal naming `stage`)
+                    client = peers[0].service.transport
+                    other = 3 - stage
+                    message = client.message(
+                        MessageKind.FORWARD,
+                        {
+                            "order": [stage, other],
+                            "path": ["x", peers[0].me.peer_id],
+                            "hop": 2,
+                            "origin": "x",
+                            "microbatch_id": 1,
+                        },
+                        {"hidden": torch.zeros(1, 4, 64)},
+                    )
+                    with pytest.raises(TransportError, match=f"serves stage {stage} "):
+                        await client.request(network.peer_id, "forward", message, timeout=10)
 
-                # without the scope's cleanup, the same protocol cannot be registered twice
-                async def noop(*_):
-                    return None
+            # without the scope's cleanup, the same protocol cannot be registered twice
+            async def noop(*_):
+                return None
 
-                name = "/pipeswarm/test/dup"
+            name = "/pipeswarm/test/dup"
+            await network.p2p.add_binary_stream_handler(name, noop)
+            with pytest.raises(Exception):  # noqa: B017 - p2pd reports it as a generic error
                 await network.p2p.add_binary_stream_handler(name, noop)
-                with pytest.raises(Exception):  # noqa: B017 - p2pd reports it as a generic error
-                    await network.p2p.add_binary_stream_handler(name, noop)
-                await network.p2p.remove_binary_stream_handler(name)
-            finally:
-                await network.shutdown()
+            await network.p2p.remove_binary_stream_handler(name)
+        finally:
+            await network.shutdown()
 
-    asyncio.run(run())
+    run_in_swarm(config, [0, 2], run)
 
 
 def test_a_joiner_that_cannot_rebuild_the_only_block_stage_is_refused_in_one_line():
@@ -262,29 +262,28 @@ def test_a_joiner_that_cannot_rebuild_the_only_block_stage_is_refused_in_one_lin
     from node.p2p.network import start_network
     from node.server.daemon import JoinRefused
     from node.server.stage_service import ServiceOptions, running_service
-    from tests.helpers.inprocess_swarm import inprocess_swarm
+    from tests.helpers.inprocess_swarm import run_in_swarm
 
     config = SwarmConfig(num_stages=2).replace(heartbeat={"period": 1.0, "ttl": 4.0}, gossip={"mode": "none"})
 
-    async def run():
-        async with inprocess_swarm(config, [0]) as peers:
-            stage0 = peers[0]
-            stage0.service.worker.inner_step = 7  # it trained with a stage-1 peer that is gone now
-            stage0.service.publish_progress()
-            await stage0.me.announce_now()
-            network = await start_network(host="127.0.0.1", initial_peers=await stage0.network.visible_maddrs())
-            try:
-                me = PeerAnnouncer(
-                    SwarmRegistry(network.dht, config.swarm_id), PeerRecord(peer_id=network.peer_id, stage=1), 1.0, 4.0
-                )
-                await me.claim(1)
-                with pytest.raises(JoinRefused, match=r"cannot serve stage 1: .*only block stage"):
-                    async with running_service(network, config, me, ServiceOptions(device="cpu")):
-                        pytest.fail("the stage service started without a stage to serve")
-            finally:
-                await network.shutdown()
+    async def run(peers):
+        stage0 = peers[0]
+        stage0.service.worker.inner_step = 7  # it trained with a stage-1 peer that is gone now
+        stage0.service.publish_progress()
+        await stage0.me.announce_now()
+        network = await start_network(host="127.0.0.1", initial_peers=await stage0.network.visible_maddrs())
+        try:
+            me = PeerAnnouncer(
+                SwarmRegistry(network.dht, config.swarm_id), PeerRecord(peer_id=network.peer_id, stage=1), 1.0, 4.0
+            )
+            await me.claim(1)
+            with pytest.raises(JoinRefused, match=r"cannot serve stage 1: .*only block stage"):
+                async with running_service(network, config, me, ServiceOptions(device="cpu")):
+                    pytest.fail("the stage service started without a stage to serve")
+        finally:
+            await network.shutdown()
 
-    asyncio.run(run())
+    run_in_swarm(config, [0], run)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -311,7 +310,6 @@ edge_copy_interval = 5
 checkpoint_every = 5
 checkpoint_dir = "checkpoints"
 """
-PEER_FLAGS = ("--threads", "1", "--quiet", "--join-jitter", "0.5")
 
 
 def start_training_swarm(
@@ -323,7 +321,7 @@ def start_training_swarm(
     toml = swarm.workdir / "swarm.toml"
     toml.write_text(RECOVERY_TOML.format(num_stages=num_stages, strategy=strategy))
     swarm.bootstrap("--config", str(toml))
-    nodes = [swarm.join(f"s{stage}-{i}", "--stage", str(stage), *PEER_FLAGS) for i, stage in enumerate(stages)]
+    nodes = [join_peer(swarm, f"s{stage}-{i}", stage, *SHORT_JOIN_JITTER) for i, stage in enumerate(stages)]
 
     def trained():
         snap = swarm.observe()
@@ -418,7 +416,7 @@ def test_a_killed_middle_stage_is_rebuilt_by_a_joiner_as_the_gradient_weighted_a
     lost = wait_status(swarm, 2, "lost")
     assert lost["unrecoverable"] is None and lost["lost_stages"] == [2]
 
-    joiner = swarm.join("joiner", "--stage", "auto", *PEER_FLAGS)
+    joiner = join_peer(swarm, "joiner", "auto", *SHORT_JOIN_JITTER)
     dump = rebuild_dump(swarm, 2)
     assert (dump["action"], dump["sources"], dump["lr_scale"]) == ("average", [1, 3], pytest.approx(1.1))
     live = swarm.observe()
@@ -488,7 +486,7 @@ def test_with_checkfree_plus_a_lost_stage_0_comes_back_from_edge_copies_then_two
     loss_at_kill = mean_loss(swarm.observe())
     killed_at = kill_stage(swarm, [nodes[0]])
     wait_status(swarm, 0, "lost")
-    joiner = swarm.join("joiner", "--stage", "auto", *PEER_FLAGS)
+    joiner = join_peer(swarm, "joiner", "auto", *SHORT_JOIN_JITTER)
     dump = rebuild_dump(swarm, 0)
     assert (dump["action"], dump["sources"]) == ("edge_copies", [1, 2])
     embed, head = dump["fetched"][1]["weights"], dump["fetched"][2]["weights"]
@@ -528,7 +526,7 @@ def test_checkpoint_strategy_rolls_a_lost_stage_back_to_its_last_save(swarm: Swa
     # shared directory <workdir>/checkpoints (in real use: a disk or mount the new machine can read)
     weights, step = load_latest(checkpoint_root(swarm.workdir / "checkpoints", "pipeswarm-demo"), 1)
     assert step >= 10 and step % 5 == 0
-    joiner = swarm.join("joiner", "--stage", "auto", *PEER_FLAGS)
+    joiner = join_peer(swarm, "joiner", "auto", *SHORT_JOIN_JITTER)
     dump = rebuild_dump(swarm, 1)
     assert (dump["action"], dump["inner_step"], dump["lr_scale"]) == ("checkpoint", step, 1.0)
     for name, loaded in dump["loaded"].items():

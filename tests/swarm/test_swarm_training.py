@@ -15,7 +15,7 @@ import time
 import pytest
 
 from node.local_swarm import Swarm, peers_by_stage, wait_for
-from tests.helpers.swarms import bootstrap_fast
+from tests.helpers.swarms import start_small_swarm, wait_online
 
 
 def stage0(snap: dict) -> list[dict]:
@@ -33,13 +33,8 @@ def total_steps(snap: dict, stage: int = 0) -> int:
 
 @pytest.mark.timeout(300)
 def test_three_by_two_swarm_trains_and_survives_a_killed_peer(swarm: Swarm):
-    bootstrap_fast(swarm, 3)
-    nodes = [swarm.join(f"peer{i}", "--stage", str(i % 3), "--threads", "1", "--quiet") for i in range(6)]
-    wait_for(
-        lambda: sum(map(len, peers_by_stage(swarm.observe()).values())) == 6,
-        120,
-        lambda: "peers never came online:\n" + "\n".join(n.log()[-1500:] for n in nodes),
-    )
+    nodes = start_small_swarm(swarm, 3, [i % 3 for i in range(6)])
+    wait_online(swarm, 6, 120, nodes)
 
     first = wait_for(lambda: (s := swarm.observe()) and mean_loss(s) is not None and s, 60, "no loss reported")
     initial_loss = mean_loss(first)

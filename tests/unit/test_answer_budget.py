@@ -6,18 +6,11 @@ from __future__ import annotations
 import pytest
 
 from node.p2p.answer_budget import AnswerBudget, BudgetLimits
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers.clock import FakeClock
 
 
 def test_one_identity_gets_its_share_then_a_refusal_that_says_when_to_come_back():
-    clock = Clock()
+    clock = FakeClock()
     budget = AnswerBudget(BudgetLimits(per_identity=3, total=10, window=60.0), clock)
     for _ in range(3):
         assert budget.take("a") is None
@@ -32,7 +25,7 @@ def test_one_identity_gets_its_share_then_a_refusal_that_says_when_to_come_back(
 
 
 def test_many_identities_meet_the_total():
-    clock = Clock()
+    clock = FakeClock()
     budget = AnswerBudget(BudgetLimits(per_identity=2, total=5, window=10.0), clock)
     assert [budget.take(f"id{i}") for i in range(5)] == [None] * 5
     assert budget.take("id9") == "answer budget spent (5 for all requesters per 10 s); next in 10 s"
@@ -41,7 +34,7 @@ def test_many_identities_meet_the_total():
 
 
 def test_memory_holds_only_the_window():
-    clock = Clock()
+    clock = FakeClock()
     budget = AnswerBudget(BudgetLimits(per_identity=1, total=100, window=1.0), clock)
     for i in range(10_000):  # a stranger rotating identities
         budget.take(f"id{i}")

@@ -10,16 +10,9 @@ import pytest
 from rich.console import Console
 
 from node.runtime.byte_progress import ByteProgress, Outcome, format_bytes
+from tests.helpers.clock import FakeClock
 
 MiB = 1 << 20
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def log_progress(caplog: pytest.LogCaptureFixture, clock: FakeClock, log_every: float = 5.0) -> ByteProgress:
@@ -32,7 +25,7 @@ def lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 def test_chunks_add_up_to_the_total_and_the_rate_is_bytes_over_time(caplog):
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     with log_progress(caplog, clock) as progress:
         task = progress.task("stage 1 from abc", 10 * MiB)
         for _ in range(4):  # 4 + 4 + 2 MiB, one second apart
@@ -48,7 +41,7 @@ def test_chunks_add_up_to_the_total_and_the_rate_is_bytes_over_time(caplog):
 
 
 def test_log_lines_come_every_log_every_seconds_not_per_chunk(caplog):
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     with log_progress(caplog, clock, log_every=5.0) as progress:
         task = progress.task("export stage 0", 100 * MiB)
         for _ in range(20):  # a 1 MiB chunk every 0.5 s: 10 s in all
@@ -63,7 +56,7 @@ def test_log_lines_come_every_log_every_seconds_not_per_chunk(caplog):
 
 
 def test_tasks_count_apart_and_an_open_task_fails_on_exit(caplog):
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     with pytest.raises(ConnectionError), log_progress(caplog, clock) as progress:
         first = progress.task("stage 1 from a", 3 * MiB)
         second = progress.task("stage 1 from b", 5 * MiB)
@@ -79,7 +72,7 @@ def test_tasks_count_apart_and_an_open_task_fails_on_exit(caplog):
 
 
 def test_an_open_task_ends_done_or_stopped_on_a_clean_exit(caplog):
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     with log_progress(caplog, clock) as progress:
         whole = progress.task("whole", 2 * MiB)
         whole.advance(2 * MiB)

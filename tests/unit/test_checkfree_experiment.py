@@ -40,6 +40,7 @@ from node.model.llama import build_stage
 from node.recovery.checkfree import execute_rebuild, plan_rebuild, recovered_lr_scale
 from node.simulate.sources import SecondOrderMarkov
 from node.stage.stage_worker import StageWorker
+from tests.helpers.chain import chain_microbatch
 
 TRAIN_STEPS = 300
 RECOVERY_STEPS = 20
@@ -83,15 +84,7 @@ class Pipeline:
         self.workers = [StageWorker(config, stage) for stage in range(self.num_stages)]
 
     def train_step(self, key, tokens, targets) -> float:
-        w = self.workers
-        hidden = w[0].embed(key, tokens)
-        for stage in range(1, self.num_stages):
-            hidden = w[stage].forward(key, hidden)
-        loss, grad = w[0].head_loss_backward(key, hidden, targets)
-        for stage in reversed(range(1, self.num_stages)):
-            grad = w[stage].backward(key, grad)
-        w[0].embed_backward(key, grad)
-        return loss
+        return chain_microbatch(self.workers, key, tokens, targets)
 
     @torch.no_grad()
     def eval_loss(self, batches, skip: int | None = None) -> float:

@@ -42,6 +42,7 @@ from node.stage.forward_only import eval_forward
 from node.stage.stage_worker import StageWorker
 from protocol.stage_state import StageState, StatePart, check_header, decode_payload, encode_state
 from tests.helpers.served_handlers import MembersOnly
+from tests.helpers.workers import stage_workers
 
 DEVICE = os.environ.get("PIPESWARM_TEST_DEVICE", "cpu")
 if DEVICE.startswith("cuda") and not torch.cuda.is_available():
@@ -61,12 +62,7 @@ def preset_config(layers: int | None = None) -> SwarmConfig:
 CONFIG = preset_config()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def on_device(tensors, device: torch.device) -> bool:
@@ -107,8 +103,7 @@ def optimizer_steps(worker: StageWorker) -> list[torch.Tensor]:
 def block_microbatch_reads(layers: int) -> tuple[int, int, int]:
     """Host reads of a block stage's forward, its backward, and an optimizer step, with `layers` layers."""
     config = preset_config(layers)
-    worker = StageWorker(config, 1, device=DEVICE)
-    try:
+    with stage_workers(config, 1, device=DEVICE) as (worker,):
         counts = []
         for key in range(2):
             with HostReads(optimizer_steps(worker)) as forward:
@@ -118,8 +113,6 @@ def block_microbatch_reads(layers: int) -> tuple[int, int, int]:
             counts.append((forward.count, backward.count))
         assert worker.inner_step == 2
         return counts[1][0], counts[1][1], len(list(worker.module.parameters()))
-    finally:
-        worker.close()
 
 
 def test_a_microbatch_reads_the_device_a_fixed_number_of_times_whatever_the_stage_size():
@@ -135,8 +128,7 @@ def test_a_microbatch_reads_the_device_a_fixed_number_of_times_whatever_the_stag
 
 
 def test_training_and_evaluation_compute_on_the_device_and_answer_on_the_host():
-    workers = [StageWorker(CONFIG, stage, device=DEVICE) for stage in range(CONFIG.num_stages)]
-    try:
+    with stage_workers(CONFIG, *range(CONFIG.num_stages), device=DEVICE) as workers:
         device = workers[0].device
         g = torch.Generator(device="cpu").manual_seed(1)
         tokens = torch.randint(0, CONFIG.model.vocab_size, (2, SEQ + 1), generator=g, device="cpu")
@@ -156,26 +148,19 @@ def test_training_and_evaluation_compute_on_the_device_and_answer_on_the_host():
         assert all(w.inner_step == 1 for w in workers)
         assert all(on_device(w.module.parameters(), device) for w in workers)
         assert on_host([eval_forward(workers[1], hidden(CONFIG))])
-    finally:
-        for worker in workers:
-            worker.close()
 
 
 def test_the_fingerprint_is_computed_on_the_device_and_agrees_with_the_cpu():
-    worker = StageWorker(CONFIG, 1, device=DEVICE)
-    try:
+    with stage_workers(CONFIG, 1, device=DEVICE) as (worker,):
         params = list(worker.module.parameters())
         fingerprint = WeightFingerprint([p.shape for p in params], seed=7)
         here = fingerprint(params)
         on_cpu = fingerprint([p.detach().to("cpu") for p in params])
         assert len(here) == 8 and here == pytest.approx(on_cpu, rel=1e-4, abs=1e-6)
-    finally:
-        worker.close()
 
 
 def test_a_noloco_exchange_sends_host_copies_and_steps_on_the_device():
-    a, b = StageWorker(CONFIG, 2, device=DEVICE), StageWorker(CONFIG, 2, device=DEVICE)
-    try:
+    with stage_workers(CONFIG, 2, 2, device=DEVICE) as (a, b):
         device = a.device
         replicas = [OuterReplica(live_parameters(w), GossipConfig()) for w in (a, b)]
         for worker, seed in ((a, 3), (b, 4)):  # some inner progress on each replica
@@ -200,14 +185,10 @@ def test_a_noloco_exchange_sends_host_copies_and_steps_on_the_device():
         assert on_device(new_state.phi + new_state.momentum, device)
         assert replicas[0].apply(starts[0], new_state)
         assert on_device(list(a.module.parameters()) + replicas[0].residual, device)
-    finally:
-        a.close()
-        b.close()
 
 
 def test_an_outer_state_downloaded_to_the_host_is_imported_onto_the_device():
-    a, b = StageWorker(CONFIG, 1, device=DEVICE), StageWorker(CONFIG, 1, device=DEVICE)
-    try:
+    with stage_workers(CONFIG, 1, 1, device=DEVICE) as (a, b):
         source, target = (
             OuterReplica(live_parameters(a), GossipConfig()),
             OuterReplica(live_parameters(b), GossipConfig()),
@@ -217,14 +198,10 @@ def test_an_outer_state_downloaded_to_the_host_is_imported_onto_the_device():
         target.import_outer(exported, round=5)
         assert target.state.round == 5
         assert on_device(target.state.phi + target.state.momentum, b.device)
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_state_download_is_captured_on_the_host_and_adopted_onto_the_device():
-    donor, joiner = StageWorker(CONFIG, 3, device=DEVICE), StageWorker(CONFIG, 3, device=DEVICE)
-    try:
+    with stage_workers(CONFIG, 3, 3, device=DEVICE) as (donor, joiner):
 
         async def transfer() -> StageState:
             state = await capture_state(donor)
@@ -239,16 +216,12 @@ def test_a_state_download_is_captured_on_the_host_and_adopted_onto_the_device():
         for name, value in joiner.module.state_dict().items():
             assert value.device == joiner.device
             assert torch.equal(value.to("cpu"), received.weights[name])
-    finally:
-        donor.close()
-        joiner.close()
 
 
 def test_a_checkfree_rebuild_averages_on_the_device(monkeypatch):
     config = CONFIG
-    neighbours = {s: StageWorker(config, s, device=DEVICE) for s in (1, 3)}
-    lost = StageWorker(config, 2, device=DEVICE)
-    try:
+    with stage_workers(config, 1, 3, 2, device=DEVICE) as (one, three, lost):
+        neighbours = {1: one, 3: three}
         sources = {
             s: FetchedSource(s, f"peer-{s}", StageState(stage=s, weights=w.state_dict(), inner_step=9, grad_norm=0.5))
             for s, w in neighbours.items()
@@ -267,14 +240,10 @@ def test_a_checkfree_rebuild_averages_on_the_device(monkeypatch):
         name = next(iter(weights))
         expected = (sources[1].state.weights[name] + sources[3].state.weights[name]) / 2  # equal norms: equal weights
         assert torch.allclose(weights[name].to("cpu"), expected, atol=1e-6)
-    finally:
-        for worker in (*neighbours.values(), lost):
-            worker.close()
 
 
 def test_edge_copies_are_kept_on_the_device_and_served_from_the_host(monkeypatch):
-    edge, holder = StageWorker(CONFIG, 0, device=DEVICE), StageWorker(CONFIG, 1, device=DEVICE)
-    try:
+    with stage_workers(CONFIG, 0, 1, device=DEVICE) as (edge, holder):
         embed = {"embed_tokens.weight": edge.state_dict()["embed_tokens.weight"]}
 
         async def downloaded(*args, **kwargs):
@@ -296,14 +265,10 @@ def test_edge_copies_are_kept_on_the_device_and_served_from_the_host(monkeypatch
         served = asyncio.run(refresh_and_serve())
         assert on_host(served.weights.values())
         assert torch.equal(served.weights["embed_tokens.weight"], embed["embed_tokens.weight"])
-    finally:
-        edge.close()
-        holder.close()
 
 
 def test_spot_check_receipts_and_openings_are_host_copies_and_the_replay_runs_on_the_device():
-    worker = StageWorker(CONFIG, 1, device=DEVICE)
-    try:
+    with stage_workers(CONFIG, 1, device=DEVICE) as (worker,):
         keeper = ReceiptKeeper(worker, ReceiptBook(8, 30.0))
         server = CheckServer(VerificationConfig(), None, keeper, MembersOnly(None))  # type: ignore[arg-type]
         output = keeper.forward("mb", "token", hidden(CONFIG))
@@ -323,13 +288,10 @@ def test_spot_check_receipts_and_openings_are_host_copies_and_the_replay_runs_on
         errors = replay_layer(server.layout, weights, *(to_device(t) for t in boundaries))
         allowed = RecomputeTolerance.from_settings(VerificationConfig()).of(worker.precision.precision)
         assert errors[0] < allowed and errors[1] is not None and errors[1] < allowed
-    finally:
-        worker.close()
 
 
 def test_what_a_donor_serves_for_an_export_is_a_host_copy():
-    worker = StageWorker(CONFIG, 0, device=DEVICE)
-    try:
+    with stage_workers(CONFIG, 0, device=DEVICE) as (worker,):
         me = PeerRecord(peer_id="donor", stage=0, state=PeerState.ONLINE)
         provide = state_provider(worker, me)
         for part in (StatePart.STAGE, StatePart.WEIGHTS, StatePart.HEAD):
@@ -337,5 +299,3 @@ def test_what_a_donor_serves_for_an_export_is_a_host_copy():
             assert on_host(served.weights.values()) and on_host(served.moments.values())
         live = worker.module.state_dict()["lm_head.weight"]
         assert served.weights["lm_head.weight"].data_ptr() != live.data_ptr()  # a copy: training goes on
-    finally:
-        worker.close()

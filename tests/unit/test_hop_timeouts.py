@@ -16,7 +16,7 @@ from node.p2p.transport import Transport, TransportError, timed_out
 from node.pipeline.hops import HopSender, PipelineStats
 from node.pipeline.routing import Router
 from protocol import MessageKind
-from tests.helpers.posted import outcome, pending
+from tests.helpers.posted import PostingTransport, outcome, pending
 
 # valid base58 peer ids (Transport parses them before opening a stream)
 PEER_IDS = ("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", "QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z")
@@ -36,25 +36,16 @@ def refused_error(peer_id: str) -> TransportError:
         return e
 
 
-class ScriptedTransport:
+class ScriptedTransport(PostingTransport):
     """Each peer's send fails with what `failures` says (an exception to raise), or the hop is taken,
     or settles later with what the test does to the outcome `later` holds for that peer."""
 
     def __init__(self, failures: dict[str, TransportError], later: tuple[str, ...] = ()) -> None:
+        super().__init__()
         self.failures = failures
         self.later: dict[str, asyncio.Future | None] = dict.fromkeys(later)
-        self.sent_to: list[str] = []
-        self.late_refusals: dict = {}  # peer -> the on_late_refusal its last send was given
 
-    def message(self, kind, meta, tensors):
-        return SimpleNamespace(kind=kind, meta=meta, tensors=tensors, request_id=1)
-
-    def seal_posted(self, message, compression=None):
-        return b"payload"
-
-    async def post(self, peer_id, service, request_id, payload, timeout, refusal_window, on_late_refusal):
-        self.sent_to.append(peer_id)
-        self.late_refusals[peer_id] = on_late_refusal
+    def settle(self, peer_id: str, payload: bytes) -> asyncio.Future:
         if peer_id in self.failures:
             raise self.failures[peer_id]
         if peer_id in self.later:

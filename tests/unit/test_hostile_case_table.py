@@ -37,7 +37,7 @@ def test_every_case_names_the_checks_that_must_refuse_it():
 
 def test_a_case_without_a_target_check_cannot_be_registered():
     with pytest.raises(ValueError, match="names no check"):
-        hostile_cases.case("unchecked", "forward", "anything", "anything", refused_by=())
+        hostile_cases.Case("unchecked", "forward", "anything", "anything", hostile_cases.frames(list), refused_by=())
 
 
 def test_the_membership_gate_is_not_the_nan_check():

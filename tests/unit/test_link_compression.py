@@ -9,7 +9,6 @@ import logging
 import os
 import random
 import socket
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -35,19 +34,12 @@ from node.pipeline.link_compression import (
 )
 from node.pipeline.routing import Router
 from protocol import DEFAULT_LIMITS, Compression, MessageKind
-from tests.helpers.posted import outcome
+from tests.helpers.clock import FakeClock
+from tests.helpers.posted import PostingTransport, outcome
 
 FP16, INT8 = Compression.FP16, Compression.INT8
 MBIT = 1e6 / 8  # bytes/s
 HIDDEN = {"hidden": torch.zeros(8, 64, 64)}  # 64 KiB in fp16: a default microbatch's activations
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_the_load_is_what_the_recent_links_carry_over_the_slowest_rate():
@@ -85,7 +77,7 @@ def hops_every(chooser: LinkCompression, clock: FakeClock, seconds: float, links
 
 
 def test_a_peer_whose_links_fp16_would_fill_compresses_until_a_probe_finds_them_fast(caplog):
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     rates = {"s1": 50 * MBIT, "s2": 50 * MBIT}
     reads: list[str] = []
 
@@ -128,7 +120,7 @@ def test_a_peer_whose_links_fp16_would_fill_compresses_until_a_probe_finds_them_
 
 
 def test_slow_but_quiet_or_unmeasured_links_keep_the_usual_encoding():
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     # a microbatch every 200 ms on a 50 Mbit/s link: ~5 % busy
     quiet = LinkCompression(FP16, INT8, lambda peer_id, service: 50 * MBIT, clock)
     assert set(hops_every(quiet, clock, 0.2, [("s1", "forward")], 20)) == {FP16}
@@ -144,7 +136,7 @@ def test_slow_but_quiet_or_unmeasured_links_keep_the_usual_encoding():
 
 
 def test_links_are_read_and_the_load_weighed_at_most_once_per_refresh(monkeypatch):
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     reads: list[str] = []
 
     def link_rate(peer_id: str, service: str) -> float | None:
@@ -174,20 +166,18 @@ class ByPeer:
         return INT8 if peer_id in self.compressed else FP16
 
 
-class SealingTransport:
+class SealingTransport(PostingTransport):
     """Records the encoding each hop was sealed in; every peer takes every hop, or refuses it BUSY."""
 
     def __init__(self, busy: set[str]) -> None:
+        super().__init__()
         self.busy, self.sealed, self.sent = busy, [], []
-
-    def message(self, kind, meta, tensors):
-        return SimpleNamespace(kind=kind, meta=meta, tensors=tensors, request_id=1)
 
     def seal_posted(self, message, compression=None):
         self.sealed.append(compression)
         return f"payload in {compression}".encode()
 
-    async def post(self, peer_id, service, request_id, payload, timeout, refusal_window, on_late_refusal):
+    def settle(self, peer_id: str, payload: bytes) -> asyncio.Future:
         self.sent.append((peer_id, payload))
         if peer_id in self.busy:
             return outcome(MessageKind.BUSY, "queue full")
@@ -222,7 +212,7 @@ def test_link_capacity_is_the_largest_sample_of_its_horizon(monkeypatch):
     # (bytes acknowledged, delivery rate) of successive reads of TCP_INFO
     acked_and_rates = [(MIN_ACKED_BYTES - 1, 900.0), (MIN_ACKED_BYTES, 300.0), (2 * MIN_ACKED_BYTES, 500.0)]
     samples = iter([*acked_and_rates, (3 * MIN_ACKED_BYTES, 200.0), (4 * MIN_ACKED_BYTES, 100.0)])
-    clock = FakeClock()
+    clock = FakeClock(0.0)
 
     def fake_info(sock):
         acked, rate = next(samples)

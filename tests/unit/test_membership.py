@@ -11,16 +11,9 @@ import asyncio
 
 from dht.records import PeerRecord, PeerState
 from node.p2p.membership import LIVENESS_PENDING, NOT_A_MEMBER, LivenessChecks, LivenessSettings, Membership
+from tests.helpers.clock import FakeClock
 
 ME, ORIGIN, BLOCK, SILENT = "me-peer", "origin-peer", "block-peer", "silent-peer"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class FakeView:
@@ -53,7 +46,7 @@ class Pings:
             self.in_flight -= 1
 
 
-def checks(pings: Pings, clock: Clock, **settings) -> LivenessChecks:
+def checks(pings: Pings, clock: FakeClock, **settings) -> LivenessChecks:
     return LivenessChecks(pings, LivenessSettings(**settings), clock=clock)
 
 
@@ -68,7 +61,7 @@ async def settle() -> None:
 
 def test_a_peer_passes_once_it_answered_and_again_after_the_ttl_only_when_pinged_anew():
     async def body():
-        clock, pings = Clock(), Pings(ORIGIN)
+        clock, pings = FakeClock(), Pings(ORIGIN)
         liveness = checks(pings, clock, ttl=600.0)
         assert not liveness.passed(ORIGIN)
         await liveness.request(ORIGIN)
@@ -84,7 +77,7 @@ def test_a_peer_passes_once_it_answered_and_again_after_the_ttl_only_when_pinged
 
 def test_a_silent_peer_is_pinged_after_pauses_that_double_and_an_urgent_request_waits_only_a_short_gap():
     async def body():
-        clock, pings = Clock(), Pings()
+        clock, pings = FakeClock(), Pings()
         liveness = checks(pings, clock, first_retry=2.0, max_retry=8.0, urgent_gap=0.5)
         for expected_pause in (2.0, 4.0, 8.0, 8.0):
             await liveness.request(SILENT)
@@ -108,7 +101,7 @@ def test_a_silent_peer_is_pinged_after_pauses_that_double_and_an_urgent_request_
 
 def test_at_most_the_configured_pings_run_at_once_and_one_per_peer():
     async def body():
-        clock, pings = Clock(), Pings(*(f"peer{i}" for i in range(10)))
+        clock, pings = FakeClock(), Pings(*(f"peer{i}" for i in range(10)))
         pings.hold = 0.01
         liveness = checks(pings, clock, concurrent=3)
         tasks = [liveness.request(f"peer{i}") for i in range(10)]
@@ -122,7 +115,7 @@ def test_at_most_the_configured_pings_run_at_once_and_one_per_peer():
 
 def test_memory_is_bounded_and_departed_peers_are_forgotten():
     async def body():
-        clock, pings = Clock(), Pings(*(f"peer{i}" for i in range(20)))
+        clock, pings = FakeClock(), Pings(*(f"peer{i}" for i in range(20)))
         liveness = checks(pings, clock, max_peers=8)
         await asyncio.gather(*(liveness.request(f"peer{i}") for i in range(20)))
         assert sum(liveness.passed(f"peer{i}") for i in range(20)) == 8
@@ -135,7 +128,7 @@ def test_memory_is_bounded_and_departed_peers_are_forgotten():
 
 def test_a_ping_that_hangs_fails_at_the_timeout():
     async def body():
-        clock, pings = Clock(), Pings(ORIGIN)
+        clock, pings = FakeClock(), Pings(ORIGIN)
         pings.hold = 5.0
         liveness = checks(pings, clock, timeout=0.05)
         assert await liveness.request(ORIGIN) is False
@@ -145,7 +138,7 @@ def test_a_ping_that_hangs_fails_at_the_timeout():
 
 
 def membership(pings: Pings, *records: PeerRecord) -> tuple[Membership, LivenessChecks]:
-    liveness = checks(pings, Clock())
+    liveness = checks(pings, FakeClock())
     return Membership(FakeView(*records), liveness, ME), liveness  # type: ignore[arg-type]
 
 

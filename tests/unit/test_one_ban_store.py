@@ -20,18 +20,11 @@ from node.p2p.peer_conduct import ConductLimits, PeerConduct
 from node.pipeline.hops import HopSender, PipelineStats
 from node.pipeline.routing import Router
 from protocol import MessageKind
-from tests.helpers.posted import outcome
+from tests.helpers.clock import FakeClock
+from tests.helpers.posted import PostingTransport
 
 BANNED = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 HONEST = "QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 5000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class NoEvents:
@@ -39,24 +32,7 @@ class NoEvents:
         pass
 
 
-class PostingTransport:
-    """Every hop is posted and taken; the late refusal its sender was given is kept for the test."""
-
-    def __init__(self) -> None:
-        self.late_refusals: dict = {}
-
-    def message(self, kind, meta, tensors):
-        return SimpleNamespace(kind=kind, meta=meta, tensors=tensors, request_id=1)
-
-    def seal_posted(self, message, compression=None):
-        return b"payload"
-
-    async def post(self, peer_id, service, request_id, payload, timeout, refusal_window, on_late_refusal):
-        self.late_refusals[peer_id] = on_late_refusal
-        return outcome()
-
-
-def wired(clock: Clock) -> tuple[BanList, Router, PeerConduct]:
+def wired(clock: FakeClock) -> tuple[BanList, Router, PeerConduct]:
     bans = BanList(clock=clock)
     router = Router(random.Random(0), num_stages=2, dht_clock=clock, bans=bans)
     router.refresh({1: [PeerRecord(p, 1, PeerState.ONLINE) for p in (BANNED, HONEST)]})
@@ -64,7 +40,7 @@ def wired(clock: Clock) -> tuple[BanList, Router, PeerConduct]:
     return bans, router, conduct
 
 
-def gossip_of(bans: BanList, clock: Clock) -> RoundContext:
+def gossip_of(bans: BanList, clock: FakeClock) -> RoundContext:
     worker = SimpleNamespace(module=torch.nn.Linear(2, 2), inner_step=0)
     me = SimpleNamespace(stage=1, peer_id=HONEST)
     return RoundContext(
@@ -81,7 +57,7 @@ def gossip_of(bans: BanList, clock: Clock) -> RoundContext:
 
 
 def test_a_peer_banned_by_gossip_is_refused_at_admission_and_by_routing():
-    clock = Clock()
+    clock = FakeClock(5000.0)
     bans, router, conduct = wired(clock)
     assert conduct.admit(BANNED) is None
     conduct.release(BANNED)
@@ -97,7 +73,7 @@ def test_a_peer_that_refused_a_hop_is_avoided_but_its_own_streams_are_admitted()
     """An ERROR to a routed hop says the peer could not serve it (it moved stage, it is closing),
     not that its input is bad: the stage's other peers serve the next hops, and the peer's own
     forwards and gradients still get in (a moved peer must reach its new neighbours)."""
-    clock = Clock()
+    clock = FakeClock(5000.0)
     bans, router, conduct = wired(clock)
     transport = PostingTransport()
     hops = HopSender(transport, router, PipelineStats(), 0.1, 3, lambda p: clock.now + 60)  # type: ignore[arg-type]
@@ -114,7 +90,7 @@ def test_a_peer_that_refused_a_hop_is_avoided_but_its_own_streams_are_admitted()
 
 
 def test_evidence_outlasts_and_outweighs_a_later_avoidance():
-    clock = Clock()
+    clock = FakeClock(5000.0)
     bans = BanList(clock=clock)
     bans.ban(BANNED, clock.now + 600, "spot-checks: wrong output")
     bans.ban(BANNED, clock.now + 60, "refused a hop", evidence=False)
@@ -127,7 +103,7 @@ def test_evidence_outlasts_and_outweighs_a_later_avoidance():
 
 
 def test_a_peer_banned_for_bad_input_is_avoided_by_routing_and_gossip():
-    clock = Clock()
+    clock = FakeClock(5000.0)
     bans, router, conduct = wired(clock)
     for _ in range(conduct.limits.strikes_to_ban):
         conduct.strike(BANNED, "malformed forward")
@@ -140,7 +116,7 @@ def test_a_peer_banned_for_bad_input_is_avoided_by_routing_and_gossip():
 
 
 def test_a_spot_check_ban_through_the_conduct_lasts_as_long_as_it_asks_in_the_shared_store():
-    clock = Clock()
+    clock = FakeClock(5000.0)
     bans, _, conduct = wired(clock)
     until = conduct.ban(BANNED, "spot-checks: wrong output", at_least=600)
     assert until == clock.now + 600 and bans.active()[BANNED] == (until, "spot-checks: wrong output")

@@ -4,18 +4,11 @@ from __future__ import annotations
 
 from node.p2p.bans import BanList
 from node.p2p.peer_conduct import ConductLimits, PeerConduct
+from tests.helpers.clock import FakeClock
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def conduct(**limits: float) -> tuple[PeerConduct, Clock, BanList]:
-    clock = Clock()
+def conduct(**limits: float) -> tuple[PeerConduct, FakeClock, BanList]:
+    clock = FakeClock()
     limits = {"total_streams": 8, **limits}
     bans = BanList(clock=clock)
     c = PeerConduct(ConductLimits(**limits), ban_until=lambda p: clock.now + 100, bans=bans, clock=clock)
@@ -35,7 +28,7 @@ def test_streams_per_peer_and_in_total_are_capped_and_released():
 
 def test_peers_that_are_not_members_share_a_quarter_of_the_slots_and_members_keep_the_rest():
     members = {"member1", "member2"}
-    clock = Clock()
+    clock = FakeClock()
     c = PeerConduct(
         ConductLimits(total_streams=16, streams_per_peer=8), clock=clock, is_member=lambda peer: peer in members
     )
@@ -106,7 +99,7 @@ def test_repeated_bad_input_bans_until_the_record_expires_and_strikes_decay():
 
 
 def test_a_ban_lasts_at_least_the_minimum_even_for_an_expiring_record():
-    clock = Clock()
+    clock = FakeClock()
     c = PeerConduct(ConductLimits(strikes_to_ban=1, min_ban_seconds=30), ban_until=lambda p: 0.0, clock=clock)
     assert c.strike("a", "x")
     clock.now += 29

@@ -12,6 +12,7 @@ from node.model.data import open_source
 from node.stage.access import live_parameters
 from node.stage.precision import INIT_SCALE, LossScaler, StagePrecision, resolve_precision
 from node.stage.stage_worker import StageWorker
+from tests.helpers.chain import chain_microbatch
 
 BASE = SwarmConfig(num_stages=3)
 
@@ -26,12 +27,7 @@ TOLERANCE = {Precision.BF16: (0.03, 0.02), Precision.FP16: (0.005, 0.002)}  # (w
 LOW_PRECISION_FOOTPRINT = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cfg(precision: Precision | str, **training: object) -> SwarmConfig:
@@ -147,14 +143,7 @@ def test_master_weights_optimizer_state_and_outer_state_stay_fp32(precision):
     ws = [StageWorker(cfg(precision, microbatches_per_step=1), s) for s in range(3)]
     replicas = [OuterReplica(live_parameters(w), GossipConfig()) for w in ws]
     for i in range(3):  # three optimizer steps on every stage
-        tokens, targets = batch(i, b=2, t=16)
-        h = ws[0].embed(("s", i), tokens)
-        for w in ws[1:]:
-            h = w.forward(("s", i), h)
-        _, g = ws[0].head_loss_backward(("s", i), h, targets)
-        for w in reversed(ws[1:]):
-            g = w.backward(("s", i), g)
-        ws[0].embed_backward(("s", i), g)
+        chain_microbatch(ws, ("s", i), *batch(i, b=2, t=16))
     for w, replica in zip(ws, replicas):
         assert w.inner_step == 3
         assert all(p.dtype == torch.float32 for p in w.module.parameters())
@@ -244,15 +233,7 @@ def test_chained_stages_train_in_bf16_on_cpu():
     source = open_source(config, None, stream_id=1)
     losses = []
     for i in range(30):  # 30 optimizer steps
-        tokens, targets = source.next_batch(8, 32)
-        h = ws[0].embed(("b", i), tokens)
-        for w in ws[1:]:
-            h = w.forward(("b", i), h)
-        loss, g = ws[0].head_loss_backward(("b", i), h, targets)
-        for w in reversed(ws[1:]):
-            g = w.backward(("b", i), g)
-        ws[0].embed_backward(("b", i), g)
-        losses.append(loss)
+        losses.append(chain_microbatch(ws, ("b", i), *source.next_batch(8, 32)))
     close(ws)
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 1.0, (first, last)  # from ln(256) = 5.5 toward the chain's floor (1.10)

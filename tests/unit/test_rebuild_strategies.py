@@ -17,14 +17,7 @@ from node.recovery.checkfree import checkfree_average
 from node.stage.stage_worker import StageWorker
 from protocol.stage_state import StageState
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matrices: intra-op threads only contend on the shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def config(num_stages: int, strategy: str, **training: object) -> SwarmConfig:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from types import SimpleNamespace
 
 import pytest
 
@@ -14,7 +13,7 @@ from node.p2p.reachability import carries_training
 from node.pipeline.hops import HopSender, PipelineStats
 from node.pipeline.routing import Router
 from protocol import MessageKind
-from tests.helpers.posted import outcome
+from tests.helpers.posted import PostingTransport, outcome
 
 
 def test_only_two_relayed_peers_cannot_carry_training():
@@ -24,25 +23,10 @@ def test_only_two_relayed_peers_cannot_carry_training():
             assert carries_training(mine, theirs) is not both_relayed
 
 
-class RecordingTransport:
-    def __init__(self) -> None:
-        self.sent_to: list[str] = []
-
-    def message(self, kind, meta, tensors):
-        return SimpleNamespace(kind=kind, meta=meta, tensors=tensors, request_id=1)
-
-    def seal_posted(self, message, compression=None):
-        return b"payload"
-
-    async def post(self, peer_id, service, request_id, payload, timeout, refusal_window, on_late_refusal):
-        self.sent_to.append(peer_id)
-        return outcome()
-
-
 def send_many(peers: list[str], unreachable: set[str], count: int) -> list[str]:
     router = Router(random.Random(0), num_stages=2)
     router.refresh({1: [PeerRecord(p, 1, PeerState.ONLINE, throughput=10.0) for p in peers]})
-    transport = RecordingTransport()
+    transport = PostingTransport()
     hops = HopSender(transport, router, PipelineStats(), 5.0, 3, lambda p: 0.0, lambda: set(unreachable))
 
     async def main() -> None:
@@ -68,13 +52,8 @@ def test_when_only_relayed_peers_are_left_it_still_tries_them():
 def test_a_busy_direct_peer_does_not_send_the_hop_to_a_relayed_one():
     router = Router(random.Random(0), num_stages=2)
     router.refresh({1: [PeerRecord(p, 1, PeerState.ONLINE, throughput=10.0) for p in ("public", "home-b")]})
-    transport = RecordingTransport()
-
-    async def busy(peer_id, service, request_id, payload, timeout, refusal_window, on_late_refusal):
-        transport.sent_to.append(peer_id)
-        return outcome(MessageKind.BUSY)
-
-    transport.post = busy
+    transport = PostingTransport()
+    transport.settle = lambda peer_id, payload: outcome(MessageKind.BUSY)
     hops = HopSender(transport, router, PipelineStats(), 5.0, 3, lambda p: 0.0, lambda: {"home-b"})
     lost = []
     sent = asyncio.run(

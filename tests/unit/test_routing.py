@@ -8,17 +8,7 @@ import pytest
 from dht.records import PeerRecord
 from node.config import ConfigError, RoutingMode, SwarmConfig
 from node.pipeline.routing import BanList, Router, StageRouter
-
-
-class FakeClock:
-    def __init__(self, t: float = 1000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> None:
-        self.t += dt
+from tests.helpers.clock import FakeClock
 
 
 def rec(peer_id, throughput=1.0, stage=1, state="online", expires=0.0):

@@ -25,10 +25,7 @@ from node.simulate.sources import training_source
 from node.simulate.swarm import SimulatedSwarm, SyncMode, estimate_iteration_seconds
 from node.simulate.timeline import FORWARD_SHARE, Microbatch, StageCosts, run_iteration
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_clock_only_moves_forward():

@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from node.cli import main
 from node.simulate import experiments, sync_scaling
@@ -20,10 +19,7 @@ from node.simulate.names import ExperimentName, FailingStages, SimPreset
 from node.simulate.recovery import RecoveryVariant
 from node.simulate.report import render
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_sync_scaling_noloco_beats_a_tree_allreduce_from_64_replicas(tmp_path):

@@ -29,18 +29,11 @@ from node.pipeline.spot_check import (
 from node.stage.layers import LayerLayout, stage_boundaries
 from node.stage.precision import StagePrecision
 from protocol.tensors import Compression, decode_tensor, encode_tensor
+from tests.helpers.clock import FakeClock
 from tests.helpers.faulty_node import FaultKind, make_faulty
 
 SETTINGS = VerificationConfig()
 TOLERANCE = RecomputeTolerance.from_settings(SETTINGS)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def with_layers(layers: int) -> SwarmConfig:
@@ -164,7 +157,7 @@ def test_a_liar_s_own_scaled_weights_reproduce_its_outputs() -> None:
 
 
 def test_strikes_decay_so_a_rare_fault_is_forgiven() -> None:
-    clock = Clock()
+    clock = FakeClock()
     book = StrikeBook(strikes_to_ban=3, half_life=600.0, clock=clock)
     assert not book.strike("a") and not book.strike("a")
     assert book.strike("a")  # three in a row: banned, and the score starts again
@@ -177,7 +170,7 @@ def test_strikes_decay_so_a_rare_fault_is_forgiven() -> None:
 
 
 def test_strikes_a_few_seconds_apart_still_add_up_to_a_ban() -> None:
-    clock = Clock()
+    clock = FakeClock()
     book = StrikeBook(strikes_to_ban=3, half_life=600.0, clock=clock)
     for _ in range(2):
         assert not book.strike("a")
@@ -186,7 +179,7 @@ def test_strikes_a_few_seconds_apart_still_add_up_to_a_ban() -> None:
 
 
 def test_an_unanswered_check_raises_that_peer_s_rate_for_a_while() -> None:
-    clock = Clock()
+    clock = FakeClock()
     rate = CheckRate(0.02, 0.25, 300.0, clock=clock)
     rate.raise_for("a")
     assert rate.of("a") == 0.25 and rate.of("b") == 0.02

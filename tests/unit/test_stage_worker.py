@@ -19,13 +19,7 @@ from tests.helpers.chain import chain_microbatch
 BASE = SwarmConfig(num_stages=3)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matrices: intra-op threads only contend on the shared cores (10x slower with 2)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cfg(**training: object) -> SwarmConfig:

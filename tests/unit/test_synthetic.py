@@ -20,15 +20,6 @@ from node.monitor.status import loss_floor
 CFG = SwarmConfig()
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny matrices: intra-op threads only contend on the shared cores (tests/unit/test_stage_worker.py)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _windows(seq: np.ndarray, order: int) -> set[tuple[int, ...]]:
     return {tuple(seq[(i + np.arange(order)) % len(seq)]) for i in range(len(seq))}
 
