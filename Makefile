@@ -53,6 +53,7 @@ bench-wire: $(STAMP) netns-deps
 # the hop codecs' bytes per token and loss at equal tokens, 3 seeds (docs/wire.md; ~20 minutes on 2 CPU cores)
 bench-hop-codec: $(STAMP)
 	$(PY) tests/benchmarks/bench_hop_codec.py --json docs/results/hop_codec.json
+	$(PY) -m node.simulate.report --record docs/results hop_codec
 
 # the volunteer's real case end to end on one device (tests/benchmarks/gpu_check.py, docs/benchmarks.md
 # "GPU check"): a 4-stage swarm at PRESET trains, a joiner downloads a stage, two replicas gossip, a
@@ -73,6 +74,7 @@ results: $(STAMP)
 	$(PY) -m node simulate recovery --out docs/results
 	$(PY) -m node simulate recovery --failing blocks --out docs/results/edges
 	$(PY) -m node simulate gossip --out docs/results
+	$(PY) -m node.simulate.report --record docs/results sync_scaling sync_scaling_live recovery edges/recovery gossip
 	$(PY) -m node.simulate.report docs/results docs/results.md
 
 # the papers' claims on real text, 3 seeds (node/simulate/real_text.py, docs/results.md "Real text"): the CPython
@@ -80,6 +82,7 @@ results: $(STAMP)
 # rendered; about an hour on 2 CPU cores. QUICK=1: the short version `make test` runs, into build/ (a minute)
 experiments: $(STAMP)
 	$(PY) -m node.simulate.real_text $(if $(QUICK),--quick --seeds 0 1 --out build/experiments-quick,--out docs/results/real_text)
+	$(if $(QUICK),,$(PY) -m node.simulate.report --record docs/results real_text)
 	$(if $(QUICK),,$(PY) -m node.simulate.report docs/results docs/results.md)
 
 # docs/model.md's preset and memory tables from the code, and the estimate against a real StageWorker's

@@ -4,12 +4,15 @@ presets into docs/results/ and then `python -m node.simulate.report docs/results
 Every figure comes from the summaries; the papers' claims (docs/algorithms.md, "What the authors
 report") stand beside them, and each comparison says whether this run reproduces the claim's
 direction. The notes on why a small run can differ are fixed text about the setting, not results.
+Which commit each summary was measured at is docs/results/commits.json, which the make targets
+write after a run (`python -m node.simulate.report --record docs/results NAME...`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,7 @@ from typing import Any
 from node.simulate.recovery import TARGET_FRACTION
 
 EDGES = "edges"  # the subdirectory `make results` writes the recovery run with edge-stage failures into
+COMMITS = "commits"  # commits.json: summary name -> the commit it was measured at
 
 
 def _load(directory: Path, name: str) -> dict[str, Any] | None:
@@ -426,6 +430,9 @@ def render(directory: Path, docs: Path) -> str:
         '"What the authors report".',
         "",
     ]
+    if commits := _load(directory, COMMITS):
+        measured = ", ".join(f"{name} at {commit}" for name, commit in sorted(commits.items()))
+        lines += [f"Measured: {measured} (docs/results/commits.json).", ""]
     real_text = _load(directory / REAL_TEXT, REAL_TEXT)
     if real_text is not None:
         lines += real_text_section(real_text, directory, docs)
@@ -453,7 +460,19 @@ def render(directory: Path, docs: Path) -> str:
     return "\n".join(lines)
 
 
+def record_commit(directory: Path, names: list[str]) -> None:
+    """Note in DIRECTORY/commits.json that the summaries NAMES were measured at the checkout's HEAD."""
+    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True, check=True)
+    path = directory / f"{COMMITS}.json"
+    commits = json.loads(path.read_text()) if path.exists() else {}
+    commits.update(dict.fromkeys(names, head.stdout.strip()))
+    path.write_text(json.dumps(commits, indent=1, sort_keys=True) + "\n")
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--record"] and len(argv) > 2:
+        record_commit(Path(argv[1]), argv[2:])
+        return 0
     if len(argv) != 2:
         print("usage: python -m node.simulate.report RESULTS_DIR OUTPUT.md", file=sys.stderr)
         return 2

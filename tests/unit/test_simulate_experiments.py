@@ -17,7 +17,7 @@ from node.simulate import experiments, sync_scaling
 from node.simulate.experiments import run_experiment
 from node.simulate.names import ExperimentName, FailingStages, SimPreset
 from node.simulate.recovery import RecoveryVariant
-from node.simulate.report import render
+from node.simulate.report import record_commit, render
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -116,3 +116,15 @@ def test_docs_results_md_is_what_its_summaries_render():
     `python -m node.simulate.report docs/results docs/results.md`."""
     docs = Path(__file__).resolve().parents[2] / "docs"
     assert (docs / "results.md").read_text() == render(docs / "results", docs / "results.md")
+
+
+def test_each_summary_names_the_commit_it_was_measured_at(tmp_path):
+    """`make results` records HEAD for the summaries it wrote (docs/results/commits.json), and the
+    page names it: a figure names its command and its commit."""
+    record_commit(tmp_path, ["gossip", "edges/recovery"])
+    record_commit(tmp_path, ["gossip"])
+    commits = json.loads((tmp_path / "commits.json").read_text())
+    assert set(commits) == {"gossip", "edges/recovery"} and len(commits["gossip"]) == 7
+    assert f"Measured: edges/recovery at {commits['gossip']}, gossip at {commits['gossip']}" in render(
+        tmp_path, tmp_path / "results.md"
+    )
