@@ -401,8 +401,14 @@ class StageWorker:
         t = self.config.training
         with self.precision.autocast():  # time the arithmetic this peer trains in (routing weighs it)
             seconds = time_forward_backward(
-                self.module, self.config, self.stage, self.transfers, self.dtype,
-                batch or t.microbatch_size, seq or t.sequence_length, repeats,
-            )  # fmt: skip
+                self.module,
+                self.config,
+                self.stage,
+                self.transfers,
+                self.dtype,
+                batch or t.microbatch_size,
+                seq or t.sequence_length,
+                repeats,
+            )
         self.throughput = 1.0 / max(seconds, 1e-9)
         return self.throughput
