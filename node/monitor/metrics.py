@@ -2,13 +2,15 @@
 
 Placement (docs/architecture.md, "Metrics"): the layers below know nothing of Prometheus. The
 stage service keeps its counters where they already are (PipelineStats, the ban list, gossip's
-round outcomes, the stream conduct); a `Meter` (node/runtime/meter.py) keeps what arrives as events
-(latencies, bytes per service, microbatches and tokens, rebuilds, state downloads) for the whole
-process. The server layer hands out what it runs through two plain callbacks (`NodeOptions.
-on_network`, `ServiceOptions.on_service`); the CLI, which may import anything, connects them to a
-`NodeMetrics`, the one owner of this process's `CollectorRegistry` (never the global one). A
-custom collector reads everything at scrape time, on the metrics server's thread: nothing is
-incremented twice, and the event loop does no work for a scrape.
+round outcomes, the stream conduct) and hands them out as one `ServiceReading` (node/server/
+reading.py), the one the progress line and the DHT record are derived from too; a `Meter`
+(node/runtime/meter.py) keeps what arrives as events (latencies, bytes per service, microbatches
+and tokens, rebuilds, state downloads) for the whole process. The server layer hands out what it
+runs through two plain callbacks (`NodeOptions.on_network`, `ServiceOptions.on_service`); the CLI,
+which may import anything, connects them to a `NodeMetrics`, the one owner of this process's
+`CollectorRegistry` (never the global one). A custom collector reads everything at scrape time
+(the service: one reading per scrape), on the metrics server's thread: nothing is incremented
+twice, and the event loop does no work for a scrape.
 
 A peer that moves to another stage builds a new stage service with fresh counters; the totals of
 the one it left are kept (`_retired`), so every counter here only grows for the process's life.
@@ -43,6 +45,7 @@ from node.runtime.device import peak_rss
 from node.runtime.meter import Direction, Meter, Tally
 
 if TYPE_CHECKING:  # for types only: every `node` command imports this module, few need the stage service
+    from node.server.reading import ServiceReading
     from node.server.stage_service import StageService
 
 logger = logging.getLogger(__name__)
@@ -77,29 +80,25 @@ SERVICE_COUNTERS: dict[str, str] = {
 }
 
 
-def service_counters(service: StageService) -> Counter[str]:
+def service_counters(reading: ServiceReading) -> Counter[str]:
     """The counters of one stage service, as they stand (they start at zero with the service)."""
-    stats, training = service.pipeline.stats, service.config.training
-    processed = service.worker.microbatches_done
     counts: Counter[str] = Counter(
-        microbatches_processed=processed,
-        # every microbatch is microbatch_size x sequence_length tokens (stage 0's source makes them so)
-        tokens_processed=processed * training.microbatch_size * training.sequence_length,
-        microbatches_completed=stats.completed,
-        microbatches_retried=stats.retried,
-        microbatches_dropped=stats.dropped,
-        hops_forwarded=stats.forwarded,
-        hops_backwarded=stats.backwarded,
-        routing_retries=stats.rerouted,
-        routing_timeouts=stats.timeouts,
-        busy_replies=stats.busy_replies,
-        bans=service.router.bans.total,
-        refused_streams=service.transport.conduct.refused,
-        activations_evicted=service.worker.evicted,
+        microbatches_processed=reading.microbatches_processed,
+        tokens_processed=reading.tokens_processed,
+        microbatches_completed=reading.completed,
+        microbatches_retried=reading.retried,
+        microbatches_dropped=reading.dropped,
+        hops_forwarded=reading.forwarded,
+        hops_backwarded=reading.backwarded,
+        routing_retries=reading.rerouted,
+        routing_timeouts=reading.timeouts,
+        busy_replies=reading.busy_replies,
+        bans=reading.bans,
+        refused_streams=reading.refused_streams,
+        activations_evicted=reading.activations_evicted,
     )
-    outcomes = service.gossip.rounds.outcomes
     for status in RoundStatus:
-        counts[f"gossip_rounds:{status}"] = outcomes.get(status, 0)
+        counts[f"gossip_rounds:{status}"] = reading.gossip_rounds[status]
     return counts
 
 
@@ -129,24 +128,21 @@ class NodeMetrics(Collector):
         """The stage service now running (None: it ended); the ended one's counters are kept."""
         with self._lock:
             if self.service is not None and self.service is not service:
-                self._retired += service_counters(self.service)
+                self._retired += service_counters(self.service.read())
             self.service = service
             if service is not None:
                 self.swarm_id = service.config.swarm_id
 
     # ---- read on a scrape (the metrics server's thread) -------------------------------------------
 
-    def totals(self) -> Counter[str]:
-        with self._lock:
-            totals = Counter(self._retired)
-            if self.service is not None:
-                totals.update(service_counters(self.service))
-            return totals
-
     def collect(self) -> Iterator[Metric]:
         yield self._info()
         yield from self._meter_series()
-        totals = self.totals()
+        with self._lock:
+            reading = self.service.read() if self.service is not None else None
+            totals = Counter(self._retired)
+        if reading is not None:
+            totals.update(service_counters(reading))
         for name, meaning in SERVICE_COUNTERS.items():
             counter = CounterMetricFamily(f"{PREFIX}_{name}", meaning)
             counter.add_metric([], totals[name])
@@ -157,7 +153,9 @@ class NodeMetrics(Collector):
         for status in RoundStatus:
             rounds.add_metric([status.value], totals[f"gossip_rounds:{status}"])
         yield rounds
-        yield from self._gauges()
+        yield from self._network_series()
+        if reading is not None:
+            yield from self._service_gauges(reading)
 
     def _info(self) -> Metric:
         info = InfoMetricFamily(f"{PREFIX}_node", "who this process is (always 1)")
@@ -210,7 +208,7 @@ class NodeMetrics(Collector):
             hops.add_metric([service], histogram.cumulative(), histogram.total)
         yield hops
 
-    def _gauges(self) -> Iterator[Metric]:
+    def _network_series(self) -> Iterator[Metric]:
         if self.network is not None:
             lag = GaugeMetricFamily(f"{PREFIX}_event_loop_lag_seconds", "worst event-loop lateness of the last minute")
             lag.add_metric([], self.network.loop_watch.worst_lag)
@@ -235,43 +233,36 @@ class NodeMetrics(Collector):
                 for path, count in sorted(traversal.paths.counts.items()):
                     paths.add_metric([path.value], count)
                 yield paths
-        service = self.service
-        if service is None:
-            return
-        stage, state = service.me.stage, service.me.state
+
+    def _service_gauges(self, reading: ServiceReading) -> Iterator[Metric]:
         states = GaugeMetricFamily(
             f"{PREFIX}_peer_state", "1 for the state this peer is in, 0 for the others", labels=["stage", "state"]
         )
         for candidate in PeerState:
-            states.add_metric([str(stage), candidate.value], 1.0 if candidate == state else 0.0)
+            states.add_metric([str(reading.stage), candidate.value], 1.0 if candidate == reading.state else 0.0)
         yield states
-        gossip, worker = service.gossip, service.worker
-        validated = service.validator.latest if service.validator is not None else None
         values: dict[str, tuple[str, float | None]] = {
-            "stage": ("the stage this peer serves", stage),
-            "inner_step": ("inner optimizer steps of this peer's replica", worker.inner_step),
-            "outer_round": ("outer (gossip) rounds this replica has taken", gossip.outer_state.round),
+            "stage": ("the stage this peer serves", reading.stage),
+            "inner_step": ("inner optimizer steps of this peer's replica", reading.inner_step),
+            "outer_round": ("outer (gossip) rounds this replica has taken", reading.outer_round),
             "replica_divergence": (
                 "relative distance from the last gossip partner's weights, before averaging",
-                gossip.divergence,
+                reading.divergence,
             ),
-            "loss": ("stage 0: mean training loss of the recent microbatches", service.pipeline.stats.recent_loss),
-            "val_loss": (
-                "stage 0: mean loss on the held-out microbatches at the last validation",
-                validated.loss if validated is not None else None,
+            "loss": ("stage 0: mean training loss of the recent microbatches", reading.loss),
+            "val_loss": ("stage 0: mean loss on the held-out microbatches at the last validation", reading.val_loss),
+            "compute_throughput": ("measured compute speed, microbatches per second (EMA)", reading.throughput),
+            "stored_activations": (
+                "microbatches whose activations wait for their backward",
+                reading.stored_activations,
             ),
-            "compute_throughput": ("measured compute speed, microbatches per second (EMA)", worker.throughput),
-            "stored_activations": ("microbatches whose activations wait for their backward", worker.num_stored),
             "peak_device_memory_bytes": (
                 "the most this peer's stage has held on its GPU (torch's allocator); absent on a CPU",
-                worker.transfers.peak_allocated(),
+                reading.peak_device_memory,
             ),
             "peak_rss_bytes": ("this process's peak resident memory", peak_rss()),
-            "banned_peers": ("peers banned right now", len(service.router.bans.active())),
-            "swarm_peers": (
-                "peers this one sees in the swarm, all stages",
-                sum(len(peers) for peers in list(service.view.peers_by_stage.values())),
-            ),
+            "banned_peers": ("peers banned right now", reading.banned_now),
+            "swarm_peers": ("peers this one sees in the swarm, all stages", reading.peers_seen),
         }
         for name, (meaning, value) in values.items():
             if value is not None:  # no divergence before the first round, no loss off stage 0

@@ -12,12 +12,14 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from node.server.reading import ServiceReading
+
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ServiceSummary:
-    """What the stage service shows of itself on its own terminal (read every refresh)."""
+    """What the stage service shows of itself on its own terminal (derived every refresh)."""
 
     stage: int
     state: str
@@ -29,11 +31,25 @@ class ServiceSummary:
     retried: int
     dropped: int
 
+    @classmethod
+    def of(cls, reading: ServiceReading) -> ServiceSummary:
+        return cls(
+            stage=reading.stage,
+            state=reading.state,
+            step=reading.inner_step,
+            rate=reading.completion_rate if reading.stage == 0 else reading.throughput,
+            loss=reading.loss,
+            peers=reading.peers_seen,
+            done=reading.completed,
+            retried=reading.retried,
+            dropped=reading.dropped,
+        )
+
 
 class ProgressDisplay:
     """A compact rich panel on a terminal; a log line every `log_every` seconds otherwise (or --quiet)."""
 
-    def __init__(self, read: Callable[[], ServiceSummary], quiet: bool = False, log_every: float = 10.0):
+    def __init__(self, read: Callable[[], ServiceReading], quiet: bool = False, log_every: float = 10.0):
         self.read = read
         self.console = Console(file=sys.stderr)
         self.live_view = not quiet and self.console.is_terminal
@@ -41,7 +57,7 @@ class ProgressDisplay:
         self._live: Live | None = None
 
     def summary(self) -> dict:
-        return asdict(self.read())
+        return asdict(ServiceSummary.of(self.read()))
 
     def line(self) -> str:
         s = self.summary()

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from dht.announcer import PeerAnnouncer, PeerProgress
+from dht.announcer import PeerAnnouncer
 from dht.records import PeerRecord, PeerState
 from dht.registry import SwarmRegistry, swarm_key_of
 from dht.swarm_view import SwarmView
 from node.averaging.gossip import Gossip
-from node.averaging.outer_replica import OuterReplica
+from node.averaging.outer_replica import OuterReplica, RoundStatus
 from node.config import SwarmConfig
 from node.model.data import DataError, open_source, stream_id_from_peer
 from node.model.memory import available_memory, format_bytes, memory_refusal
@@ -54,7 +54,8 @@ from node.runtime.events import EventPublisher
 from node.runtime.meter import Meter
 from node.server.daemon import JoinRefused
 from node.server.data_fetch import stage0_data
-from node.server.progress import ProgressDisplay, ServiceSummary
+from node.server.progress import ProgressDisplay
+from node.server.reading import ServiceReading
 from node.server.stage_fit import DeviceUnusable, measure_device, stage_fits
 from node.stage.access import live_parameters
 from node.stage.stage_worker import StageWorker
@@ -118,40 +119,48 @@ class StageService:
     checks: CheckServer | None = None  # a block stage answering spot-checks of what it computed
     validator: Validator | None = None  # stage 0 with held-out data and validation on
 
-    def progress(self) -> PeerProgress:
-        """What the worker, pipeline and gossip measured, as this peer's record announces it."""
+    def read(self) -> ServiceReading:
+        """What the worker, pipeline, gossip and swarm view measured, now (node/server/reading.py)."""
+        worker, stats, gossip, training = self.worker, self.pipeline.stats, self.gossip, self.config.training
         validated = self.validator.latest if self.validator is not None else None
-        return PeerProgress(
-            inner_step=self.worker.inner_step,
-            microbatches=self.worker.microbatches_done,
-            throughput=max(self.worker.throughput, 1e-3),
-            grad_norm=self.worker.last_grad_norm,
-            loss=self.pipeline.stats.recent_loss if self.me.stage == 0 else None,
+        outcomes = gossip.rounds.outcomes
+        return ServiceReading(
+            stage=self.me.stage,
+            state=self.me.state,
+            inner_step=worker.inner_step,
+            microbatches_processed=worker.microbatches_done,
+            tokens_processed=worker.microbatches_done * training.microbatch_size * training.sequence_length,
+            throughput=worker.throughput,
+            grad_norm=worker.last_grad_norm,
+            stored_activations=worker.num_stored,
+            activations_evicted=worker.evicted,
+            peak_device_memory=worker.transfers.peak_allocated(),
+            loss=stats.recent_loss,
+            completion_rate=stats.rate(time.monotonic()),
+            completed=stats.completed,
+            retried=stats.retried,
+            dropped=stats.dropped,
+            forwarded=stats.forwarded,
+            backwarded=stats.backwarded,
+            rerouted=stats.rerouted,
+            timeouts=stats.timeouts,
+            busy_replies=stats.busy_replies,
             val_loss=validated.loss if validated is not None else None,
             val_step=validated.step if validated is not None else None,
-            outer_round=self.gossip.outer_state.round,
-            last_partner=self.gossip.last_partner,
-            divergence=self.gossip.divergence,
-            fingerprint=self.gossip.fingerprint,
-            verification=self.verifier.report(),
+            outer_round=gossip.outer_state.round,
+            last_partner=gossip.last_partner,
+            divergence=gossip.divergence,
+            fingerprint=gossip.fingerprint,
+            gossip_rounds={status: outcomes.get(status, 0) for status in RoundStatus},
+            peers_seen=sum(len(peers) for peers in list(self.view.peers_by_stage.values())),
+            bans=self.router.bans.total,
+            banned_now=len(self.router.bans.active()),
+            refused_streams=self.transport.conduct.refused,
         )
 
     def publish_progress(self) -> None:
-        self.me.report(self.progress())
-
-    def summary(self) -> ServiceSummary:
-        stats = self.pipeline.stats
-        return ServiceSummary(
-            stage=self.me.stage,
-            state=self.me.state,
-            step=self.worker.inner_step,
-            rate=stats.rate(time.monotonic()) if self.me.stage == 0 else self.worker.throughput,
-            loss=stats.recent_loss,
-            peers=sum(len(peers) for peers in self.view.peers_by_stage.values()),
-            done=stats.completed,
-            retried=stats.retried,
-            dropped=stats.dropped,
-        )
+        # the verifier's report is taken for the record alone: taking it prunes the bans it names
+        self.me.report(self.read().announced(self.verifier.report()))
 
 
 async def build_service(
@@ -411,7 +420,7 @@ async def serve_current_stage(
     ):
         watch = LostStageWatch(config, SwarmRegistry(network.dht, config.swarm_id), me)
         service.view.on_refresh(watch.on_refresh)
-        progress = ProgressDisplay(service.summary, quiet=options.quiet)
+        progress = ProgressDisplay(service.read, quiet=options.quiet)
         mover = asyncio.create_task(watch_for_move(service, watch), name="rebalance")
         tasks = [asyncio.create_task(progress.run(), name="display"), mover]
         if me.stage == 0:

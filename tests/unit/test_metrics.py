@@ -20,6 +20,8 @@ from node.pipeline.routing import BanList
 from node.pipeline.validation import ValidationResult
 from node.runtime.device import DeviceTransfers
 from node.runtime.meter import LATENCY_BUCKETS, ComputePass, Direction, Meter, Tally
+from node.server.progress import ProgressDisplay, ServiceSummary
+from node.server.stage_service import StageService
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -91,13 +93,13 @@ def test_metered_streams_count_bytes_by_direction_and_service():
 def fake_service(
     stage: int = 1, completed: int = 0, processed: int = 0, banned: int = 0, validated: float | None = None
 ) -> SimpleNamespace:
-    """Just what the collector reads of a StageService."""
+    """Just what StageService.read reads, and `read` itself: the collector's one way in."""
     stats = PipelineStats(completed=completed, forwarded=completed, timeouts=1, rerouted=2)
     bans = BanList()
     for i in range(banned):
         bans.ban(f"peer{i}", 0.0, "test")
     training = SimpleNamespace(microbatch_size=2, sequence_length=8)
-    return SimpleNamespace(
+    service = SimpleNamespace(
         config=SimpleNamespace(swarm_id="s", training=training),
         me=SimpleNamespace(stage=stage, state=PeerState.ONLINE),
         pipeline=SimpleNamespace(stats=stats),
@@ -107,9 +109,12 @@ def fake_service(
             rounds=SimpleNamespace(outcomes=Counter({RoundStatus.APPLIED: 2, RoundStatus.REJECTED: 1})),
             outer_state=SimpleNamespace(round=4),
             divergence=0.25,
+            last_partner=None,
+            fingerprint=None,
         ),
         worker=SimpleNamespace(
             inner_step=7,
+            last_grad_norm=None,
             throughput=3.5,
             num_stored=1,
             evicted=completed,
@@ -119,6 +124,8 @@ def fake_service(
         view=SimpleNamespace(peers_by_stage={0: [1, 2], 1: [3]}),
         validator=None if validated is None else SimpleNamespace(latest=ValidationResult(validated, 40)),
     )
+    service.read = lambda: StageService.read(service)  # type: ignore[arg-type]
+    return service
 
 
 def test_counters_keep_growing_when_the_peer_moves_to_another_stage():
@@ -174,3 +181,20 @@ def test_the_server_serves_its_own_registry_and_stops():
     from prometheus_client import REGISTRY
 
     assert REGISTRY.get_sample_value("pipeswarm_rebuilds_total") is None  # never the global registry
+
+
+def test_one_reading_gives_the_progress_line_the_summary_and_the_record():
+    service = fake_service(stage=1, completed=5, processed=10)
+    reading = service.read()
+    assert ServiceSummary.of(reading) == ServiceSummary(
+        stage=1, state=PeerState.ONLINE, step=7, rate=3.5, loss=None, peers=3, done=5, retried=0, dropped=0
+    )
+    line = ProgressDisplay(service.read, quiet=True).line()
+    assert line == (
+        "stage 1 online | step 7 | 3.50 microbatches/s (compute) | loss - | peers seen 3 | done 5 retried 0 dropped 0"
+    )
+    record = reading.announced(verification=None)  # type: ignore[arg-type]
+    assert (record.inner_step, record.microbatches, record.throughput, record.outer_round) == (7, 10, 3.5, 4)
+    assert (record.divergence, record.loss, record.val_loss) == (0.25, None, None)
+    validating = fake_service(stage=0, validated=2.5).read()
+    assert (validating.announced(None).val_loss, validating.announced(None).val_step) == (2.5, 40)  # type: ignore[arg-type]
