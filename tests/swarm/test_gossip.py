@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -84,6 +85,20 @@ def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     assert len(a) == len(b)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+def break_sends_after_half(gossip: Gossip, why: str) -> Callable[[], None]:
+    """Make `gossip` send half of a round's tensors, then close the stream and fail with `why`
+    (a crash mid-exchange); returns what undoes it."""
+    original = gossip.wire.send_tensors
+
+    async def send_half_then_vanish(session, round_, tensors):
+        await original(session, round_, tensors[: len(tensors) // 2])
+        session.writer.close()
+        raise ConnectionError(why)
+
+    gossip.wire.send_tensors = send_half_then_vanish
+    return lambda: setattr(gossip.wire, "send_tensors", original)
 
 
 def gossips(peers) -> list[Gossip]:
@@ -267,14 +282,7 @@ def test_partner_disconnecting_mid_exchange_leaves_both_untouched():
     async def scenario(peers):
         a, b = await two_trained(peers)
         before = [await outer_and_weights(a), await outer_and_weights(b)]
-        original_send = b.wire.send_tensors
-
-        async def send_half_then_vanish(session, round_, tensors):
-            await original_send(session, round_, tensors[: len(tensors) // 2])
-            session.writer.close()
-            raise ConnectionError("simulated crash mid-exchange")
-
-        b.wire.send_tensors = send_half_then_vanish
+        recover = break_sends_after_half(b, "simulated crash mid-exchange")
         # b as the responder, then b as the initiator
         assert (await a.run_round(partner=b.me.peer_id)).status == "aborted"
         assert (await b.run_round(partner=a.me.peer_id)).status == "aborted"
@@ -285,7 +293,7 @@ def test_partner_disconnecting_mid_exchange_leaves_both_untouched():
             assert not gossip.exchanging
         assert not a.bans.is_banned(b.me.peer_id)  # a crash is not misbehaviour
 
-        b.wire.send_tensors = original_send  # b recovers: the next round works
+        recover()  # b recovers: the next round works
         assert (await a.run_round(partner=b.me.peer_id)).status == "applied"
 
     run_in_swarm(gossip_config(), [1, 1], scenario)
@@ -302,20 +310,13 @@ def test_a_partner_whose_rounds_keep_breaking_after_taking_our_tensors_is_paced_
         for seed, gossip in enumerate((a, b, c)):
             await train_a_little(gossip, seed)
         before = await outer_and_weights(a)
-        original_send = b.wire.send_tensors
-
-        async def send_half_then_vanish(session, round_, tensors):
-            await original_send(session, round_, tensors[: len(tensors) // 2])
-            session.writer.close()
-            raise ConnectionError("simulated break after the partner's tensors came in")
-
-        b.wire.send_tensors = send_half_then_vanish
+        recover = break_sends_after_half(b, "simulated break after the partner's tensors came in")
         for _ in range(2):
             assert (await b.run_round(partner=a.me.peer_id)).status == "aborted"
             await wait_until(lambda: not a.exchanging)
         step = a.worker.inner_step
         assert a.pairwise.unfinished.refusal(b.me.peer_id, step).startswith("2 rounds with you did not finish")
-        b.wire.send_tensors = original_send
+        recover()
         assert (await b.run_round(partner=a.me.peer_id)).status == "busy"  # paced, whatever it sends now
         assert a.outer_state is before[0]
         assert_same(await on_executor(a, weights, a), before[1])
