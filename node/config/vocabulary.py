@@ -1,7 +1,7 @@
 """The config's vocabulary: the enums its fields take, the embedded data sources, and its error.
 
-Kept apart from the dataclasses (node/config/__init__.py re-exports every name) so the rules in
-node/config/validation.py can use them without importing the config itself.
+Kept apart from the dataclasses and their checks in node/config/__init__.py, which re-exports
+every name here: the words a config is written in, on one page.
 """
 
 from __future__ import annotations
