@@ -49,6 +49,11 @@ class AbortNotices:
             while len(memory) > self._memory:
                 memory.popitem(last=False)
 
+    def computed(self, origin: str, meta: dict) -> bool:
+        """Did this peer compute the forward of the microbatch `meta` names (its id and token), for
+        `origin`? Only then may a gradient for it come back here (a BACKWARD's path is the sender's word)."""
+        return self._tokens.get((meta["microbatch_id"], meta.get("token", ""))) == origin
+
     def tell_origin(self, origin: str, meta: dict, reason: str, sender: str | None = None) -> bool:
         """Tell `origin` (best effort, in the background) that the microbatch in `meta` is lost here,
         if this peer handled it or `sender`, who sent it, is the origin; else tell `sender`, who may

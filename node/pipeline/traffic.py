@@ -250,8 +250,8 @@ class Pipeline:
         expected_sender = path[hop + 1] if hop + 1 < len(path) else path[0]  # the origin starts backward
         if sender != expected_sender:
             raise ProtocolError("backward arrived from a peer that is not the next hop of its path")
-        if hop == 0 and ticket_named_by(self.in_flight, msg.meta) is None:
-            return self.transport.error("unknown microbatch")
+        if not (ticket_named_by(self.in_flight, msg.meta) if hop == 0 else self.aborts.computed(path[0], msg.meta)):
+            return self.transport.error("unknown microbatch")  # not computed here: no work, no notice to anyone
         self._tasks.spawn(self._run_backward(msg))
         return self._ack(msg)
 

@@ -102,9 +102,10 @@ def hop(kind: MessageKind, meta: dict, tensors: dict) -> bytes:
 
 
 def test_a_block_stage_reflects_nothing_to_an_origin_a_request_names(caplog) -> None:
-    """A BACKWARD for a microbatch this stage never handled, and a FORWARD it rejects, both name a
-    victim as their origin: the victim is told nothing. A forward it computed and could not pass on
-    is told to its origin, and so is a notice from further on that names it by id and token."""
+    """A BACKWARD for a microbatch this stage never computed is refused before any work, and a
+    FORWARD it rejects names a victim as its origin: the victim is told nothing. A forward it
+    computed and could not pass on is told to its origin, and so is a notice from further on that
+    names it by id and token; a gradient for it must name it by its origin, id and token too."""
     config = SwarmConfig(num_stages=4)
     width = config.model.hidden_size
 
@@ -117,19 +118,32 @@ def test_a_block_stage_reflects_nothing_to_an_origin_a_request_names(caplog) -> 
                 RELAY, BACKWARD, hop(MessageKind.BACKWARD, backward, {"grad": torch.zeros(1, 4, width)})
             )
             await node.settle()
-            assert (aborts.withheld, aborts.told) == (1, 0), reply
+            assert reply.kind == MessageKind.ERROR and reply.meta["reason"] == "unknown microbatch"
+            assert (aborts.withheld, aborts.told) == (0, 0)  # no work, and nobody hears of it
             forward = {"origin": VICTIM, "path": [VICTIM, RELAY], "order": [1, 2, 3], "hop": 2, "microbatch_id": 12}
             misshapen = {"hidden": torch.zeros(1, 4, width + 1)}
             await node.exchange(RELAY, FORWARD, hop(MessageKind.FORWARD, {**forward, "token": "b" * 16}, misshapen))
             await node.settle()
-            assert (aborts.withheld, aborts.told) == (2, 0)
+            assert (aborts.withheld, aborts.told) == (1, 0)
             handled = {**forward, "origin": ORIGIN, "path": [ORIGIN, RELAY], "microbatch_id": 13, "token": "c" * 16}
             await node.exchange(RELAY, FORWARD, hop(MessageKind.FORWARD, handled, {"hidden": torch.zeros(1, 4, width)}))
             await node.settle()  # computed, then no peer of stage 3 to take it: the origin is told
-            assert (aborts.withheld, aborts.told) == (2, 1)
+            assert (aborts.withheld, aborts.told) == (1, 1)
+            grad = {"grad": torch.zeros(1, 4, width)}
+            for wrong in ({"token": "d" * 16}, {"path": [VICTIM, BLOCK, RELAY]}):  # a guessed token, another origin
+                named = {"path": [ORIGIN, BLOCK, RELAY], "hop": 1, "microbatch_id": 13, "token": "c" * 16, **wrong}
+                reply, _ = await node.exchange(RELAY, BACKWARD, hop(MessageKind.BACKWARD, named, grad))
+                assert reply.kind == MessageKind.ERROR and reply.meta["reason"] == "unknown microbatch"
+            named = {"path": [ORIGIN, BLOCK, RELAY], "hop": 1, "microbatch_id": 13, "token": "c" * 16}
+            reply, _ = await node.exchange(RELAY, BACKWARD, hop(MessageKind.BACKWARD, named, grad))
+            assert reply.kind == MessageKind.ACK  # its own origin, id and token: taken
+            await node.settle()
+            told = aborts.told  # however its backward went here, the notices so far went to ORIGIN only
             notice = frame(MessageKind.ERROR, {"reason": "lost", "microbatch_id": 13, "token": "c" * 16})
             reply, _ = await node.exchange(VICTIM, ABORT, notice)  # from further on: passed on to ORIGIN
-            assert reply is not None and reply.kind == MessageKind.ACK and (aborts.relayed, aborts.told) == (1, 2)
+            assert (
+                reply is not None and reply.kind == MessageKind.ACK and (aborts.relayed, aborts.told) == (1, told + 1)
+            )
             guessed = frame(MessageKind.ERROR, {"reason": "lost", "microbatch_id": 13, "token": "d" * 16})
             reply, _ = await node.exchange(VICTIM, ABORT, guessed)
             assert reply is not None and reply.kind == MessageKind.ERROR and aborts.relayed == 1
