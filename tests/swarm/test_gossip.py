@@ -250,6 +250,7 @@ def test_only_a_peer_with_a_record_of_the_stage_gets_an_exchange():
         assert a.outer_state.round == b.outer_state.round == 0
         a.rounds.view.record_of = record_of
         assert (await b.run_round(partner=a.me.peer_id)).status == "applied"
+        await wait_until(lambda: a.outer_state.round == 1)  # the responder steps after the DONEs, on its own thread
         assert a.outer_state.round == b.outer_state.round == 1
 
     run_in_swarm(config, [1, 1, 2], scenario)
