@@ -28,14 +28,25 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["DeviceTransfers", "peak_rss", "resolve_device"]
+__all__ = ["DeviceTransfers", "canonical_device", "peak_rss", "resolve_device"]
+
+
+def canonical_device(device: torch.device | str) -> torch.device:
+    """`device` with its index: `cuda` is the current CUDA device, e.g. `cuda:0`. A tensor's device
+    always carries its index and `torch.device("cuda") != torch.device("cuda:0")`, so a stage's
+    device is kept in this form for any comparison with where a tensor is."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_device(requested: str) -> torch.device:
-    """`auto`: the first CUDA GPU when torch sees one, else the CPU; anything else as torch parses it."""
+    """`auto`: the first CUDA GPU when torch sees one, else the CPU; anything else as torch parses
+    it; either way with its index (`canonical_device`)."""
     if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(requested)
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    return canonical_device(requested)
 
 
 class DeviceTransfers:
@@ -43,7 +54,7 @@ class DeviceTransfers:
     compute thread (StageWorker.compute): they touch the device."""
 
     def __init__(self, device: torch.device | str) -> None:
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.is_cuda = self.device.type == "cuda"
 
     # ---- host -> device ------------------------------------------------------------------------

@@ -71,7 +71,7 @@ from torch import Tensor, nn
 from node.config import SwarmConfig
 from node.model.llama import BlockStage, EdgeStage, build_stage
 from node.runtime.compute_thread import ComputeThread
-from node.runtime.device import DeviceTransfers
+from node.runtime.device import DeviceTransfers, canonical_device
 from node.runtime.meter import Meter
 from node.stage.activation_store import ActivationStore, StoredMicrobatch, UnknownMicrobatch
 from node.stage.admission import (
@@ -134,7 +134,7 @@ class StageWorker:
         t = config.training
         self.config = config
         self.stage = stage
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.transfers = DeviceTransfers(self.device)  # the wire's host tensors in, results out
         self.module: nn.Module = module.to(self.device).train()
         self._params = [p for p in self.module.parameters()]

@@ -37,6 +37,7 @@ from node.recovery import rebuild as rebuild_module
 from node.recovery.edge_copies import EdgeCopies, edge_parts_for, refresh_edge_copies
 from node.recovery.rebuild import FetchedSource, rebuild_stage
 from node.recovery.state_transfer import adopt_state, capture_state, state_provider
+from node.runtime.device import DeviceTransfers, canonical_device, resolve_device
 from node.stage.access import live_parameters
 from node.stage.forward_only import eval_forward
 from node.stage.stage_worker import StageWorker
@@ -66,11 +67,24 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def on_device(tensors, device: torch.device) -> bool:
+    device = canonical_device(device)  # `cuda` is `cuda:0` here; a tensor's device has its index
     return all(t.device == device for t in tensors)
 
 
 def on_host(tensors) -> bool:
     return all(t.device.type == "cpu" for t in tensors)
+
+
+def test_a_stage_device_carries_its_index_as_tensors_do(monkeypatch):
+    """`--device cuda` is the current GPU with its index: torch says `cuda != cuda:0`, and every
+    device-path check compares a tensor's device (always indexed) with the stage's."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert canonical_device("cuda") == torch.device("cuda", 1)
+    assert canonical_device("cuda:3") == torch.device("cuda", 3)
+    assert canonical_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == torch.device("cuda", 1)
+    assert DeviceTransfers("cuda").device == torch.device("cuda", 1)
 
 
 def hidden(config: SwarmConfig, seed: int = 0) -> torch.Tensor:
