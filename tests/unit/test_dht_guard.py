@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 from types import SimpleNamespace
 
 import pytest
 
 from node.p2p.dht_guard import DHT_BURST_BYTES, DHT_MESSAGE_LIMIT, DHTRequestGuard, DHTRequestRefused, dht_conduct
-from node.runtime.loop_watch import BLOCKED_LOG_PREFIX, LoopWatch
 
 
 class FakeProtocol:
@@ -59,13 +57,3 @@ def test_a_banned_sender_is_refused():
     with pytest.raises(DHTRequestRefused, match="banned"):
         asyncio.run(guard.rpc_store(request_of(10), context_of("villain")))
     assert protocol.decoded == 0
-
-
-def test_loop_watch_logs_a_blocked_loop(caplog):
-    watch = LoopWatch(warn_after=0.5, window=60.0)
-    with caplog.at_level(logging.WARNING):
-        watch.observe(0.1)
-        assert not caplog.records
-        watch.observe(0.8)
-    assert watch.worst_lag == pytest.approx(0.8)
-    assert [r.getMessage() for r in caplog.records] == [f"{BLOCKED_LOG_PREFIX} 0.80 s"]
