@@ -196,8 +196,8 @@ class RoundContext:
             return (*verdict, phi_here, delta_here)
 
         reason, measures, phi_here, delta_here = await self.worker.compute(on_device)
-        if measures is not None:
-            logger.debug(f"partner {short_peer_id(partner)}: {measures.describe()}, distance limit {limit:.3g}")
+        if measures is not None:  # once per round: what an honest partner measures is how the bounds are set
+            logger.info(f"partner {short_peer_id(partner)}: {measures.describe()}, distance limit {limit:.3g}")
         return reason, None if measures is None else measures.distance, phi_here, delta_here
 
     async def finish(self, start: RoundStart, new_state: OuterState, outcome: RoundOutcome) -> RoundOutcome:

@@ -168,6 +168,29 @@ def histogram_mean(series: dict[str, float], name: str, label: str) -> tuple[flo
     return total / count, int(count)
 
 
+PARTNER_CHECK = re.compile(
+    r"partner \S+: distance (?P<distance>\S+), cosine (?P<cosine>\S+), .*"
+    r"Delta ratio (?P<delta_ratio>\S+), Delta cosine (?P<delta_cosine>\S+), distance limit (?P<limit>\S+)"
+)
+
+
+def describe_partner_checks(logs: list[str]) -> str:
+    """What the replicas measured of each other in their gossip rounds (the plausibility check's
+    inputs, node/averaging/plausibility.py): honest figures at this preset, against its bounds."""
+    checks = [m.groupdict() for log in logs for m in PARTNER_CHECK.finditer(log)]
+    if not checks:
+        return "none logged"
+
+    def spread(key: str) -> str:
+        values = sorted(float(c[key]) for c in checks)
+        return f"{values[0]:.3g} / {values[len(values) // 2]:.3g} / {values[-1]:.3g}"
+
+    return (
+        f"{len(checks)}; min / median / max: distance {spread('distance')} (limit {spread('limit')}), "
+        f"cosine {spread('cosine')}, Delta cosine {spread('delta_cosine')}, Delta ratio {spread('delta_ratio')}"
+    )
+
+
 def format_bytes(count: float) -> str:
     return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.0f} MiB"
 
@@ -276,9 +299,6 @@ def check(device: str, preset: str, workdir: Path) -> Report:
         if found:
             line = next(partnered.search(n.log()).group(0) for n in replicas if partnered.search(n.log()))
             report.figure("gossip", line)
-        banned = [m.group(0) for n in replicas if (m := re.search(r"rejected gossip from .*", n.log()))]
-        if banned:  # both replicas are honest: the joiner must train like its donor (docs/recovery.md)
-            report.fail(f"a replica refused its honest stage mate: {banned[0]}")
 
         # 4. the only peer of a stage dies; a newcomer rebuilds the stage by CheckFree
         victim = run.peers[f"stage{KILLED_STAGE}"]
@@ -308,6 +328,12 @@ def check(device: str, preset: str, workdir: Path) -> Report:
             files = sorted(p.name for p in out.iterdir())
             size = sum(p.stat().st_size for p in out.iterdir())
             report.figure("export", f"{', '.join(files)} ({format_bytes(size)})")
+
+        # the stage-1 replicas' gossip over the whole run, once the other steps are done
+        report.figure("partner checks", describe_partner_checks([n.log() for n in replicas]))
+        banned = [m.group(0) for n in replicas if (m := re.search(r"rejected gossip from .*", n.log()))]
+        if banned:  # both replicas are honest: the joiner must train like its donor (docs/recovery.md)
+            report.fail(f"a replica refused its honest stage mate: {banned[0]}")
 
         # figures every peer measured
         for name, node in sorted(run.peers.items()):
