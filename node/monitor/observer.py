@@ -3,6 +3,7 @@ training. Used by `node status` and `node dashboard`."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from typing import Any
 from dht.records import ConfigRecord
 from dht.registry import SwarmRegistry
 from node.config import SwarmConfig
-from node.monitor.status import collect_snapshot
+from node.monitor.status import collect_snapshot, loss_floor, stage_requirements
 from node.p2p.network import Network, start_network
 from node.server.daemon import check_compatible, find_swarm
 
@@ -43,6 +44,10 @@ async def observe(
     try:
         record = await find_swarm(network, swarm_id, find_timeout, founder)
         config = check_compatible(record)
+        # the snapshot's figures of the config alone (cached), computed once off the loop: the
+        # synthetic source's floor is a linear solve over its contexts, seconds at a real preset
+        await asyncio.to_thread(loss_floor, config)
+        await asyncio.to_thread(stage_requirements, config)
         yield Observer(network, SwarmRegistry(network.dht, config.swarm_id), record, config)
     finally:
         await network.shutdown()

@@ -194,7 +194,10 @@ async def download_state(
                 raise TransportError(f"state download from {who} broke: {e!r}") from e
             except ProtocolError as e:
                 raise ProtocolError(f"state download from {who}: {e}") from None
-        state = dataclasses.replace(decode_payload(payload, layout, header), donor=peer_id)
+        # host tensors only, but a copy per tensor of the whole stage: seconds at a real preset,
+        # which the loop (heartbeats, other peers' requests) must not wait for
+        decoded = await asyncio.to_thread(decode_payload, payload, layout, header)
+        state = dataclasses.replace(decoded, donor=peer_id)
     except (TransportError, ProtocolError):
         transport.meter.count(Tally.STATE_DOWNLOAD_FAILURES)
         raise

@@ -176,10 +176,9 @@ async def build_service(
     view.on_refresh(router.refresh)
     # every peer read here stays a way back into the DHT after its record expired (node/p2p/rejoin.py)
     view.on_refresh(lambda peers: remember_addresses(network.rejoin, peers))
-    # the window's ceiling: this device's memory bounds it (check_stage_fits), the swarm's config too.
-    # The store of activations is bounded by the same count, the one the memory check admitted: a
-    # block peer fed by several stage-0 peers evicts its oldest microbatch (retried by its origin)
-    # rather than hold more than its device was checked for (docs/model.md, "Memory per peer")
+    # the window's ceiling: this device's memory (check_stage_fits) and the swarm's config bound it, and
+    # the store of activations with it: a block peer fed by several stage-0 peers evicts its oldest
+    # microbatch (retried by its origin) rather than hold more than its device was checked for (docs/model.md)
     max_in_flight = options.max_in_flight or config.training.max_in_flight
     # built off the event loop: moving the module to a GPU (and the optimizer, the outer state) are CUDA calls
     worker = await asyncio.to_thread(
@@ -425,12 +424,13 @@ async def serve_current_stage(
         tasks = [asyncio.create_task(progress.run(), name="display"), mover]
         if me.stage == 0:
             try:
-                source = open_source(config, data_path, stream_id_from_peer(me.peer_id))
+                source = await asyncio.to_thread(open_source, config, data_path, stream_id_from_peer(me.peer_id))
             except DataError as e:  # one line and exit code 3 (daemon.run), not a traceback
                 raise JoinRefused(f"stage 0 cannot train on its data: {e}") from None
             ready = pipeline_ready(service, watch)
             tasks.append(asyncio.create_task(service.pipeline.drive(source, stop, ready), name="driver"))
-            service.validator = open_validator(
+            service.validator = await asyncio.to_thread(  # a synthetic source's setup is a linear solve
+                open_validator,
                 config,
                 data_path,
                 lambda tokens, targets: service.pipeline.run_microbatch(tokens, targets, MicrobatchPurpose.EVAL),
