@@ -27,6 +27,15 @@ from protocol.messages import (
     decode_message,
     encode_message,
 )
+from protocol.microbatch_header import (
+    PURPOSE_KEY,
+    TOKEN_KEY,
+    BackwardHeader,
+    ForwardHeader,
+    MicrobatchHeader,
+    MicrobatchPurpose,
+    purpose_of,
+)
 from protocol.tensors import COMPRESSIONS, DTYPES, Compression, decode_tensor, encode_tensor, wire_nbytes
 from protocol.version import PROTOCOL_VERSION
 
@@ -40,12 +49,18 @@ __all__ = [
     "KIND_TENSORS",
     "POSTED_KEY",
     "PROTOCOL_VERSION",
+    "PURPOSE_KEY",
+    "TOKEN_KEY",
+    "BackwardHeader",
     "Compression",
+    "ForwardHeader",
     "FrameSplitter",
     "Limits",
     "Message",
     "MessageKind",
     "MetaValue",
+    "MicrobatchHeader",
+    "MicrobatchPurpose",
     "ProtocolError",
     "decode_message",
     "decode_tensor",
@@ -54,6 +69,7 @@ __all__ = [
     "frame_header",
     "frame_length",
     "open_message",
+    "purpose_of",
     "read_frame",
     "recv_message",
     "seal_message",

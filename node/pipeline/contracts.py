@@ -6,8 +6,7 @@ node/pipeline/check_server.py read only what was checked."""
 from __future__ import annotations
 
 from node.p2p.request_contract import Count, RequestContract, Text, Token
-from node.pipeline.evaluation import PURPOSE_KEY
-from protocol import MessageKind
+from protocol import PURPOSE_KEY, MessageKind
 
 # a microbatch's token (secrets.token_hex(8) in node/pipeline/traffic.py): only peers on its path
 # know it; absent from an older peer's hops, which the handlers then treat as no token

@@ -29,12 +29,11 @@ from torch import Tensor
 
 from dht.records import short_peer_id
 from node.p2p.transport import Transport, TransportError, timed_out
-from node.pipeline.evaluation import MicrobatchPurpose, purpose_of
 from node.pipeline.link_compression import LinkCompression
 from node.pipeline.routing import Router
 from node.pipeline.verifier import Verifier
 from node.runtime.tasks import BackgroundTasks
-from protocol import ANCHOR_IDS, Message, MessageKind, ProtocolError
+from protocol import ANCHOR_IDS, Message, MessageKind, MicrobatchPurpose, ProtocolError, purpose_of
 
 logger = logging.getLogger(__name__)
 

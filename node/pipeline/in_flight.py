@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from node.p2p.transport import TransportError
-from node.pipeline.evaluation import MicrobatchPurpose
-from protocol import ProtocolError
+from protocol import MicrobatchPurpose, ProtocolError
 
 
 @dataclass

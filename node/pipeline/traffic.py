@@ -43,7 +43,6 @@ from node.model.data import TokenSource
 from node.p2p.transport import Transport, TransportError
 from node.pipeline.abort_notices import AbortNotices
 from node.pipeline.contracts import ABORT_CONTRACT, BACKWARD_CONTRACT, FORWARD_CONTRACT
-from node.pipeline.evaluation import PURPOSE_KEY, MicrobatchPurpose, purpose_of
 from node.pipeline.fair_turns import FairTurns
 from node.pipeline.hops import HopSender, PipelineStats
 from node.pipeline.in_flight import InFlight, ticket_named_by
@@ -61,7 +60,7 @@ from node.stage.activation_store import UnknownMicrobatch
 from node.stage.admission import RejectedInput
 from node.stage.forward_only import eval_embed, eval_forward, eval_loss
 from node.stage.stage_worker import StageWorker
-from protocol import ANCHOR_IDS, Message, MessageKind, ProtocolError
+from protocol import ANCHOR_IDS, PURPOSE_KEY, Message, MessageKind, MicrobatchPurpose, ProtocolError, purpose_of
 
 logger = logging.getLogger(__name__)
 

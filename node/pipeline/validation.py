@@ -1,6 +1,6 @@
 """Held-out loss on stage 0: every `validation.interval` seconds, a stage-0 peer sends the same
 `validation.batches` held-out microbatches through the swarm as evaluation microbatches
-(node/pipeline/evaluation.py: forward only, normal stage order, no optimizer effect) and publishes
+(protocol/microbatch_header.py: forward only, normal stage order, no optimizer effect) and publishes
 their mean loss, with its inner step at the time, in its record (`val_loss`, `val_step`).
 
 The batches are drawn once, from node/model/data.py's `open_heldout` (a prepared directory's val.bin,

@@ -35,7 +35,6 @@ from node.p2p.rejoin import RejoinBook
 from node.p2p.transport import Transport
 from node.p2p.traversal import serve_traversal
 from node.pipeline.check_server import CheckServer
-from node.pipeline.evaluation import MicrobatchPurpose
 from node.pipeline.receipts import ReceiptBook, ReceiptKeeper
 from node.pipeline.routing import Router
 from node.pipeline.traffic import Pipeline
@@ -59,6 +58,7 @@ from node.server.reading import ServiceReading
 from node.server.stage_fit import DeviceUnusable, measure_device, stage_fits
 from node.stage.access import live_parameters
 from node.stage.stage_worker import StageWorker
+from protocol import MicrobatchPurpose
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Forward-only passes through a stage's module: nothing stored, no gradient, no optimizer,
 throughput or gradient-gate state changed.
 
-An evaluation microbatch (node/pipeline/evaluation.py: `purpose = eval`) runs its stage through
+An evaluation microbatch (protocol/microbatch_header.py: `purpose = eval`) runs its stage through
 `eval_embed`, `eval_forward` and `eval_loss`, on the stage worker's compute thread
 (`worker.compute(eval_forward, worker, hidden)`), like every other use of its module. They check
 their inputs with the worker's own wire-input checks: an evaluation microbatch from a stranger is

@@ -13,8 +13,8 @@ import torch
 from node.config import read_config
 from node.model.data import open_source
 from node.model.llama import ReferenceModel
-from node.pipeline.evaluation import MicrobatchPurpose
 from node.stage.stage_worker import StageWorker
+from protocol import MicrobatchPurpose
 from tests.helpers.chain import chain_microbatch
 from tests.helpers.inprocess_swarm import run_in_swarm
 
@@ -119,7 +119,7 @@ def test_a_microbatch_lost_mid_pipeline_is_retried_at_once_not_at_the_deadline()
 
 @pytest.mark.timeout(120)
 def test_evaluation_microbatches_give_the_reference_loss_and_train_nothing():
-    """Validation's microbatches (node/pipeline/evaluation.py) take the normal stage order even with
+    """Validation's microbatches (protocol/microbatch_header.py) take the normal stage order even with
     CheckFree+ on, return the loss of the whole model in one process, and leave every peer as it
     was: no stored activations, no gradients, no step, no training statistic."""
     config = exact_config(microbatches_per_step=1).replace(recovery={"checkfree_plus": True})

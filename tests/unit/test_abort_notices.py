@@ -13,10 +13,9 @@ import torch
 
 from node.config import SwarmConfig
 from node.pipeline.abort_notices import AbortNotices
-from node.pipeline.evaluation import MicrobatchPurpose
 from node.pipeline.in_flight import InFlight
 from node.pipeline.traffic import ABORT, BACKWARD, FORWARD
-from protocol import Message, MessageKind, frame_header, seal_message
+from protocol import Message, MessageKind, MicrobatchPurpose, frame_header, seal_message
 from tests.helpers.served_handlers import SWARM, served_node
 
 ORIGIN, PEER, STRANGER = "origin-peer", "peer-on-the-path", "stranger"

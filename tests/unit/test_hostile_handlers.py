@@ -25,10 +25,18 @@ from node.p2p.membership import LIVENESS_CONTRACT, LIVENESS_SERVICE
 from node.p2p.peer_conduct import ConductLimits
 from node.pipeline.check_wire import CHECK_SERVICE
 from node.pipeline.contracts import ABORT_CONTRACT, BACKWARD_CONTRACT, CHECK_CONTRACT, FORWARD_CONTRACT
-from node.pipeline.evaluation import MicrobatchPurpose
 from node.pipeline.in_flight import InFlight
 from node.pipeline.traffic import ABORT, BACKWARD, FORWARD
-from protocol import DTYPES, KIND_SCHEMAS, KIND_TENSORS, PROTOCOL_VERSION, MessageKind, encode_tensor, frame_header
+from protocol import (
+    DTYPES,
+    KIND_SCHEMAS,
+    KIND_TENSORS,
+    PROTOCOL_VERSION,
+    MessageKind,
+    MicrobatchPurpose,
+    encode_tensor,
+    frame_header,
+)
 from tests.helpers.served_handlers import SWARM, ServedNode, served_node
 
 EXAMPLES = int(os.environ.get("PIPESWARM_HYPOTHESIS_EXAMPLES", "200"))

@@ -17,12 +17,20 @@ from node.model.data import VALIDATION_STREAM, DataError, open_heldout, open_sou
 from node.model.llama import ReferenceModel
 from node.monitor.dashboard import DashboardState, render_once
 from node.monitor.status import format_table
-from node.pipeline.evaluation import PURPOSE_KEY, MicrobatchPurpose, purpose_of
 from node.pipeline.validation import ValidationResult, Validator, heldout_batches, open_validator
 from node.stage.admission import RejectedInput
 from node.stage.forward_only import eval_embed, eval_forward, eval_loss
 from node.stage.stage_worker import StageWorker
-from protocol import Message, MessageKind, ProtocolError, decode_message, encode_message
+from protocol import (
+    PURPOSE_KEY,
+    Message,
+    MessageKind,
+    MicrobatchPurpose,
+    ProtocolError,
+    decode_message,
+    encode_message,
+    purpose_of,
+)
 
 CFG = SwarmConfig()
 
