@@ -17,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 from dht.records import short_peer_id
+from protocol import BackwardHeader
 
 logger = logging.getLogger(__name__)
 
@@ -49,16 +50,16 @@ class AbortNotices:
             while len(memory) > self._memory:
                 memory.popitem(last=False)
 
-    def computed(self, origin: str, meta: dict) -> bool:
-        """Did this peer compute the forward of the microbatch `meta` names (its id and token), for
-        `origin`? Only then may a gradient for it come back here (a BACKWARD's path is the sender's word)."""
-        return self._tokens.get((meta["microbatch_id"], meta.get("token", ""))) == origin
+    def computed(self, backward: BackwardHeader) -> bool:
+        """Did this peer compute the forward of the microbatch `backward` names (its id and token),
+        for the origin its path names? Only then may its gradient come back here (a BACKWARD's path
+        is the sender's word)."""
+        return self._tokens.get((backward.microbatch_id, backward.token)) == backward.origin
 
-    def tell_origin(self, origin: str, meta: dict, reason: str, sender: str | None = None) -> bool:
-        """Tell `origin` (best effort, in the background) that the microbatch in `meta` is lost here,
-        if this peer handled it or `sender`, who sent it, is the origin; else tell `sender`, who may
-        relay it. Whether the origin was told."""
-        microbatch_id, token = meta["microbatch_id"], meta.get("token", "")
+    def tell_origin(self, origin: str, microbatch_id: int, token: str, reason: str, sender: str | None = None) -> bool:
+        """Tell `origin` (best effort, in the background) that the microbatch named by its id and
+        token is lost here, if this peer handled it or `sender`, who sent it, is the origin; else tell
+        `sender`, who may relay it. Whether the origin was told."""
         if sender == origin or (origin, microbatch_id) in self._handled:
             self.told += 1
             self._spawn(self._notify(origin, microbatch_id, token, reason))
@@ -70,10 +71,12 @@ class AbortNotices:
         return False
 
     def relay(self, meta: dict, reason: str) -> bool:
-        """A notice from further on the path, naming a microbatch this peer handled by its id and
-        token: passed on to that microbatch's origin. Whether it named one."""
-        origin = self._tokens.get((meta["microbatch_id"], meta["token"]))
+        """A notice from further on the path (an ERROR's meta, node/pipeline/contracts.py's
+        ABORT_CONTRACT), naming a microbatch this peer handled by its id and token: passed on to that
+        microbatch's origin. Whether it named one."""
+        microbatch_id, token = meta["microbatch_id"], meta["token"]
+        origin = self._tokens.get((microbatch_id, token))
         if origin is None:
             return False
         self.relayed += 1
-        return self.tell_origin(origin, meta, reason)
+        return self.tell_origin(origin, microbatch_id, token, reason)

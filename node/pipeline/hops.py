@@ -33,7 +33,7 @@ from node.pipeline.link_compression import LinkCompression
 from node.pipeline.routing import Router
 from node.pipeline.verifier import Verifier
 from node.runtime.tasks import BackgroundTasks
-from protocol import ANCHOR_IDS, Message, MessageKind, MicrobatchPurpose, ProtocolError, purpose_of
+from protocol import ANCHOR_IDS, BackwardHeader, ForwardHeader, Message, MessageKind, MicrobatchHeader, ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -118,28 +118,28 @@ class HopSender:
         self._closed = False  # outcomes settling after close (channels closing at shutdown) are ignored
 
     async def send_to(
-        self, peer_id: str, service: str, kind: MessageKind, meta: dict, tensors: dict, on_lost: OnLost
+        self, peer_id: str, service: str, header: MicrobatchHeader, tensors: dict, on_lost: OnLost
     ) -> str | None:
         """Send to one specific peer (the origin or the previous hop): no alternative exists, so a
         refusal, now or later, is `on_lost()`. Returns the peer if the hop was sent, else None."""
-        message = self.transport.message(kind, meta, tensors)
-        if self.verifier is not None and kind == MessageKind.BACKWARD:  # the gradient of what peer_id sent here
-            self.verifier.backward_sent(peer_id, meta["path"][0], meta["microbatch_id"], tensors["grad"])
-        late = self._late(None, peer_id, service, meta["microbatch_id"], on_lost)
+        message = self.transport.message(header.KIND, header.to_meta(), tensors)
+        if self.verifier is not None and isinstance(header, BackwardHeader):  # the gradient of what peer_id sent here
+            self.verifier.backward_sent(peer_id, header.origin, header.microbatch_id, tensors["grad"])
+        late = self._late(None, peer_id, service, header.microbatch_id, on_lost)
         try:
             payload = self._seal(message, peer_id, service)
             outcome = await self.transport.post(
                 peer_id, service, message.request_id, payload, self.hop_timeout, self.refusal_window, late
             )
         except TransportError as e:
-            logger.info(f"{service} of microbatch {meta['microbatch_id']} lost: {e}")
+            logger.info(f"{service} of microbatch {header.microbatch_id} lost: {e}")
             on_lost()
             return None
 
         def settled(done: asyncio.Future) -> None:
             refusal = _refusal(done)
             if refusal is not None and not self._closed:
-                logger.info(f"{service} of microbatch {meta['microbatch_id']} lost: {refusal}")
+                logger.info(f"{service} of microbatch {header.microbatch_id} lost: {refusal}")
                 on_lost()
 
         outcome.add_done_callback(settled)
@@ -156,16 +156,16 @@ class HopSender:
             logger.debug(f"could not tell {short_peer_id(origin)} about microbatch {microbatch_id}: {e}")
 
     async def send_routed(
-        self, stage: int, service: str, kind: MessageKind, meta: dict, tensors: dict, on_lost: OnLost
+        self, stage: int, service: str, header: MicrobatchHeader, tensors: dict, on_lost: OnLost
     ) -> str | None:
         """Send to a routed choice among `stage`'s peers; on an error ban it and try another, on a
         timeout just try another. Returns the peer the hop was sent to, None (and `on_lost()`) if
         none could be sent it; a later refusal tries the next peer, and `on_lost()` when none is left."""
-        message = self.transport.message(kind, meta, tensors)
+        message = self.transport.message(header.KIND, header.to_meta(), tensors)
         checkable = None
-        if self.verifier is not None and kind == MessageKind.FORWARD and purpose_of(meta) is MicrobatchPurpose.TRAIN:
-            checkable = (tensors["hidden"], meta["origin"], meta.get("token", ""), tensors.get(ANCHOR_IDS))
-        hop = _RoutedHop(stage, service, message.request_id, message, meta["microbatch_id"], on_lost, checkable)
+        if self.verifier is not None and isinstance(header, ForwardHeader) and header.trains:
+            checkable = (tensors["hidden"], header.origin, header.token, tensors.get(ANCHOR_IDS))
+        hop = _RoutedHop(stage, service, message.request_id, message, header.microbatch_id, on_lost, checkable)
         peer_id = await self._send_routed(hop)
         if peer_id is None:
             on_lost()

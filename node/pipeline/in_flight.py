@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from node.p2p.transport import TransportError
-from protocol import MicrobatchPurpose, ProtocolError
+from protocol import MicrobatchHeader, MicrobatchPurpose, ProtocolError
 
 
 @dataclass
@@ -51,9 +51,9 @@ class InFlight:
             self.done.set_result(loss)
 
 
-def ticket_named_by(in_flight: dict[int, InFlight], meta: dict) -> InFlight | None:
-    """The origin's attempt a message refers to, if its id and token match one in flight."""
-    microbatch_id, token = meta.get("microbatch_id"), meta.get("token")
+def ticket_named_by(in_flight: dict[int, InFlight], microbatch_id: int, token: str | None) -> InFlight | None:
+    """The origin's attempt a message refers to, if its id and token match one in flight; a message
+    that names no token (None) is malformed."""
     if isinstance(microbatch_id, bool) or not isinstance(microbatch_id, int) or not isinstance(token, str):
         raise ProtocolError("a microbatch reference needs an integer microbatch_id and a token")
     ticket = in_flight.get(microbatch_id)
@@ -61,3 +61,9 @@ def ticket_named_by(in_flight: dict[int, InFlight], meta: dict) -> InFlight | No
     if ticket is None or not secrets.compare_digest(ticket.token.encode(), token.encode()):
         return None
     return ticket
+
+
+def ticket_for(in_flight: dict[int, InFlight], header: MicrobatchHeader) -> InFlight | None:
+    """The attempt a hop coming back to its origin belongs to (`ticket_named_by`): an older peer's
+    hop, without a token, is malformed here, where an empty token only names no attempt."""
+    return ticket_named_by(in_flight, header.microbatch_id, header.token if header.carries_token else None)

@@ -8,6 +8,8 @@ stage S-1 stage S's: a lost edge block stage can then be rebuilt by copying its 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 def pipeline_order(num_stages: int, microbatch_index: int, checkfree_plus: bool, training: bool = True) -> list[int]:
     """The block stages a microbatch visits, in forward order (stage 0 is implicit at both ends:
@@ -40,6 +42,6 @@ def pipeline_order(num_stages: int, microbatch_index: int, checkfree_plus: bool,
     return order
 
 
-def visits_every_block_stage(order: list[int], num_block_stages: int) -> bool:
+def visits_every_block_stage(order: Sequence[int], num_block_stages: int) -> bool:
     """Whether `order` (from another peer's message) visits each of the block stages 1..num_block_stages once."""
     return sorted(order) == list(range(1, num_block_stages + 1))

@@ -45,7 +45,7 @@ from node.pipeline.abort_notices import AbortNotices
 from node.pipeline.contracts import ABORT_CONTRACT, BACKWARD_CONTRACT, FORWARD_CONTRACT
 from node.pipeline.fair_turns import FairTurns
 from node.pipeline.hops import HopSender, PipelineStats
-from node.pipeline.in_flight import InFlight, ticket_named_by
+from node.pipeline.in_flight import InFlight, ticket_for, ticket_named_by
 from node.pipeline.in_flight_window import InFlightWindow, keep_in_flight
 from node.pipeline.link_compression import LinkCompression
 from node.pipeline.order import pipeline_order, visits_every_block_stage
@@ -60,7 +60,16 @@ from node.stage.activation_store import UnknownMicrobatch
 from node.stage.admission import RejectedInput
 from node.stage.forward_only import eval_embed, eval_forward, eval_loss
 from node.stage.stage_worker import StageWorker
-from protocol import ANCHOR_IDS, PURPOSE_KEY, Message, MessageKind, MicrobatchPurpose, ProtocolError, purpose_of
+from protocol import (
+    ANCHOR_IDS,
+    BackwardHeader,
+    ForwardHeader,
+    Message,
+    MessageKind,
+    MicrobatchHeader,
+    MicrobatchPurpose,
+    ProtocolError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -81,27 +90,26 @@ def _no_op() -> None:
 
 
 Handler = Callable[[str, Message], Message]
+ForwardHandler = Callable[[str, ForwardHeader, Message], Message]
+BackwardHandler = Callable[[str, BackwardHeader, Message], Message]
 
 
-def _witnessing_forwards(handler: Handler, verifier: Verifier | None) -> Handler:
-    """`handler`, and a training microbatch's output from a block-stage peer, once taken, shown to
-    the verifier: this peer is that hop's next peer (node/pipeline/hop_observations.py)."""
-    if verifier is None:
-        return handler
+def _forward_service(on_forward: ForwardHandler, verifier: Verifier | None) -> Handler:
+    """The FORWARD service's handler: `on_forward` with the hop's header read once, and a training
+    microbatch's output from a block-stage peer, once taken, shown to the verifier: this peer is
+    that hop's next peer (node/pipeline/hop_observations.py)."""
 
     def handle(sender: str, msg: Message) -> Message:
-        reply = handler(sender, msg)
-        meta = msg.meta
-        order, hop = meta["order"], meta["hop"]
-        if reply.kind == MessageKind.ACK and hop >= 2 and purpose_of(meta) is MicrobatchPurpose.TRAIN:
-            stage = order[hop - 2]  # hop 1 came from the origin; the final hop from the last block stage
-            token = meta.get("token", "")
+        header = ForwardHeader.from_meta(msg.meta)
+        reply = on_forward(sender, header, msg)
+        if verifier is not None and reply.kind == MessageKind.ACK and header.hop >= 2 and header.trains:
+            stage = header.order[header.hop - 2]  # hop 1 came from the origin; the final hop from the last block stage
             verifier.forward_received(
                 stage,
                 sender,
-                meta["origin"],
-                meta["microbatch_id"],
-                token,
+                header.origin,
+                header.microbatch_id,
+                header.token,
                 msg.tensors["hidden"],
                 msg.tensors.get(ANCHOR_IDS),
             )
@@ -110,17 +118,17 @@ def _witnessing_forwards(handler: Handler, verifier: Verifier | None) -> Handler
     return handle
 
 
-def _witnessing_backwards(handler: Handler, verifier: Verifier | None) -> Handler:
-    """`handler`, and the gradient a block-stage peer returns for the input this peer sent it, once
-    taken, shown to the verifier: this peer is that hop's previous peer."""
-    if verifier is None:
-        return handler
+def _backward_service(on_backward: BackwardHandler, verifier: Verifier | None) -> Handler:
+    """The BACKWARD service's handler: `on_backward` with the hop's header read once, and the
+    gradient a block-stage peer returns for the input this peer sent it, once taken, shown to the
+    verifier: this peer is that hop's previous peer."""
 
     def handle(sender: str, msg: Message) -> Message:
-        reply = handler(sender, msg)
-        path, hop = msg.meta["path"], msg.meta["hop"]
-        if reply.kind == MessageKind.ACK and hop + 1 < len(path):  # from the next peer on the path, not the origin
-            verifier.backward_received(sender, path[0], msg.meta["microbatch_id"], msg.tensors["grad"])
+        header = BackwardHeader.from_meta(msg.meta)
+        reply = on_backward(sender, header, msg)
+        # from the next peer on the path, not the origin
+        if verifier is not None and reply.kind == MessageKind.ACK and header.hop + 1 < len(header.path):
+            verifier.backward_received(sender, header.origin, header.microbatch_id, msg.tensors["grad"])
         return reply
 
     return handle
@@ -203,20 +211,21 @@ class Pipeline:
     async def start(self) -> None:
         # many small hops to the same few peers: one long-lived stream each (node/p2p/channels.py)
         self.transport.multiplex(FORWARD, BACKWARD, ABORT)
-        forward = _witnessing_forwards(self.on_forward, self.hops.verifier)
+        forward = _forward_service(self.on_forward, self.hops.verifier)
         await self.transport.serve_requests(FORWARD, forward, FORWARD_CONTRACT)
-        backward = _witnessing_backwards(self.on_backward, self.hops.verifier)
+        backward = _backward_service(self.on_backward, self.hops.verifier)
         await self.transport.serve_requests(BACKWARD, backward, BACKWARD_CONTRACT)
         await self.transport.serve_requests(ABORT, self.on_abort, ABORT_CONTRACT)
 
     def _ack(self, request: Message) -> Message:
         return self.transport.message(MessageKind.ACK, request_id=request.request_id)
 
-    def on_forward(self, sender: str, msg: Message) -> Message:
-        order, path, hop = msg.meta["order"], msg.meta["path"], msg.meta["hop"]
+    def on_forward(self, sender: str, header: ForwardHeader, msg: Message) -> Message:
+        """A FORWARD whose header `_forward_service` read: an unknown purpose was a ProtocolError
+        there, not a failure later."""
+        order, path, hop = header.order, header.path, header.hop
         if not visits_every_block_stage(order, self.num_block_stages):
-            raise ProtocolError(f"bad stage order {order}")
-        purpose_of(msg.meta)  # an unknown purpose is a ProtocolError here, not a failure later
+            raise ProtocolError(f"bad stage order {list(order)}")
         if not 1 <= hop <= len(order) + 1 or len(path) != hop or path[-1] != sender:
             raise ProtocolError(f"inconsistent hop {hop} for a path of {len(path)} peers")
         expected_stage = order[hop - 1] if hop <= len(order) else 0
@@ -225,13 +234,13 @@ class Pipeline:
                 f"this peer serves stage {self.me.stage} ({self.me.state}), not {expected_stage}"
             )
         if hop == len(order) + 1:
-            if msg.meta["origin"] != self.me.peer_id or ticket_named_by(self.in_flight, msg.meta) is None:
+            if header.origin != self.me.peer_id or ticket_for(self.in_flight, header) is None:
                 return self.transport.error("unknown microbatch")
-            self._tasks.spawn(self._finish_forward(msg))
+            self._tasks.spawn(self._finish_forward(header, msg))
             return self._ack(msg)
         # the sender serves the stage before ours on this path, the origin stage 0; a stranger (or a
         # joiner our view has not seen yet) gets BUSY, not a strike: an honest sender asks another peer
-        refusal = self.refusal(sender, order[hop - 2] if hop >= 2 else 0) or self.refusal(msg.meta["origin"], 0)
+        refusal = self.refusal(sender, order[hop - 2] if hop >= 2 else 0) or self.refusal(header.origin, 0)
         if refusal is not None:
             self.stats.busy_replies += 1
             return self.transport.message(MessageKind.BUSY, {"reason": refusal}, request_id=msg.request_id)
@@ -239,25 +248,24 @@ class Pipeline:
             self.stats.busy_replies += 1
             return self.transport.message(MessageKind.BUSY, request_id=msg.request_id)
         self._queued += 1
-        self._tasks.spawn(self._run_block_forward(msg))
+        self._tasks.spawn(self._run_block_forward(header, msg))
         return self._ack(msg)
 
-    def on_backward(self, sender: str, msg: Message) -> Message:
-        path, hop = msg.meta["path"], msg.meta["hop"]
+    def on_backward(self, sender: str, header: BackwardHeader, msg: Message) -> Message:
+        path, hop = header.path, header.hop
         if not 0 <= hop < len(path) or path[hop] != self.me.peer_id:
             raise ProtocolError(f"backward hop {hop} does not match its path")
-        expected_sender = path[hop + 1] if hop + 1 < len(path) else path[0]  # the origin starts backward
-        if sender != expected_sender:
+        if sender != header.sender:
             raise ProtocolError("backward arrived from a peer that is not the next hop of its path")
-        if not (ticket_named_by(self.in_flight, msg.meta) if hop == 0 else self.aborts.computed(path[0], msg.meta)):
+        if not (ticket_for(self.in_flight, header) if hop == 0 else self.aborts.computed(header)):
             return self.transport.error("unknown microbatch")  # not computed here: no work, no notice to anyone
-        self._tasks.spawn(self._run_backward(msg))
+        self._tasks.spawn(self._run_backward(header, msg))
         return self._ack(msg)
 
     def on_abort(self, sender: str, msg: Message) -> Message:
         """A peer on a microbatch's path gave up on it: retry now instead of at the deadline. Only an
         ERROR naming a microbatch by id and token gets here (ABORT_CONTRACT, checked by the transport)."""
-        ticket = ticket_named_by(self.in_flight, msg.meta)
+        ticket = ticket_named_by(self.in_flight, msg.meta.get("microbatch_id"), msg.meta.get("token"))
         # the ERROR schema makes "reason" a string (protocol/messages.py); shown, never parsed
         reason = f"{short_peer_id(sender)} gave up: {msg.meta['reason'][:200]}"
         if ticket is None:  # a block stage passes on a notice for a microbatch it handled; else nothing
@@ -265,55 +273,53 @@ class Pipeline:
         ticket.finish(error=TransportError(reason))
         return self._ack(msg)
 
-    def _reject(self, sender: str, msg: Message, reason: str) -> None:
+    def _reject(self, sender: str, header: MicrobatchHeader, reason: str) -> None:
         """A tensor from `sender` was unusable: a strike against it, and the origin retries elsewhere."""
         self.transport.conduct.strike(sender, reason)
-        self.aborts.tell_origin(msg.meta["path"][0], msg.meta, reason, sender)
+        self.aborts.tell_origin(header.path[0], header.microbatch_id, header.token, reason, sender)
 
-    async def _run_block_forward(self, msg: Message) -> None:
-        key = (msg.meta["origin"], msg.meta["microbatch_id"])
+    async def _run_block_forward(self, header: ForwardHeader, msg: Message) -> None:
+        key = (header.origin, header.microbatch_id)
         try:
             async with self._turns.turn(key[0]):
-                if purpose_of(msg.meta) is MicrobatchPurpose.EVAL:  # forward only: nothing stored, nothing to drop
+                if header.purpose is MicrobatchPurpose.EVAL:  # forward only: nothing stored, nothing to drop
                     hidden = await self.worker.compute(eval_forward, self.worker, msg.tensors["hidden"])
                 elif self.receipts is not None:  # kept for a while: a check of this microbatch may come
-                    token = msg.meta.get("token", "")
-                    hidden = await self.worker.compute(self.receipts.forward, key, token, msg.tensors["hidden"])
+                    hidden = await self.worker.compute(self.receipts.forward, key, header.token, msg.tensors["hidden"])
                 else:
                     hidden = await self.worker.compute(self.worker.forward, key, msg.tensors["hidden"])
         except ValueError as e:  # a malformed tensor from a stranger: its origin will retry elsewhere
-            logger.info(f"rejected forward from {short_peer_id(msg.meta['path'][-1])}: {e}")
-            self._reject(msg.meta["path"][-1], msg, f"forward rejected: {e}")
+            logger.info(f"rejected forward from {short_peer_id(header.path[-1])}: {e}")
+            self._reject(header.path[-1], header, f"forward rejected: {e}")
             return
         except Exception:
-            logger.exception(f"forward of microbatch {msg.meta['microbatch_id']} failed")
-            self.aborts.tell_origin(msg.meta["origin"], msg.meta, "forward failed", msg.meta["path"][-1])
+            logger.exception(f"forward of microbatch {header.microbatch_id} failed")
+            self.aborts.tell_origin(*key, header.token, "forward failed", header.path[-1])
             return
         finally:
             self._queued -= 1
-        self.aborts.handled(*key, msg.meta.get("token", ""))
-        order, hop = msg.meta["order"], msg.meta["hop"]
-        next_stage = order[hop] if hop < len(order) else 0
-        meta = {**msg.meta, "hop": hop + 1, "path": [*msg.meta["path"], self.me.peer_id]}
+        self.aborts.handled(*key, header.token)
+        next_stage = header.order[header.hop] if header.hop < len(header.order) else 0
+        onward = header.next_hop(self.me.peer_id)
         tensors = {"hidden": hidden, **carried_token_ids(msg, self.config.training)}
 
-        def lost(received: dict = msg.meta) -> None:  # the meta only: `msg` holds the tensors that came in
+        def lost() -> None:  # the header only: `msg` holds the tensors that came in
             self.worker.drop(key)
             if next_stage != 0:
-                self.aborts.tell_origin(received["origin"], received, f"no peer of stage {next_stage} took it")
+                self.aborts.tell_origin(*key, header.token, f"no peer of stage {next_stage} took it")
 
         if next_stage == 0:
-            sent = await self.hops.send_to(msg.meta["origin"], FORWARD, MessageKind.FORWARD, meta, tensors, lost)
+            sent = await self.hops.send_to(header.origin, FORWARD, onward, tensors, lost)
         else:
-            sent = await self.hops.send_routed(next_stage, FORWARD, MessageKind.FORWARD, meta, tensors, lost)
+            sent = await self.hops.send_routed(next_stage, FORWARD, onward, tensors, lost)
         self.stats.forwarded += sent is not None
 
-    async def _run_backward(self, msg: Message) -> None:
-        path, hop = msg.meta["path"], msg.meta["hop"]
-        key = (path[0], msg.meta["microbatch_id"])
-        sender = path[hop + 1] if hop + 1 < len(path) else path[0]
+    async def _run_backward(self, header: BackwardHeader, msg: Message) -> None:
+        hop = header.hop
+        key = (header.origin, header.microbatch_id)
+        sender = header.sender
         if hop == 0:
-            ticket = self.in_flight.get(msg.meta["microbatch_id"])
+            ticket = self.in_flight.get(header.microbatch_id)
             if ticket is None or ticket.done.done():
                 return
             try:
@@ -332,25 +338,24 @@ class Pipeline:
             async with self._turns.turn(key[0]):
                 grad = await self.worker.compute(backward, key, msg.tensors["grad"])
         except RejectedInput as e:
-            logger.info(f"rejected the gradient of microbatch {msg.meta['microbatch_id']}: {e}")
-            self._reject(sender, msg, f"backward rejected at stage {self.me.stage}: {e}")
+            logger.info(f"rejected the gradient of microbatch {header.microbatch_id}: {e}")
+            self._reject(sender, header, f"backward rejected at stage {self.me.stage}: {e}")
             return
         except (ValueError, KeyError) as e:  # activations already expired or dropped here
-            logger.info(f"backward of microbatch {msg.meta['microbatch_id']} failed here: {e}")
-            self.aborts.tell_origin(path[0], msg.meta, f"backward failed at stage {self.me.stage}", sender)
+            logger.info(f"backward of microbatch {header.microbatch_id} failed here: {e}")
+            self.aborts.tell_origin(*key, header.token, f"backward failed at stage {self.me.stage}", sender)
             return
         except Exception:
-            logger.exception(f"backward of microbatch {msg.meta['microbatch_id']} failed")
-            self.aborts.tell_origin(path[0], msg.meta, f"backward failed at stage {self.me.stage}", sender)
+            logger.exception(f"backward of microbatch {header.microbatch_id} failed")
+            self.aborts.tell_origin(*key, header.token, f"backward failed at stage {self.me.stage}", sender)
             return
-        meta = {**msg.meta, "hop": hop - 1}
         # lost before the origin: tell it; lost on the way to the origin: the origin's deadline sees it
         lost = (
-            partial(self.aborts.tell_origin, path[0], msg.meta, "backward could not reach the previous hop")
+            partial(self.aborts.tell_origin, *key, header.token, "backward could not reach the previous hop")
             if hop > 1
             else _no_op
         )
-        sent = await self.hops.send_to(path[hop - 1], BACKWARD, MessageKind.BACKWARD, meta, {"grad": grad}, lost)
+        sent = await self.hops.send_to(header.path[hop - 1], BACKWARD, header.next_hop(), {"grad": grad}, lost)
         self.stats.backwarded += sent is not None
 
     # ---- stage 0: the microbatch driver ------------------------------------------------------------
@@ -386,20 +391,20 @@ class Pipeline:
                     hidden = await self.worker.compute(self.worker.embed, key, tokens)
                 else:
                     hidden = await self.worker.compute(eval_embed, self.worker, tokens)
-                meta = {
-                    "microbatch_id": microbatch_id,
-                    "origin": self.me.peer_id,
-                    "path": [self.me.peer_id],
-                    "order": order,
-                    "hop": 1,
-                    "token": ticket.token,
-                    **({} if training else {PURPOSE_KEY: purpose.value}),
-                }
+                header = ForwardHeader(
+                    microbatch_id=microbatch_id,
+                    origin=self.me.peer_id,
+                    path=(self.me.peer_id,),
+                    order=tuple(order),
+                    hop=1,
+                    token=ticket.token,
+                    purpose=None if training else purpose,  # none stated is training, to older peers too
+                )
                 # the targets stay here with the ticket: the head is this stage's, and at a real preset
                 # they would be 8 more bytes a token on every hop (a subspace hop carries 35)
                 tensors = {"hidden": hidden, **hop_token_ids(tokens, self.config)}
                 lost = ticket.on_lost(f"no peer of stage {order[0]} took it")
-                await self.hops.send_routed(order[0], FORWARD, MessageKind.FORWARD, meta, tensors, lost)
+                await self.hops.send_routed(order[0], FORWARD, header, tensors, lost)
                 loss = await within(ticket.done, deadline)
                 if not training:
                     return loss
@@ -422,9 +427,9 @@ class Pipeline:
         logger.warning("dropped a microbatch: its attempts ran out")
         return None
 
-    async def _finish_forward(self, msg: Message) -> None:
+    async def _finish_forward(self, header: ForwardHeader, msg: Message) -> None:
         """At the origin: loss on the final hidden states, then the gradient goes back."""
-        ticket = self.in_flight.get(msg.meta["microbatch_id"])
+        ticket = self.in_flight.get(header.microbatch_id)
         if ticket is None or ticket.done.done():
             return
         key = (self.me.peer_id, ticket.microbatch_id)
@@ -436,17 +441,17 @@ class Pipeline:
                 self.worker.head_loss_backward, key, msg.tensors["hidden"], ticket.targets
             )
         except RejectedInput as e:
-            self.transport.conduct.strike(msg.meta["path"][-1], f"final hidden states rejected: {e}")
+            self.transport.conduct.strike(header.path[-1], f"final hidden states rejected: {e}")
             ticket.finish(error=TransportError(f"loss computation failed: {e}"))
             return
         except (ValueError, RuntimeError, UnknownMicrobatch) as e:  # UnknownMicrobatch: its activations expired
             ticket.finish(error=TransportError(f"loss computation failed: {e}"))
             return
         ticket.loss = loss
-        path = msg.meta["path"]
-        meta = {"microbatch_id": ticket.microbatch_id, "path": path, "hop": len(path) - 1, "token": ticket.token}
+        path = header.path
+        backward = BackwardHeader(ticket.microbatch_id, path, len(path) - 1, ticket.token)
         lost = ticket.on_lost("backward to the last stage failed")
-        await self.hops.send_to(path[-1], BACKWARD, MessageKind.BACKWARD, meta, {"grad": grad}, lost)
+        await self.hops.send_to(path[-1], BACKWARD, backward, {"grad": grad}, lost)
 
     async def close(self) -> None:
         await self._tasks.close()

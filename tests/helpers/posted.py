@@ -8,7 +8,12 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-from protocol import MessageKind
+from protocol import ForwardHeader, MessageKind
+
+
+def forward_header(microbatch_id: int = 1) -> ForwardHeader:
+    """The header of a FORWARD leaving its origin for stage 1: what these tests send."""
+    return ForwardHeader(microbatch_id, "origin", ("origin",), (1,), 1)
 
 
 def outcome(kind: MessageKind | None = None, reason: str = "") -> asyncio.Future:

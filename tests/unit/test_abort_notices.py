@@ -71,14 +71,13 @@ def test_notices_go_to_origins_this_peer_handled_or_that_sent_the_request_else_b
     async def scenario() -> None:
         spawned: list = []
         notices = AbortNotices(notify, spawned.append, memory=2)
-        meta = {"microbatch_id": 4, "token": "t"}
-        assert not notices.tell_origin(VICTIM, meta, "named only", sender=RELAY)
-        assert notices.tell_origin(ORIGIN, meta, "the origin sent it", sender=ORIGIN)
+        assert not notices.tell_origin(VICTIM, 4, "t", "named only", sender=RELAY)
+        assert notices.tell_origin(ORIGIN, 4, "t", "the origin sent it", sender=ORIGIN)
         notices.handled(VICTIM, 4)
-        assert notices.tell_origin(VICTIM, meta, "handled here", sender=RELAY)
+        assert notices.tell_origin(VICTIM, 4, "t", "handled here", sender=RELAY)
         notices.handled(ORIGIN, 5)
         notices.handled(ORIGIN, 6)  # memory 2: (VICTIM, 4) is forgotten
-        assert not notices.tell_origin(VICTIM, meta, "forgotten", sender=RELAY)
+        assert not notices.tell_origin(VICTIM, 4, "t", "forgotten", sender=RELAY)
         notices.handled(ORIGIN, 8, "secret")
         assert notices.relay({"microbatch_id": 8, "token": "secret"}, "lost further on")
         assert not notices.relay({"microbatch_id": 8, "token": "guessed"}, "a stranger's notice")

@@ -16,7 +16,7 @@ from node.p2p.transport import Transport, TransportError, timed_out
 from node.pipeline.hops import HopSender, PipelineStats
 from node.pipeline.routing import Router
 from protocol import MessageKind
-from tests.helpers.posted import PostingTransport, outcome, pending
+from tests.helpers.posted import PostingTransport, forward_header, outcome, pending
 
 # valid base58 peer ids (Transport parses them before opening a stream)
 PEER_IDS = ("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", "QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z")
@@ -67,8 +67,7 @@ def setup(failures: dict[str, TransportError], peers: tuple[str, ...] = ("a", "b
 
 def send(hops: HopSender, microbatch_id: int = 1) -> str | None:
     lost: list[int] = []
-    meta = {"microbatch_id": microbatch_id}
-    peer_id = asyncio.run(hops.send_routed(1, "forward", MessageKind.FORWARD, meta, {}, lambda: lost.append(1)))
+    peer_id = asyncio.run(hops.send_routed(1, "forward", forward_header(microbatch_id), {}, lambda: lost.append(1)))
     assert lost == ([] if peer_id else [1])  # a hop no peer was sent is lost, once
     return peer_id
 
@@ -169,9 +168,7 @@ def settle_later(settle, peers=("a", "b")) -> tuple[Router, ScriptedTransport, P
     lost: list[int] = []
 
     async def main() -> list[str]:
-        sent = await hops.send_routed(
-            1, "forward", MessageKind.FORWARD, {"microbatch_id": 7}, {}, lambda: lost.append(1)
-        )
+        sent = await hops.send_routed(1, "forward", forward_header(7), {}, lambda: lost.append(1))
         assert sent == "a" and transport.sent_to == ["a"]  # the send returned without waiting
         settle(transport.later["a"])
         for _ in range(20):  # the reroute runs in the background: let it
@@ -220,9 +217,7 @@ def test_send_to_one_peer_loses_the_hop_on_any_refusal():
         transport = ScriptedTransport({}, later=("origin",))
         hops = HopSender(transport, Router(random.Random(0), num_stages=2), PipelineStats(), 0.1, 3, lambda p: 0.0)
         lost: list[int] = []
-        sent = await hops.send_to(
-            "origin", "forward", MessageKind.FORWARD, {"microbatch_id": 3}, {}, lambda: lost.append(1)
-        )
+        sent = await hops.send_to("origin", "forward", forward_header(3), {}, lambda: lost.append(1))
         assert sent == "origin" and lost == []
         transport.later["origin"].set_result(SimpleNamespace(kind=MessageKind.BUSY, meta={}))
         await asyncio.sleep(0)
@@ -237,9 +232,7 @@ def test_a_refusal_after_the_window_loses_the_hop_once_and_bans_only_on_an_error
         lost: list[int] = []
 
         async def main() -> None:
-            assert await hops.send_routed(
-                1, "forward", MessageKind.FORWARD, {"microbatch_id": 9}, {}, lambda: lost.append(1)
-            )
+            assert await hops.send_routed(1, "forward", forward_header(9), {}, lambda: lost.append(1))
             transport.late_refusals["a"](SimpleNamespace(kind=kind, meta={"reason": "late"}))
 
         asyncio.run(main())
@@ -255,7 +248,7 @@ def test_a_hop_settling_after_close_leaves_no_unretrieved_error():
         errors: list[dict] = []
         asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
         _, transport, _, hops = setup({}, later=("a",))
-        assert await hops.send_routed(1, "forward", MessageKind.FORWARD, {"microbatch_id": 5}, {}, lambda: None)
+        assert await hops.send_routed(1, "forward", forward_header(5), {}, lambda: None)
         await hops.close()
         transport.later["a"].set_exception(ConnectionResetError("closed at shutdown"))
         await asyncio.sleep(0)  # the outcome's callbacks run

@@ -33,9 +33,9 @@ from node.pipeline.link_compression import (
     uplink_load,
 )
 from node.pipeline.routing import Router
-from protocol import DEFAULT_LIMITS, Compression, MessageKind
+from protocol import DEFAULT_LIMITS, BackwardHeader, Compression, MessageKind
 from tests.helpers.clock import FakeClock
-from tests.helpers.posted import PostingTransport, outcome
+from tests.helpers.posted import PostingTransport, forward_header, outcome
 
 FP16, INT8 = Compression.FP16, Compression.INT8
 MBIT = 1e6 / 8  # bytes/s
@@ -197,9 +197,9 @@ def test_a_routed_hop_is_sealed_once_for_the_first_peers_link():
     lost: list[int] = []
 
     async def scenario():
-        meta = {"microbatch_id": 1}
-        assert await hops.send_routed(1, "forward", MessageKind.FORWARD, meta, tensors, lambda: lost.append(1)) == "far"
-        assert await hops.send_to("far", "backward", MessageKind.BACKWARD, meta, tensors, lambda: lost.append(1))
+        assert await hops.send_routed(1, "forward", forward_header(1), tensors, lambda: lost.append(1)) == "far"
+        backward = BackwardHeader(1, ("origin", "far"), 1)
+        assert await hops.send_to("far", "backward", backward, tensors, lambda: lost.append(1))
 
     asyncio.run(scenario())
     # the routed hop: sealed once, in fp16 for near's fast link, and after near's BUSY the same payload

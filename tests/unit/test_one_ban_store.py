@@ -21,7 +21,7 @@ from node.pipeline.hops import HopSender, PipelineStats
 from node.pipeline.routing import Router
 from protocol import MessageKind
 from tests.helpers.clock import FakeClock
-from tests.helpers.posted import PostingTransport
+from tests.helpers.posted import PostingTransport, forward_header
 
 BANNED = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 HONEST = "QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z"
@@ -80,7 +80,7 @@ def test_a_peer_that_refused_a_hop_is_avoided_but_its_own_streams_are_admitted()
 
     async def refused_with_an_error() -> None:
         while BANNED not in transport.late_refusals:
-            await hops.send_routed(1, "forward", MessageKind.FORWARD, {"microbatch_id": 1}, {}, lambda: None)
+            await hops.send_routed(1, "forward", forward_header(1), {}, lambda: None)
         transport.late_refusals[BANNED](SimpleNamespace(kind=MessageKind.ERROR, meta={"reason": "cannot take it"}))
 
     asyncio.run(refused_with_an_error())

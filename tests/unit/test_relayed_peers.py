@@ -13,7 +13,7 @@ from node.p2p.reachability import carries_training
 from node.pipeline.hops import HopSender, PipelineStats
 from node.pipeline.routing import Router
 from protocol import MessageKind
-from tests.helpers.posted import PostingTransport, outcome
+from tests.helpers.posted import PostingTransport, forward_header, outcome
 
 
 def test_only_two_relayed_peers_cannot_carry_training():
@@ -32,7 +32,7 @@ def send_many(peers: list[str], unreachable: set[str], count: int) -> list[str]:
     async def main() -> None:
         for microbatch_id in range(count):
             lost = lambda: pytest.fail("a hop to an idle stage was lost")  # noqa: E731
-            assert await hops.send_routed(1, "forward", MessageKind.FORWARD, {"microbatch_id": microbatch_id}, {}, lost)
+            assert await hops.send_routed(1, "forward", forward_header(microbatch_id), {}, lost)
 
     asyncio.run(main())
     return transport.sent_to
@@ -56,8 +56,6 @@ def test_a_busy_direct_peer_does_not_send_the_hop_to_a_relayed_one():
     transport.settle = lambda peer_id, payload: outcome(MessageKind.BUSY)
     hops = HopSender(transport, router, PipelineStats(), 5.0, 3, lambda p: 0.0, lambda: {"home-b"})
     lost = []
-    sent = asyncio.run(
-        hops.send_routed(1, "forward", MessageKind.FORWARD, {"microbatch_id": 1}, {}, lambda: lost.append(1))
-    )
+    sent = asyncio.run(hops.send_routed(1, "forward", forward_header(1), {}, lambda: lost.append(1)))
     assert sent is None and lost == [1]
     assert transport.sent_to == ["public"]
