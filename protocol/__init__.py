@@ -29,7 +29,6 @@ from protocol.messages import (
 )
 from protocol.microbatch_header import (
     PURPOSE_KEY,
-    TOKEN_KEY,
     BackwardHeader,
     ForwardHeader,
     MicrobatchHeader,
@@ -50,7 +49,6 @@ __all__ = [
     "POSTED_KEY",
     "PROTOCOL_VERSION",
     "PURPOSE_KEY",
-    "TOKEN_KEY",
     "BackwardHeader",
     "Compression",
     "ForwardHeader",
