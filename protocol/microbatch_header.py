@@ -24,7 +24,7 @@ floor's (node/stage/forward_only.py), run on the stage worker's compute thread.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, ClassVar
 
@@ -119,8 +119,19 @@ class ForwardHeader:
         return self.purpose is None or self.purpose is MicrobatchPurpose.TRAIN
 
     def next_hop(self, peer_id: str) -> ForwardHeader:
-        """The header `peer_id`, which computed this hop, sends its output on with."""
-        return replace(self, hop=self.hop + 1, path=(*self.path, peer_id))
+        """The header `peer_id`, which computed this hop, sends its output on with (built field by
+        field: dataclasses.replace inspects the class on every call, and every hop makes one)."""
+        return ForwardHeader(
+            self.microbatch_id,
+            self.origin,
+            (*self.path, peer_id),
+            self.order,
+            self.hop + 1,
+            self.token,
+            self.purpose,
+            self.carries_token,
+            self.passed_on,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,8 +181,11 @@ class BackwardHeader:
         return self.path[self.hop + 1] if self.hop + 1 < len(self.path) else self.path[0]
 
     def next_hop(self) -> BackwardHeader:
-        """The header the gradient goes on with, to the peer before this one on the path."""
-        return replace(self, hop=self.hop - 1)
+        """The header the gradient goes on with, to the peer before this one on the path (built as
+        ForwardHeader.next_hop's is)."""
+        return BackwardHeader(
+            self.microbatch_id, self.path, self.hop - 1, self.token, self.carries_token, self.passed_on
+        )
 
 
 MicrobatchHeader = ForwardHeader | BackwardHeader
