@@ -273,7 +273,11 @@ def check(device: str, preset: str, workdir: Path) -> Report:
             return report
         utilisation = Utilisation(device, list(run.peers.values()))
         first, t0 = run.stage0_microbatches(), time.monotonic()
-        while time.monotonic() - t0 < shape.train_seconds:
+        # the window, stretched (up to the step timeout) until a microbatch completes in it: on a
+        # busy host a 10 s window can fall between two completions, and a rate needs one
+        while time.monotonic() - t0 < shape.train_seconds or (
+            run.stage0_microbatches() == first and time.monotonic() - t0 < shape.step_timeout
+        ):
             utilisation.sample()
             time.sleep(2.0)
         done, seconds = run.stage0_microbatches() - first, time.monotonic() - t0
