@@ -226,8 +226,9 @@ class Pipeline:
         order, path, hop = header.order, header.path, header.hop
         if not visits_every_block_stage(order, self.num_block_stages):
             raise ProtocolError(f"bad stage order {list(order)}")
-        if not 1 <= hop <= len(order) + 1 or len(path) != hop or path[-1] != sender:
-            raise ProtocolError(f"inconsistent hop {hop} for a path of {len(path)} peers")
+        # the path runs from its origin to the sender: abort notices and gradients follow it
+        if not 1 <= hop <= len(order) + 1 or len(path) != hop or path[-1] != sender or path[0] != header.origin:
+            raise ProtocolError(f"inconsistent hop {hop} for a path of {len(path)} peers from its origin")
         expected_stage = order[hop - 1] if hop <= len(order) else 0
         if expected_stage != self.me.stage or self.me.state != PeerState.ONLINE:
             return self.transport.error(

@@ -260,7 +260,7 @@ def forward_meta(ctx, me: str, microbatch_id: int) -> dict:
     return {
         "microbatch_id": microbatch_id,
         "origin": origin,
-        "path": [me] * hop,
+        "path": [origin] + [me] * (hop - 1),  # from its origin to the sender, as an honest path runs
         "order": order,
         "hop": hop,
         "token": token_for(microbatch_id),
@@ -748,6 +748,12 @@ async def forward_bad_path(ctx, res: Result) -> None:
     res.sent.append("path[-1] is the target, not us")
     msg = ctx.message(MessageKind.FORWARD, meta, {"hidden": hidden(ctx)})
     await must_reject(ctx, res, "path", "forward", encoded(ctx, msg), close_write=False, repetitions=1)
+    meta = forward_meta(ctx, ident.peer_id, ctx.microbatch_id())
+    # the path says who started it: an origin elsewhere would have abort notices sent to a bystander
+    meta["origin"] = ident.peer_id if meta["origin"] == ctx.target_id else ctx.target_id
+    res.sent.append("origin is not the path's first peer")
+    msg = ctx.message(MessageKind.FORWARD, meta, {"hidden": hidden(ctx)})
+    await must_reject(ctx, res, "origin", "forward", encoded(ctx, msg), close_write=False, repetitions=1)
     meta = forward_meta(ctx, ident.peer_id, ctx.microbatch_id())
     meta["order"] = [ctx.num_stages + 5] * len(meta["order"])
     res.sent.append(f"order {meta['order']}")
@@ -1779,7 +1785,8 @@ CASES: list[Case] = [
     Case(
         "forward_bad_path",
         "forward",
-        "FORWARD whose path does not end with the sender, and one with an invalid order",
+        "FORWARD whose path does not end with the sender, one whose origin is not the path's first peer, and one "
+        "with an invalid order",
         "ERROR ('inconsistent hop' / 'bad stage order')",
         forward_bad_path,
         refused_by=("inconsistent hop", "bad stage order"),
