@@ -352,12 +352,21 @@ def check(device: str, preset: str, workdir: Path) -> Report:
             for kind in ("forward", "backward", "head"):
                 mean = histogram_mean(series, "pipeswarm_compute_seconds", f'pass="{kind}"')
                 if mean:
-                    times.append(f"{kind} {mean[0] * 1e3:.1f} ms")
+                    times.append(f"{kind} {mean[0] * 1e3:.1f} ms (n {mean[1]})")
             for service in ("forward", "backward"):
                 mean = histogram_mean(series, "pipeswarm_hop_seconds", f'service="{service}"')
                 if mean:
                     times.append(f"{service} hop {mean[0] * 1e3:.1f} ms (n {mean[1]})")
-            report.figure(f"peer {name}", f"peak {memory or 'not reported'}; {', '.join(times) or 'no timings'}")
+            # its training position: backward passes per inner step follow the window it holds
+            # (node/stage/inner_optimizer.py, step_size), and replicas of one stage can differ
+            position = ", ".join(
+                f"{what} {series[key]:.0f}"
+                for what, key in (("inner step", "pipeswarm_inner_step"), ("stored", "pipeswarm_stored_activations"))
+                if key in series
+            )
+            report.figure(
+                f"peer {name}", f"peak {memory or 'not reported'}; {', '.join(times) or 'no timings'}; {position}"
+            )
         return report
     finally:
         swarm.close()
