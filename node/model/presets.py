@@ -3,7 +3,7 @@
 A preset fills the [model] section (vocabulary, widths, heads, context, and `layers_per_stage`
 derived from the preset's total layer count and the swarm's block stages, S = num_stages - 1), the
 [training] values its model needs (a sequence as long as its context, the microbatch size and the
-in-flight window a 24 GB GPU holds: `TrainingShape`) and num_stages where neither the TOML nor a
+in-flight window a 24 GB GPU holds, and a learning rate for its width: `TrainingShape`) and num_stages where neither the TOML nor a
 flag sets it (a gossip round's time follows its payload at run time: node/averaging/gossip_wire.py,
 `round_budget`). Keys
 written explicitly (the TOML's tables, "model.*", "training.*", "gossip.*" overrides, a
@@ -65,6 +65,7 @@ class TrainingShape:
     microbatch_size: int
     min_in_flight: int
     max_in_flight: int
+    learning_rate: float | None = None  # None: width_scaled_lr of the preset's hidden size
     wire_compression: Compression = TrainingConfig.wire_compression
     slow_link_compression: Compression = TrainingConfig.slow_link_compression
 
@@ -77,7 +78,22 @@ _DEFAULT_TRAINING = TrainingConfig()
 # 16.4x under fp16 at the 15m width, where a 50 Mbit/s uplink otherwise sets the pace; its loss cost
 # and the alternatives are measured in docs/wire.md
 SUBSPACE_HOPS = {"wire_compression": Compression.SUBSPACE8, "slow_link_compression": Compression.SUBSPACE8}
+# Adam moves every weight of a hidden matrix by about lr a step, so a unit's input changes by about
+# lr x width: the usable rate falls as 1 / width (muP, Yang et al. 2022, arXiv:2203.03466). Measured
+# at 125m's width (576) with live StageWorkers on the Markov source (2 block layers, 200 steps of
+# 512 tokens; tests/benchmarks/bench_learning_rate.py, docs/model.md "Presets"): held-out 1.06 at 6e-4, 1.09 at 1e-3, 1.82 at 3e-3,
+# the default; at 15m's width (288) 1.12 at 1.2e-3 (this rule) against 1.50 at 3e-3. On an H200 the
+# 125m swarm at 3e-3 sat at loss 2.9-3.3 after its first 20 steps.
+LR_REFERENCE_WIDTH, LR_AT_REFERENCE = 576, 6e-4
+
+
+def width_scaled_lr(hidden_size: int) -> float:
+    """A real preset's learning rate: LR_AT_REFERENCE at LR_REFERENCE_WIDTH, x 1 / width elsewhere."""
+    return round(LR_AT_REFERENCE * LR_REFERENCE_WIDTH / hidden_size, 7)
+
+
 TODAYS_TRAINING = TrainingShape(
+    learning_rate=_DEFAULT_TRAINING.learning_rate,
     sequence_length=_DEFAULT_TRAINING.sequence_length,
     microbatch_size=_DEFAULT_TRAINING.microbatch_size,
     min_in_flight=_DEFAULT_TRAINING.min_in_flight,
@@ -181,7 +197,11 @@ PRESETS: dict[PresetName, ModelPreset] = {
             # its whole context; 8 x 256 = 2048 tokens a microbatch, as the larger presets; a window of
             # 4..16 keeps a peer of any stage near 3 GiB in fp32 on a CPU (a laptop's RAM)
             training=TrainingShape(
-                sequence_length=256, microbatch_size=8, min_in_flight=4, max_in_flight=16, **SUBSPACE_HOPS
+                sequence_length=256,
+                microbatch_size=8,
+                min_in_flight=4,
+                max_in_flight=16,
+                **SUBSPACE_HOPS,
             ),
             num_stages=3,  # 2 block stages x 3 layers
         ),
@@ -205,7 +225,11 @@ PRESETS: dict[PresetName, ModelPreset] = {
             # untrained); one sequence a microbatch keeps the unit of memory and of wire traffic small
             # (a 137 KB subspace8 hop, 2.4 MB in fp16); a window up to 16 fits a 24 GB GPU in bf16 and in fp16
             training=TrainingShape(
-                sequence_length=2048, microbatch_size=1, min_in_flight=4, max_in_flight=16, **SUBSPACE_HOPS
+                sequence_length=2048,
+                microbatch_size=1,
+                min_in_flight=4,
+                max_in_flight=16,
+                **SUBSPACE_HOPS,
             ),
             num_stages=4,  # 3 block stages x 10 layers
         ),
@@ -227,7 +251,11 @@ PRESETS: dict[PresetName, ModelPreset] = {
             published_ties_embeddings=True,
             # as 125m; 12 in flight is what a 24 GB GPU holds on a block stage of 8 layers
             training=TrainingShape(
-                sequence_length=2048, microbatch_size=1, min_in_flight=4, max_in_flight=12, **SUBSPACE_HOPS
+                sequence_length=2048,
+                microbatch_size=1,
+                min_in_flight=4,
+                max_in_flight=12,
+                **SUBSPACE_HOPS,
             ),
             num_stages=5,  # 4 block stages x 8 layers
         ),
@@ -249,7 +277,11 @@ PRESETS: dict[PresetName, ModelPreset] = {
             published_ties_embeddings=True,
             # as 125m; 10 in flight is what a 24 GB GPU holds on a block stage of 6 layers
             training=TrainingShape(
-                sequence_length=2048, microbatch_size=1, min_in_flight=4, max_in_flight=10, **SUBSPACE_HOPS
+                sequence_length=2048,
+                microbatch_size=1,
+                min_in_flight=4,
+                max_in_flight=10,
+                **SUBSPACE_HOPS,
             ),
             num_stages=10,  # 9 block stages x 6 layers
         ),
@@ -285,6 +317,8 @@ def preset_values(name: Any, num_stages: Any, written: Mapping[str, Any]) -> dic
     else:
         model = preset.model_values(num_stages)
     training = preset.training.training_values()
+    if training["learning_rate"] is None:
+        training["learning_rate"] = width_scaled_lr(preset.hidden_size)
     if {"training.wire_compression", "training.slow_link_compression"} & written.keys():
         # the two go together (a subspace codec is part of the model): the user's choice takes both
         del training["wire_compression"], training["slow_link_compression"]
