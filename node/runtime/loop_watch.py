@@ -7,7 +7,7 @@ worst lateness of the last minute is kept for status output.
 
 A lateness says that the loop was blocked, not by what. So while `run` is going, a watchdog thread
 looks at the loop's heartbeat, and once the loop has been silent for `warn_after` it logs where
-the loop's thread is at that moment ("event loop stalled in ...", innermost frames last), once per
+the loop's thread is at that moment ("event loop stalled in ...", innermost frame first), once per
 stall: the line that names the culprit on a machine nobody can attach a debugger to.
 """
 
