@@ -102,7 +102,7 @@ class TrainingConfig:
     stashed_weights: int = 4
     """Copies of a block stage's weights kept alive at once so a microbatch forwarded before a step backpropagates through the weights it used (PipeDream's weight stashing, node/stage/weight_stash.py), >= 0; one copy per step still in flight. 4 covers max_staleness_steps (2) plus the current weights plus one; past the limit, and with 0, the backward recomputes the forward at the current weights (hivemind's expert backends)."""
     learning_rate: float = 3e-3
-    """Peak learning rate of the inner AdamW; 3e-3 suits a 64-wide model (small models take larger rates)."""
+    """Peak learning rate of the inner AdamW; 3e-3 suits a 64-wide model (small models take larger rates); a real preset sets its own, falling as 1 / width (docs/model.md, "Presets")."""
     warmup_steps: int = 20
     """Optimizer steps of linear warmup up to learning_rate; 20 is short, as the default runs are."""
     total_steps: int = 5000

@@ -81,9 +81,9 @@ SUBSPACE_HOPS = {"wire_compression": Compression.SUBSPACE8, "slow_link_compressi
 # Adam moves every weight of a hidden matrix by about lr a step, so a unit's input changes by about
 # lr x width: the usable rate falls as 1 / width (muP, Yang et al. 2022, arXiv:2203.03466). Measured
 # at 125m's width (576) with live StageWorkers on the Markov source (2 block layers, 200 steps of
-# 512 tokens; tests/benchmarks/bench_learning_rate.py, docs/model.md "Presets"): held-out 1.06 at 6e-4, 1.09 at 1e-3, 1.82 at 3e-3,
-# the default; at 15m's width (288) 1.12 at 1.2e-3 (this rule) against 1.50 at 3e-3. On an H200 the
-# 125m swarm at 3e-3 sat at loss 2.9-3.3 after its first 20 steps.
+# 512 tokens; tests/benchmarks/bench_learning_rate.py, docs/model.md "Presets"): held-out 1.06 at
+# 6e-4, 1.09 at 1e-3, 1.82 at 3e-3, the default; at 15m's width (288) 1.12 at 1.2e-3 (this rule)
+# against 1.50 at 3e-3. On an H200 the 125m swarm at 3e-3 sat at loss 2.9-3.3 after its first 20 steps.
 LR_REFERENCE_WIDTH, LR_AT_REFERENCE = 576, 6e-4
 
 
@@ -144,6 +144,14 @@ class ModelPreset:
             spec.name: getattr(self, spec.name) for spec in fields(ModelConfig) if spec.name != "layers_per_stage"
         }
         return {**values, "layers_per_stage": self.layers_per_stage(num_stages)}
+
+    def training_values(self) -> dict[str, Any]:
+        """The [training] values this preset gives a swarm: its shape's, the learning rate scaled to
+        its width where the shape names none."""
+        values = self.training.training_values()
+        if values["learning_rate"] is None:
+            values["learning_rate"] = width_scaled_lr(self.hidden_size)
+        return values
 
     def model_config(self, num_stages: int) -> ModelConfig:
         return ModelConfig(**self.model_values(num_stages))
@@ -316,9 +324,7 @@ def preset_values(name: Any, num_stages: Any, written: Mapping[str, Any]) -> dic
         model = {key: value for key, value in preset.model_values(2).items() if key != "layers_per_stage"}
     else:
         model = preset.model_values(num_stages)
-    training = preset.training.training_values()
-    if training["learning_rate"] is None:
-        training["learning_rate"] = width_scaled_lr(preset.hidden_size)
+    training = preset.training_values()
     if {"training.wire_compression", "training.slow_link_compression"} & written.keys():
         # the two go together (a subspace codec is part of the model): the user's choice takes both
         del training["wire_compression"], training["slow_link_compression"]

@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from node.config import ConfigError, ModelConfig, SwarmConfig
+from node.config import ConfigError, ModelConfig, SwarmConfig, TrainingConfig
 from node.model.llama import build_stage
 from node.model.parameters import count_stage_parameters
 from node.model.presets import (
@@ -180,6 +180,14 @@ def test_a_preset_fills_the_training_shape_its_model_needs_and_its_stage_count()
         )
         assert config.num_stages == (preset.num_stages or SwarmConfig.num_stages)
     assert load_config(**{"model.preset": "15m"}).training.sequence_length == 256  # its whole context
+    # the learning rate falls as 1 / width from 6e-4 at 125m's 576; tiny keeps the default; a written one wins
+    rates = {name: load_config(**{"model.preset": name.value}).training.learning_rate for name in PresetName}
+    assert rates[PresetName.TINY] == TrainingConfig.learning_rate
+    assert rates[PresetName.MOBILELLM_125M] == 6e-4 and rates[PresetName.STORIES_15M] == 1.2e-3
+    assert (
+        rates[PresetName.MOBILELLM_350M] < rates[PresetName.MOBILELLM_125M] and rates[PresetName.MOBILELLM_1B] == 2.7e-4
+    )
+    assert load_config(**{"model.preset": "125m", "training.learning_rate": 1e-3}).training.learning_rate == 1e-3
     for name in (PresetName.MOBILELLM_125M, PresetName.MOBILELLM_350M, PresetName.MOBILELLM_1B):
         config = load_config(**{"model.preset": name.value})
         assert config.training.sequence_length == config.model.max_position_embeddings == 2048
