@@ -277,7 +277,7 @@ class Pipeline:
     def _reject(self, sender: str, header: MicrobatchHeader, reason: str) -> None:
         """A tensor from `sender` was unusable: a strike against it, and the origin retries elsewhere."""
         self.transport.conduct.strike(sender, reason)
-        self.aborts.tell_origin(header.path[0], header.microbatch_id, header.token, reason, sender)
+        self.aborts.tell_origin(header.origin, header.microbatch_id, header.token, reason, sender)
 
     async def _run_block_forward(self, header: ForwardHeader, msg: Message) -> None:
         key = (header.origin, header.microbatch_id)
