@@ -75,6 +75,8 @@ class Swarm:
         self.workdir = workdir
         self.nodes: list[NodeProcess] = []
         self.initial_peers: list[str] = []
+        # the founder's peer id, once later peers and observers enter through others (`enter_through`)
+        self.founder: str | None = None
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), **(env or {})}
 
     def spawn(
@@ -101,6 +103,16 @@ class Swarm:
         )
         return node
 
+    def enter_through(self, maddrs: list[str]) -> None:
+        """Later joins and `status` calls enter through the peers at `maddrs`, not the bootstrapper
+        (which a test may have stopped), and still trust only the founder's swarm config."""
+        self.founder = self.founder or self.initial_peers[0].rsplit("/p2p/", 1)[-1]
+        self.initial_peers = list(maddrs)
+
+    def _entry(self) -> list[str]:
+        founder = ["--swarm-founder", self.founder] if self.founder else []
+        return ["--initial-peers", *self.initial_peers, *founder]
+
     def join(
         self,
         name: str,
@@ -109,9 +121,7 @@ class Swarm:
         host: str = "127.0.0.1",
         launcher: list[str] | None = None,
     ) -> NodeProcess:
-        return self.spawn(
-            name, ["join", "--host", host, "--initial-peers", *self.initial_peers, *extra], python_prefix, launcher
-        )
+        return self.spawn(name, ["join", "--host", host, *self._entry(), *extra], python_prefix, launcher)
 
     def status(self, timeout: float = 60.0, launcher: list[str] | None = None) -> dict[str, Any]:
         """`node status --json` (run after `launcher` when given: from inside a network namespace)."""
@@ -123,8 +133,7 @@ class Swarm:
                 "node",
                 "status",
                 "--json",
-                "--initial-peers",
-                *self.initial_peers,
+                *self._entry(),
             ],
             capture_output=True,
             text=True,
@@ -141,7 +150,7 @@ class Swarm:
 
         from node.monitor.observer import observe_once
 
-        return asyncio.run(observe_once(self.initial_peers, None))
+        return asyncio.run(observe_once(self.initial_peers, None, founder=self.founder))
 
     def refresh_families(self) -> None:
         for node in self.nodes:

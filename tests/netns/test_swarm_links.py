@@ -8,6 +8,8 @@ per host make 100 +- 20 ms one way and ~1 % loss per path, as a swarm across con
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -21,14 +23,19 @@ pytestmark = [pytest.mark.slow]
 GOSSIP_EVERY = 8
 HOSTS = ("a", "b", "c", "d")
 PEERS = {"stage0a": ("a", 0), "stage0b": ("b", 0), "stage1c": ("c", 1), "stage1d": ("d", 1)}
+STAGE0A_PORT = 31001  # fixed, so that `node status` can enter through stage0a once the bootstrapper is gone
 
 
-def start(bed: TestBed, swarm: Swarm, workdir: Path) -> dict[str, NodeProcess]:
+def start(bed: TestBed, swarm: Swarm, workdir: Path) -> tuple[NodeProcess, dict[str, NodeProcess], dict[str, str]]:
+    """(the bootstrapper, the peers by name, their peer ids)."""
     (workdir / "swarm.toml").write_text(f"[gossip]\ninner_steps = {GOSSIP_EVERY}\n")
-    bootstrap_on(bed, "a", swarm, 2, workdir / "swarm.toml")
-    nodes = join_placed(bed, swarm, {name: (host, stage, ()) for name, (host, stage) in PEERS.items()})
-    wait_for_peer_ids(nodes)
-    return nodes
+    bootstrapper = bootstrap_on(bed, "a", swarm, 2, workdir / "swarm.toml")
+    placement = {
+        name: (host, stage, ("--port", str(STAGE0A_PORT)) if name == "stage0a" else ())
+        for name, (host, stage) in PEERS.items()
+    }
+    nodes = join_placed(bed, swarm, placement)
+    return bootstrapper, nodes, wait_for_peer_ids(nodes)
 
 
 def totals(swarm: Swarm, bed: TestBed) -> tuple[int, int, dict]:
@@ -47,8 +54,22 @@ def rate(swarm: Swarm, bed: TestBed, seconds: float) -> tuple[float, int]:
     return (steps2 - steps) / (time.monotonic() - started), rounds2 - rounds
 
 
-def assert_healthy(swarm: Swarm) -> None:
+def stop_bootstrapper(bootstrapper: NodeProcess) -> None:
+    """Stop the bootstrapper as its operator would (SIGTERM), its p2pd with it."""
+    bootstrapper.refresh_family()
+    bootstrapper.process.send_signal(signal.SIGTERM)
+    try:
+        bootstrapper.process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        bootstrapper.kill_hard()
+    wait_for(lambda: not bootstrapper.alive_family(), 10, "the bootstrapper's p2pd outlived it")
+
+
+def assert_healthy(swarm: Swarm, gone: NodeProcess | None = None) -> None:
+    """Every peer of `swarm` but `gone` (stopped by the test) is running, and no log holds a traceback."""
     for node in swarm.nodes:
+        if node is gone:
+            continue
         assert node.process.poll() is None, f"{node.name} died:\n{node.log()[-2000:]}"
         assert "Traceback" not in node.log(), f"{node.name}:\n{node.log()[-3000:]}"
 
@@ -93,12 +114,16 @@ def test_training_goes_on_over_slow_lossy_links(tmp_path: Path):
 def test_a_partitioned_stage_comes_back_after_heal(tmp_path: Path):
     require_namespaces(nat=False)
     with swarm_on_bed(tmp_path, HOSTS) as (bed, swarm):
-        nodes = start(bed, swarm, tmp_path)
+        bootstrapper, nodes, ids = start(bed, swarm, tmp_path)
         wait_for(lambda: totals(swarm, bed)[0] > 20, 120, "the swarm never trained")
         before, _ = rate(swarm, bed, 20)
         cut_at = time.monotonic()
         bed.cut("c")
         bed.cut("d")  # every stage-1 peer is gone for longer than the lost-stage grace (10 s) and the TTL
+        # and so is every peer's only initial peer: after the heal the two sides must find each other
+        # through the peers they still know (node/p2p/rejoin.py), as after a home router's reboot
+        stop_bootstrapper(bootstrapper)
+        swarm.enter_through([f"/ip4/{bed.address('a')}/tcp/{STAGE0A_PORT}/p2p/{ids['stage0a']}"])
         during, _ = rate(swarm, bed, 45)
         bed.heal("c")
         bed.heal("d")
@@ -121,4 +146,4 @@ def test_a_partitioned_stage_comes_back_after_heal(tmp_path: Path):
             f"heal; stage 1 online after: {len(stage1)} peers, outer rounds {[p['outer_round'] for p in stage1]}"
         )
         assert len(stage1) == 2, snapshot["stages"][1]
-        assert_healthy(swarm)
+        assert_healthy(swarm, gone=bootstrapper)
