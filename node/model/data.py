@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from node.config import SwarmConfig, SyntheticSource, synthetic_source
+from node.config import DataConfig, SwarmConfig, SyntheticSource, synthetic_source
 from node.model.corpus import PreparedData, PreparedDataError, load_prepared
 from node.model.synthetic import SyntheticMarkovSource as SyntheticMarkovSource  # re-exported: its old home
 from node.model.synthetic import markov_source, stable_seed
@@ -120,14 +120,15 @@ class TokenFileSource:
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
-def open_prepared(config: SwarmConfig, directory: str | Path) -> PreparedData:
-    """A directory of `node prepare-data`, if the swarm trains on data made with its tokenizer:
-    the same token id must mean the same text on every stage-0 peer (DataError otherwise)."""
+def open_prepared(data: DataConfig, vocab_size: int, directory: str | Path) -> PreparedData:
+    """A directory of `node prepare-data`, if the swarm trains on data made with its tokenizer
+    (data.tokenizer_hash) and its ids fit the model's `vocab_size`: the same token id must mean the
+    same text on every stage-0 peer (DataError otherwise)."""
     try:
         prepared = load_prepared(directory)
     except PreparedDataError as e:
         raise DataError(str(e)) from None
-    expected = config.data.tokenizer_hash
+    expected = data.tokenizer_hash
     if not expected:
         raise DataError(
             f"{directory} was prepared with tokenizer {prepared.tokenizer_hash}, but this swarm records no "
@@ -138,10 +139,8 @@ def open_prepared(config: SwarmConfig, directory: str | Path) -> PreparedData:
             f"{directory} was prepared with tokenizer {prepared.tokenizer_hash}, this swarm trains with "
             f"tokenizer {expected}: use the swarm's prepared data (or its tokenizer.json)"
         )
-    if prepared.vocab_size > config.model.vocab_size:
-        raise DataError(
-            f"{directory}: its tokenizer has {prepared.vocab_size} tokens, the model only {config.model.vocab_size}"
-        )
+    if prepared.vocab_size > vocab_size:
+        raise DataError(f"{directory}: its tokenizer has {prepared.vocab_size} tokens, the model only {vocab_size}")
     return prepared
 
 
@@ -159,7 +158,7 @@ def open_source(config: SwarmConfig, data_path: str | None, stream_id: int) -> T
     min_tokens = config.training.sequence_length + 1
     embedded = synthetic_source(path)
     if embedded is None and Path(path).is_dir():
-        prepared = open_prepared(config, path)
+        prepared = open_prepared(config.data, config.model.vocab_size, path)
         return TokenFileSource(
             prepared.train_path, config.model.vocab_size, config.seed, stream_id, min_tokens, prepared.dtype.numpy
         )
@@ -185,7 +184,7 @@ def open_heldout(config: SwarmConfig, data_path: str | None) -> TokenSource:
     min_tokens = config.training.sequence_length + 1
     embedded = synthetic_source(path)
     if embedded is None and Path(path).is_dir():
-        prepared = open_prepared(config, path)
+        prepared = open_prepared(config.data, config.model.vocab_size, path)
         if prepared.val_tokens < min_tokens:
             raise DataError(
                 f"{prepared.val_path} holds {prepared.val_tokens} tokens, fewer than the {min_tokens} of one "

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from node.config import SwarmConfig
+from node.config import ModelConfig, SwarmConfig
 from node.model.corpus import END_OF_TEXT
 from node.model.llama import BlockStage, EdgeStage, llama_config_dict
 
@@ -58,22 +58,24 @@ def require_transformers() -> ModuleType:
     return transformers
 
 
-def stage_shapes(config: SwarmConfig, stage: int) -> dict[str, tuple[int, ...]]:
+def stage_shapes(model: ModelConfig, stage: int) -> dict[str, tuple[int, ...]]:
     """Parameter name -> shape of one stage, from a module on the meta device (no memory)."""
     with torch.device("meta"):
-        module = EdgeStage(config.model) if stage == 0 else BlockStage(config.model)
+        module = EdgeStage(model) if stage == 0 else BlockStage(model)
     return {name: tuple(p.shape) for name, p in module.named_parameters()}
 
 
-def assemble_state_dict(config: SwarmConfig, stages: Mapping[int, Mapping[str, Tensor]]) -> dict[str, Tensor]:
-    """LlamaForCausalLM's state dict from every stage's weights (stage -> name -> tensor); refuses
-    a missing stage or a name or shape that is not the config's (ExportError)."""
+def assemble_state_dict(
+    model: ModelConfig, num_stages: int, stages: Mapping[int, Mapping[str, Tensor]]
+) -> dict[str, Tensor]:
+    """LlamaForCausalLM's state dict from the weights of all `num_stages` stages (stage -> name ->
+    tensor); refuses a missing stage or a name or shape that is not the config's (ExportError)."""
     out: dict[str, Tensor] = {}
-    per_stage = config.model.layers_per_stage
-    for stage in range(config.num_stages):
+    per_stage = model.layers_per_stage
+    for stage in range(num_stages):
         if stage not in stages:
             raise ExportError(f"no weights for stage {stage}")
-        weights, expected = stages[stage], stage_shapes(config, stage)
+        weights, expected = stages[stage], stage_shapes(model, stage)
         if set(weights) != set(expected):
             missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
             raise ExportError(
@@ -91,18 +93,18 @@ def assemble_state_dict(config: SwarmConfig, stages: Mapping[int, Mapping[str, T
     return out
 
 
-def split_state_dict(config: SwarmConfig, state: Mapping[str, Tensor]) -> dict[int, dict[str, Tensor]]:
+def split_state_dict(model: ModelConfig, num_stages: int, state: Mapping[str, Tensor]) -> dict[int, dict[str, Tensor]]:
     """The inverse of assemble_state_dict: LlamaForCausalLM names -> stage -> stage names."""
     edge_names = {target: name for name, target in EDGE_NAMES.items()}
-    per_stage = config.model.layers_per_stage
-    stages: dict[int, dict[str, Tensor]] = {stage: {} for stage in range(config.num_stages)}
+    per_stage = model.layers_per_stage
+    stages: dict[int, dict[str, Tensor]] = {stage: {} for stage in range(num_stages)}
     for target, tensor in state.items():
         if target in edge_names:
             stages[0][edge_names[target]] = tensor
             continue
         index, rest = _layer_parts(target)
-        if index >= per_stage * (config.num_stages - 1):
-            raise ExportError(f"{target}: the config has {per_stage * (config.num_stages - 1)} layers")
+        if index >= per_stage * (num_stages - 1):
+            raise ExportError(f"{target}: the config has {per_stage * (num_stages - 1)} layers")
         stages[1 + index // per_stage][f"layers.{index % per_stage}.{rest}"] = tensor
     return stages
 
@@ -128,8 +130,8 @@ def write_checkpoint(
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    state = assemble_state_dict(config, stages)
-    llama = dict(llama_config_dict(config))
+    state = assemble_state_dict(config.model, config.num_stages, stages)
+    llama = dict(llama_config_dict(config.model, config.num_stages))
     tokenizer = None
     if tokenizer_path is not None:
         tokenizer = transformers.PreTrainedTokenizerFast(

@@ -18,13 +18,12 @@ starts bit-identical without talking to anyone.
 from __future__ import annotations
 
 import hashlib
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from node.config import ModelConfig, SwarmConfig
+from node.config import ModelConfig
 
 INIT_STD = 0.02  # HF LlamaConfig.initializer_range
 
@@ -175,11 +174,6 @@ class BlockStage(nn.Module):
         return hidden
 
 
-def num_block_stages(config: SwarmConfig) -> int:
-    """S: the number of block stages (stage ids 1..S); stage 0 is the edge stage."""
-    return config.num_stages - 1
-
-
 def stage_init_seed(seed: int, stage: int) -> int:
     """A stable 63-bit seed for (swarm seed, stage): sha256, independent of Python's hash salt."""
     digest = hashlib.sha256(f"pipeswarm/init/v1/{seed}/{stage}".encode()).digest()
@@ -200,17 +194,17 @@ def init_weights(module: nn.Module, generator: torch.Generator) -> None:
             p.normal_(0.0, INIT_STD, generator=generator)
 
 
-def build_stage(config: SwarmConfig, stage: int, init_seed: int | None = None) -> EdgeStage | BlockStage:
+def build_stage(model: ModelConfig, stage: int, seed: int) -> EdgeStage | BlockStage:
     """The module for `stage` with its initial weights (float32, CPU, train mode).
 
-    Stage 0 gives an EdgeStage, stages 1..num_stages-1 a BlockStage. Weights are a deterministic
-    function of (config.seed, stage); `init_seed` replaces config.seed, for a "random re-init"
-    recovery that must not reproduce the original initialisation.
+    Stage 0 gives an EdgeStage, any later stage a BlockStage (whoever holds the swarm's num_stages
+    checks the upper bound: StageWorker does). Weights are a deterministic function of (seed,
+    stage): the swarm's seed, or another one for a "random re-init" recovery that must not
+    reproduce the original initialisation.
     """
-    if not 0 <= stage < config.num_stages:
-        raise ValueError(f"stage {stage} out of range 0..{config.num_stages - 1}")
-    module: EdgeStage | BlockStage = EdgeStage(config.model) if stage == 0 else BlockStage(config.model)
-    seed = config.seed if init_seed is None else init_seed
+    if stage < 0:
+        raise ValueError(f"stage {stage} is negative")
+    module: EdgeStage | BlockStage = EdgeStage(model) if stage == 0 else BlockStage(model)
     generator = torch.Generator(device="cpu").manual_seed(stage_init_seed(seed, stage))
     init_weights(module, generator)
     return module
@@ -219,10 +213,10 @@ def build_stage(config: SwarmConfig, stage: int, init_seed: int | None = None) -
 class ReferenceModel(nn.Module):
     """The whole model in one process: the stages build_stage gives, chained. Used by tests."""
 
-    def __init__(self, config: SwarmConfig, init_seed: int | None = None) -> None:
+    def __init__(self, model: ModelConfig, num_stages: int, seed: int) -> None:
         super().__init__()
-        self.edge: EdgeStage = build_stage(config, 0, init_seed)  # type: ignore[assignment]
-        self.blocks = nn.ModuleList(build_stage(config, s, init_seed) for s in range(1, config.num_stages))
+        self.edge: EdgeStage = build_stage(model, 0, seed)  # type: ignore[assignment]
+        self.blocks = nn.ModuleList(build_stage(model, s, seed) for s in range(1, num_stages))
 
     def hidden(self, tokens: Tensor) -> Tensor:
         h = self.edge.embed(tokens)
@@ -260,14 +254,13 @@ def export_llama_state_dict(edge: EdgeStage, blocks: list[BlockStage]) -> dict[s
     return out
 
 
-def llama_config_dict(config: SwarmConfig) -> dict:
-    """Keyword arguments for transformers.LlamaConfig describing the same model."""
-    m = config.model
+def llama_config_dict(m: ModelConfig, num_stages: int) -> dict:
+    """Keyword arguments for transformers.LlamaConfig describing the same model (num_stages - 1 block stages)."""
     return {
         "vocab_size": m.vocab_size,
         "hidden_size": m.hidden_size,
         "intermediate_size": m.intermediate_size,
-        "num_hidden_layers": m.layers_per_stage * num_block_stages(config),
+        "num_hidden_layers": m.layers_per_stage * (num_stages - 1),
         "num_attention_heads": m.num_attention_heads,
         "num_key_value_heads": m.num_key_value_heads,
         "max_position_embeddings": m.max_position_embeddings,
@@ -279,8 +272,3 @@ def llama_config_dict(config: SwarmConfig) -> dict:
         "attention_bias": False,
         "mlp_bias": False,
     }
-
-
-def initial_loss(config: SwarmConfig) -> float:
-    """ln(vocab_size): the cross-entropy of a uniform prediction, about where training starts."""
-    return math.log(config.model.vocab_size)

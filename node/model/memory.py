@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from node.config import GossipMode, ModelConfig, Precision, RecoveryStrategy, SwarmConfig
+from node.config import GossipMode, ModelConfig, Precision, RecoveryConfig, RecoveryStrategy, SwarmConfig
 from node.model.parameters import count_stage_parameters
 from node.runtime.byte_progress import format_bytes  # re-exported: the memory messages' unit
 
@@ -136,15 +136,13 @@ class StageMemory:
         return {**asdict(self), "total": self.total}
 
 
-def _edge_copy_parameters(config: SwarmConfig, stage: int) -> int:
+def _edge_copy_parameters(recovery: RecoveryConfig, m: ModelConfig, num_stages: int, stage: int) -> int:
     """Parameters of the stage-0 parts a peer of `stage` keeps copies of (CheckFree+)."""
-    recovery = config.recovery
     if stage == 0 or not recovery.checkfree_plus or recovery.strategy not in EDGE_COPY_STRATEGIES:
         return 0
-    m = config.model
     embedding = m.vocab_size * m.hidden_size
     head = m.vocab_size * m.hidden_size + m.hidden_size  # lm_head and the final norm
-    last = config.num_stages - 1
+    last = num_stages - 1
     return (embedding if stage == 1 else 0) + (head if stage == last else 0)
 
 
@@ -164,7 +162,7 @@ def estimate_stage_memory(
     m, t = config.model, config.training
     half = _is_half(precision)
     in_flight = t.max_in_flight if in_flight is None else in_flight
-    parameters = count_stage_parameters(config, stage)
+    parameters = count_stage_parameters(m, stage)
     microbatch_tokens = t.microbatch_size * t.sequence_length
     if stage == 0:
         per_token = m.hidden_size * FP32 + 2 * TOKEN_ID  # embedding output (never autocast), ids, targets
@@ -187,7 +185,8 @@ def estimate_stage_memory(
         outer_state=OUTER_STATE_COPIES * parameters * FP32,
         gossip_round=GOSSIP_ROUND_COPIES * parameters * FP32 if gossiping else 0,
         stashed_weights=t.stashed_weights * parameters * FP32 if stage > 0 else 0,
-        edge_copies=_edge_copy_parameters(config, stage) * HALF,  # kept in bfloat16 (EDGE_COPY_DTYPE)
+        edge_copies=_edge_copy_parameters(config.recovery, m, config.num_stages, stage)
+        * HALF,  # kept in bfloat16 (EDGE_COPY_DTYPE)
         activations=activations,
         loss_head=loss_head,
         allocator_slack=round(CPU_HEAP_SLACK * in_flight * microbatch_tokens * per_token) if host else 0,

@@ -15,7 +15,7 @@ from typing import Any
 
 from node.config import Precision, SwarmConfig
 from node.model.memory import StageMemory, estimate_stage_memory, format_bytes
-from node.model.parameters import count_stage_parameters
+from node.model.parameters import count_parameters, count_stage_parameters
 from node.model.presets import PRESETS, ModelPreset, PresetName, load_config
 
 __all__ = [
@@ -114,7 +114,7 @@ def presets_table() -> str:
         m, t, block_stages = config.model, config.training, config.num_stages - 1
         layers = "S (one per block stage)" if preset.num_layers is None else str(preset.num_layers)
         widths = (m.hidden_size, m.intermediate_size, m.num_attention_heads, m.num_key_value_heads)
-        total = count_stage_parameters(config, 0) + block_stages * count_stage_parameters(config, 1)
+        total = count_parameters(m, config.num_stages)
         rows.append(
             [
                 f"`{preset.name.value}`",
@@ -122,7 +122,7 @@ def presets_table() -> str:
                 " / ".join(str(v) for v in (*widths, layers, m.vocab_size, m.max_position_embeddings)),
                 _published(preset.published_parameters),
                 f"{total:,}",
-                f"{config.num_stages}: {block_stages} x {m.layers_per_stage}, {count_stage_parameters(config, 1):,}",
+                f"{config.num_stages}: {block_stages} x {m.layers_per_stage}, {count_stage_parameters(m, 1):,}",
                 f"{t.microbatch_size} x {t.sequence_length}, {t.min_in_flight}..{t.max_in_flight}",
                 _gpu_and_cpu(config, 0),
                 _gpu_and_cpu(config, 1),

@@ -7,7 +7,7 @@ tests/unit/test_presets.py checks them against modules built on the meta device.
 
 from __future__ import annotations
 
-from node.config import ModelConfig, SwarmConfig
+from node.config import ModelConfig
 
 __all__ = ["block_layer_parameters", "count_parameters", "count_stage_parameters", "edge_parameters"]
 
@@ -25,13 +25,13 @@ def block_layer_parameters(model: ModelConfig) -> int:
     return attention + 3 * model.hidden_size * model.intermediate_size + 2 * model.hidden_size
 
 
-def count_stage_parameters(config: SwarmConfig, stage: int) -> int:
+def count_stage_parameters(model: ModelConfig, stage: int) -> int:
     """Parameters held by one stage (equals sum(p.numel()) of build_stage)."""
     if stage == 0:
-        return edge_parameters(config.model)
-    return config.model.layers_per_stage * block_layer_parameters(config.model)
+        return edge_parameters(model)
+    return model.layers_per_stage * block_layer_parameters(model)
 
 
-def count_parameters(config: SwarmConfig) -> int:
-    """Parameters of the whole model (edge stage + all block stages)."""
-    return count_stage_parameters(config, 0) + (config.num_stages - 1) * count_stage_parameters(config, 1)
+def count_parameters(model: ModelConfig, num_stages: int) -> int:
+    """Parameters of the whole model (edge stage + all num_stages - 1 block stages)."""
+    return count_stage_parameters(model, 0) + (num_stages - 1) * count_stage_parameters(model, 1)

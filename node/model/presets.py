@@ -369,11 +369,11 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> SwarmConfig
     return node_config.read_config(table, **{**filled, **{k: v for k, v in overrides.items() if v is not None}})
 
 
-def preset_of(config: SwarmConfig) -> PresetName | None:
-    """The preset whose values `config.model` holds exactly, or None (a custom shape)."""
+def preset_of(model: ModelConfig, num_stages: int) -> PresetName | None:
+    """The preset whose values `model` holds exactly at `num_stages`, or None (a custom shape)."""
     for preset in PRESETS.values():
         try:
-            if preset.model_config(config.num_stages) == config.model:
+            if preset.model_config(num_stages) == model:
                 return preset.name
         except ConfigError:
             continue

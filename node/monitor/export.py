@@ -120,7 +120,7 @@ async def collect_stages(
                     rng,
                     attempts,
                     timeout=timeout,
-                    expect=stage_shapes(config, stage),
+                    expect=stage_shapes(config.model, stage),
                     progress=progress,
                 )
             except TransportError as e:

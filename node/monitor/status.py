@@ -20,11 +20,6 @@ from node.recovery.lost_stages import lost_stages_from_events
 
 
 @functools.lru_cache(maxsize=8)
-def model_parameters(config: SwarmConfig) -> int:
-    return count_parameters(config)
-
-
-@functools.lru_cache(maxsize=8)
 def stage_requirements(config: SwarmConfig) -> tuple[dict[str, int], ...]:
     """Per stage: its parameters and the memory one of its peers needs, by part (node/model/memory.py)."""
     return tuple(estimate_stage_memory(config, stage).to_dict() for stage in range(config.num_stages))
@@ -118,8 +113,8 @@ async def collect_snapshot(registry: SwarmRegistry, record: ConfigRecord, config
         "protocol_version": record.protocol_version,
         "config_hash": record.config_hash,
         "software_version": __version__,
-        "model_parameters": model_parameters(config),
-        "model_preset": preset_of(config),  # None: a shape of no preset
+        "model_parameters": count_parameters(config.model, config.num_stages),
+        "model_preset": preset_of(config.model, config.num_stages),  # None: a shape of no preset
         "loss_floor": loss_floor(config),
         "stages": stages,
         "lost_stages": sorted(lost),

@@ -20,18 +20,21 @@ def hop_token_ids(tokens: torch.Tensor, config: SwarmConfig) -> dict[str, torch.
     """What a FORWARD carries beside the hidden states from stage 0 on: the microbatch's token ids
     while the hops travel in a subspace codec, which anchors the hidden states to them
     (protocol/subspace.py); nothing otherwise."""
-    if config.training.wire_compression not in SUBSPACE_BITS:
+    return _anchor_ids(tokens, config.training, config.model)
+
+
+def _anchor_ids(tokens: torch.Tensor, training: TrainingConfig, model: ModelConfig) -> dict[str, torch.Tensor]:
+    if training.wire_compression not in SUBSPACE_BITS:
         return {}
-    return {ANCHOR_IDS: tokens.to(token_id_dtype(config.model))}
+    return {ANCHOR_IDS: tokens.to(token_id_dtype(model))}
 
 
-def forward_hop_nbytes(config: SwarmConfig) -> int:
+def forward_hop_nbytes(t: TrainingConfig, m: ModelConfig) -> int:
     """The tensor bytes of one training FORWARD in the usual codec: the hidden states, and the token
     ids with them in a subspace codec (what the simulator's links carry, what the benchmarks count)."""
-    t, m = config.training, config.model
     hidden = torch.empty((t.microbatch_size, t.sequence_length, m.hidden_size), device="meta")
     ids = torch.empty(hidden.shape[:-1], dtype=token_id_dtype(m), device="meta")
-    return sum(wire_nbytes(x, t.wire_compression) for x in (hidden, *hop_token_ids(ids, config).values()))
+    return sum(wire_nbytes(x, t.wire_compression) for x in (hidden, *_anchor_ids(ids, t, m).values()))
 
 
 def carried_token_ids(msg: Message, training: TrainingConfig) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from node.config import SwarmConfig
+from node.config import SwarmConfig, TrainingConfig, ValidationConfig
 from node.model.data import DataError, TokenSource, open_heldout
 
 logger = logging.getLogger(__name__)
@@ -37,10 +37,10 @@ class ValidationResult:
     """This peer's inner step when the validation started."""
 
 
-def heldout_batches(config: SwarmConfig, source: TokenSource) -> list[Batch]:
-    """The fixed held-out microbatches: the first `validation.batches` of the source."""
-    t = config.training
-    return [source.next_batch(t.microbatch_size, t.sequence_length) for _ in range(config.validation.batches)]
+def heldout_batches(t: TrainingConfig, validation: ValidationConfig, source: TokenSource) -> list[Batch]:
+    """The fixed held-out microbatches: the first `validation.batches` of the source, each of the
+    training microbatch's shape."""
+    return [source.next_batch(t.microbatch_size, t.sequence_length) for _ in range(validation.batches)]
 
 
 class Validator:
@@ -105,4 +105,6 @@ def open_validator(
     except DataError as e:
         logger.warning(f"no validation loss: {e}")
         return None
-    return Validator(config.validation.interval, heldout_batches(config, source), evaluate, step)
+    return Validator(
+        config.validation.interval, heldout_batches(config.training, config.validation, source), evaluate, step
+    )

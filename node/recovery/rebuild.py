@@ -201,7 +201,7 @@ async def rebuild_stage(
     def fresh_state() -> dict[str, Tensor]:
         if plan.action == RebuildAction.FRESH:  # strategy random: a seed that does not reproduce the original init
             # built on the host like every stage (a CPU generator: the same init on any device), then moved
-            return worker.transfers.state_to_device(build_stage(config, stage, init_seed=new_seed).state_dict())
+            return worker.transfers.state_to_device(build_stage(config.model, stage, new_seed).state_dict())
         return template
 
     def apply() -> dict[str, Tensor]:

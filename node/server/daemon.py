@@ -314,7 +314,7 @@ def stages_this_device_holds(config: SwarmConfig, device: str | None) -> frozens
     fits = stage_fits(config, range(config.num_stages), memory)
     allowed = fitting_stages(fits)
     if not allowed:
-        raise JoinRefused(no_stage_fits(config, fits, memory))
+        raise JoinRefused(no_stage_fits(config.swarm_id, config.training, fits, memory))
     for fit in fits:
         if not fit.fits:
             logger.info(

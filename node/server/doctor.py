@@ -195,7 +195,7 @@ def check_auto_memory(
     fits = stage_fits(config, range(config.num_stages), memory)
     allowed = fitting_stages(fits)
     if not allowed:
-        return Check("memory", Outcome.FAIL, no_stage_fits(config, fits, memory))
+        return Check("memory", Outcome.FAIL, no_stage_fits(config.swarm_id, config.training, fits, memory))
     stage = choose_stage(stage_loads(peers_by_stage, config.num_stages), random.Random(), allowed)
     return _memory_check(fits[stage], memory)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from node.config import SwarmConfig
+from node.config import SwarmConfig, TrainingConfig
 from node.model.memory import DeviceMemory, StageMemory, available_memory, fitting_in_flight, format_bytes
 from node.stage.precision import resolve_precision
 
@@ -63,12 +63,12 @@ def fitting_stages(fits: Sequence[StageFit]) -> frozenset[int]:
     return frozenset(fit.stage for fit in fits if fit.fits)
 
 
-def no_stage_fits(config: SwarmConfig, fits: Sequence[StageFit], memory: DeviceMemory) -> str:
+def no_stage_fits(swarm_id: str, training: TrainingConfig, fits: Sequence[StageFit], memory: DeviceMemory) -> str:
     """One line with the numbers: the least demanding stage, what it needs, what the device has."""
     least = min(fits, key=lambda fit: fit.estimate.total)
     return (
-        f"no stage of swarm {config.swarm_id} fits {memory.device}: the least demanding, stage {least.stage}, "
-        f"needs about {format_bytes(least.estimate.total)} with {config.training.min_in_flight} microbatches "
+        f"no stage of swarm {swarm_id} fits {memory.device}: the least demanding, stage {least.stage}, "
+        f"needs about {format_bytes(least.estimate.total)} with {training.min_in_flight} microbatches "
         f"in flight but {memory.device} has {format_bytes(memory.free)} free: use a larger device, or a swarm "
         f"with more stages or a smaller training.min_in_flight"
     )

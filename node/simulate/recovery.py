@@ -255,9 +255,7 @@ def rebuild(swarm: SimulatedSwarm, lost: int, strategy: RecoveryStrategy, init_s
     for source in plan.sources:  # one live peer of each source stage serves the rebuilding peer
         donor = swarm.workers[source][swarm.rng.randrange(swarm.replicas)]
         fetched[source] = (donor.state_dict(), known_grad_norm(donor.last_grad_norm))
-    state = execute_rebuild(
-        plan, fetched, lambda: build_stage(config, lost, init_seed=1000 + init_seed).state_dict(), None
-    )
+    state = execute_rebuild(plan, fetched, lambda: build_stage(config.model, lost, 1000 + init_seed).state_dict(), None)
     scale = recovered_lr_scale(config.recovery.lr_scale, plan)
     for replica in range(swarm.replicas):
         worker = swarm.workers[lost][replica]

@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from node.config import SwarmConfig
+from node.config import DataConfig, SwarmConfig
 from node.model.data import open_heldout, open_source
 
 MARKOV_BRANCHING = 2  # successors per token pair: a chain the small model learns well below ln V
@@ -28,15 +28,15 @@ class BatchSource(Protocol):
     def next_batch(self, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-def uses_prepared_data(config: SwarmConfig) -> bool:
+def uses_prepared_data(data: DataConfig) -> bool:
     """Whether the run trains on a `node prepare-data` directory (SimSettings.data) instead of the chain."""
-    return bool(config.data.tokenizer_hash) and Path(config.data.source).is_dir()
+    return bool(data.tokenizer_hash) and Path(data.source).is_dir()
 
 
 def training_source(config: SwarmConfig, replica: int) -> BatchSource:
     """Stage-0 replica `replica`'s data: its own stream of the chain, or of train.bin through
     node/model/data.py's open_source (what a stage-0 peer with --data reads)."""
-    if uses_prepared_data(config):
+    if uses_prepared_data(config.data):
         return open_source(config, None, stream_id=1 + replica)
     return SecondOrderMarkov(config.model.vocab_size, MARKOV_BRANCHING, config.seed, stream=1 + replica)
 
@@ -44,7 +44,7 @@ def training_source(config: SwarmConfig, replica: int) -> BatchSource:
 def held_out_source(config: SwarmConfig) -> BatchSource:
     """The held-out batches every variant of a run is measured on: val.bin (open_heldout, which no
     replica trains on) or another stream of the chain."""
-    if uses_prepared_data(config):
+    if uses_prepared_data(config.data):
         return open_heldout(config, None)
     return SecondOrderMarkov(config.model.vocab_size, MARKOV_BRANCHING, config.seed, HELD_OUT_STREAM)
 

@@ -108,7 +108,7 @@ class SimulatedSwarm:
             random.Random(seed + 1), self.num_stages, clock=self.clock.now, mode=config.training.routing
         )
         self.stage_bytes = [4 * replicas[0].total_numel for replicas in self.outer]
-        self.activation_bytes = forward_hop_nbytes(config)
+        self.activation_bytes = forward_hop_nbytes(config.training, config.model)
         if compute_seconds is None:  # measured once, on this host, for a block stage and for stage 0
             block = 1.0 / self.workers[1][0].measure_throughput()
             edge = 1.0 / self.workers[0][0].measure_throughput()

@@ -40,7 +40,7 @@ def replica_counts(max_replicas: int) -> list[int]:
 
 def run_sync_scaling(settings: SyncScalingSettings, link: LinkModel, out: Path) -> dict[str, Any]:
     config = load_config(None, num_stages=2, **{"model.preset": settings.model_preset})
-    parameters = count_parameters(config)
+    parameters = count_parameters(config.model, config.num_stages)
     nbytes = FP32_BYTES * parameters
     rows = []
     for n in replica_counts(settings.max_replicas):

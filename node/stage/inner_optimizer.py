@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from node.config import SwarmConfig, TrainingConfig
+from node.config import ModelConfig, TrainingConfig
 from node.runtime.device import DeviceTransfers
 from node.runtime.finite import all_finite
 from protocol.stage_state import MOMENT_KINDS
@@ -42,7 +42,7 @@ ADAM_EPS = 1e-8
 THROUGHPUT_EMA = 0.1  # weight of the newest sample (SWARM's alpha)
 
 
-def lr_at(config: SwarmConfig, step: int, lr_scale: float = 1.0) -> float:
+def lr_at(t: TrainingConfig, step: int, lr_scale: float = 1.0) -> float:
     """Learning rate of optimizer step `step` (0-based): linear warmup, cosine decay, then flat.
 
     step < W:        lr * (step + 1) / W            (W = warmup_steps; the first step is not wasted)
@@ -50,7 +50,6 @@ def lr_at(config: SwarmConfig, step: int, lr_scale: float = 1.0) -> float:
     step >= T:       lr * m                         (T = total_steps, m = min_lr_ratio)
     all times lr_scale.
     """
-    t = config.training
     if step < t.warmup_steps:
         factor = (step + 1) / t.warmup_steps
     elif step >= t.total_steps:
@@ -68,7 +67,7 @@ def new_adamw(params: Sequence[nn.Parameter], training: TrainingConfig, lr: floa
 
 def time_forward_backward(
     module: nn.Module,
-    config: SwarmConfig,
+    m: ModelConfig,
     stage: int,
     transfers: DeviceTransfers,
     dtype: torch.dtype,
@@ -79,7 +78,6 @@ def time_forward_backward(
     """Best-of-`repeats` seconds of one forward+backward of a stage's module on random inputs,
     made on its device; the device is synchronized before each clock reading (on a GPU, kernels
     run after the call that queued them returns)."""
-    m = config.model
     device = transfers.device
     gen = torch.Generator(device=device).manual_seed(0)
     params = list(module.parameters())

@@ -127,7 +127,7 @@ class StageWorker:
         if not 0 <= stage < config.num_stages:
             raise ValueError(f"stage {stage} out of range 0..{config.num_stages - 1}")
         if module is None:
-            module = build_stage(config, stage)
+            module = build_stage(config.model, stage, config.seed)
         expected = EdgeStage if stage == 0 else BlockStage
         if not isinstance(module, expected):
             raise TypeError(f"stage {stage} needs a {expected.__name__}, got {type(module).__name__}")
@@ -177,7 +177,7 @@ class StageWorker:
     @property
     def current_lr(self) -> float:
         """The learning rate the next optimizer step will use."""
-        return lr_at(self.config, self.inner_step, self.lr_scale)
+        return lr_at(self.config.training, self.inner_step, self.lr_scale)
 
     def set_lr_scale(self, scale: float) -> None:
         """Multiply the schedule by `scale` from the next step on (CheckFree: 1.1 after a rebuild)."""
@@ -402,7 +402,7 @@ class StageWorker:
         with self.precision.autocast():  # time the arithmetic this peer trains in (routing weighs it)
             seconds = time_forward_backward(
                 self.module,
-                self.config,
+                self.config.model,
                 self.stage,
                 self.transfers,
                 self.dtype,

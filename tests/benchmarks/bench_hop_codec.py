@@ -104,7 +104,10 @@ def held_out_loss(workers: list[StageWorker], batches, codec: Compression, ancho
 
 def run(codec: Compression, anchored: bool, seed: int, args: argparse.Namespace) -> dict:
     config = bench_config(args.width, args.layers, seed, codec, args.microbatches)
-    workers = [StageWorker(config, stage, module=build_stage(config, stage)) for stage in range(config.num_stages)]
+    workers = [
+        StageWorker(config, stage, module=build_stage(config.model, stage, config.seed))
+        for stage in range(config.num_stages)
+    ]
     try:
         source = markov_source(config, 0)
         held = markov_source(config, HELD_OUT_STREAM)

@@ -47,7 +47,10 @@ def run(preset: str, rate: float, args: argparse.Namespace) -> None:
             "training.learning_rate": rate,
         }
     )
-    workers = [StageWorker(config, stage, module=build_stage(config, stage)) for stage in range(config.num_stages)]
+    workers = [
+        StageWorker(config, stage, module=build_stage(config.model, stage, config.seed))
+        for stage in range(config.num_stages)
+    ]
     try:
         source, held = markov_source(config, 0), markov_source(config, HELD_OUT_STREAM)
         batches = [held.next_batch(4, args.sequence) for _ in range(4)]

@@ -186,7 +186,7 @@ def tolerance_margins(preset: str) -> None:
         ("x1.05", Precision.FP32, 1.05),
         ("x1.5", Precision.FP32, 1.5),
     ):
-        stage = build_stage(dataclasses.replace(config, model=dataclasses.replace(config.model, layers_per_stage=1)), 1)
+        stage = build_stage(dataclasses.replace(config.model, layers_per_stage=1), 1, config.seed)
         if scale is not None:
             make_faulty(stage, FaultKind.SCALE, scale=scale)
         hidden = torch.randn(batch, seq, config.model.hidden_size)

@@ -174,10 +174,17 @@ def compute_bound(config: SwarmConfig, replicas: dict[int, int]) -> dict:
     seconds = []
     try:
         for stage in range(config.num_stages):
-            module = build_stage(config, stage, config.seed)
+            module = build_stage(config.model, stage, config.seed)
             params = [p for p in module.parameters() if p.requires_grad]
             fwd_bwd = time_forward_backward(
-                module, config, stage, DeviceTransfers("cpu"), torch.float32, t.microbatch_size, t.sequence_length, 2
+                module,
+                config.model,
+                stage,
+                DeviceTransfers("cpu"),
+                torch.float32,
+                t.microbatch_size,
+                t.sequence_length,
+                2,
             )
             optimizer = torch.optim.AdamW(params, lr=1e-4, betas=ADAM_BETAS, eps=ADAM_EPS)
             for p in params:
@@ -229,7 +236,7 @@ def cpu_sets(cores: int) -> dict[str, str]:
 def stage_parameters(config: SwarmConfig, stage: int) -> int:
     from node.model.llama import build_stage
 
-    return sum(p.numel() for p in build_stage(config, stage, config.seed).parameters())
+    return sum(p.numel() for p in build_stage(config.model, stage, config.seed).parameters())
 
 
 def _clock_seconds(stamp: str) -> int:

@@ -56,7 +56,7 @@ def test_swarm_gradients_equal_single_process_gradients():
 
     grads = run_in_swarm(config, [0, 1, 2], swarm_grads)
 
-    reference = ReferenceModel(config)
+    reference = ReferenceModel(config.model, config.num_stages, config.seed)
     for tokens, targets in batches:
         (reference(tokens, targets) / config.training.microbatches_per_step).backward()
     modules = [reference.edge, *reference.blocks]
@@ -138,7 +138,9 @@ def test_evaluation_microbatches_give_the_reference_loss_and_train_nothing():
         return losses, untouched, (stats.completed, len(stats.losses), stats.retried, len(pipeline.in_flight))
 
     losses, untouched, stats = run_in_swarm(config, [0, 1, 2], run)
-    reference = ReferenceModel(config)  # every stage at its initial weights, chained in the normal order
+    reference = ReferenceModel(
+        config.model, config.num_stages, config.seed
+    )  # every stage at its initial weights, chained in the normal order
     with torch.no_grad():
         expected = [float(reference(t, y)) for t, y in batches]
     assert losses == pytest.approx(expected, abs=1e-5)

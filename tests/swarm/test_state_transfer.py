@@ -500,6 +500,8 @@ def test_stage_service_joiner_downloads_before_going_online_and_keeps_edge_copie
     from node.model.llama import build_stage
 
     assert copy_state.inner_step == 0
-    initial = build_stage(config, 0).embed_tokens.weight.detach().to(torch.bfloat16)  # copies are kept in bfloat16
+    initial = (
+        build_stage(config.model, 0, config.seed).embed_tokens.weight.detach().to(torch.bfloat16)
+    )  # copies are kept in bfloat16
     assert torch.equal(copy_state.weights["embed_tokens.weight"], initial)
     assert not torch.equal(copy_state.weights["embed_tokens.weight"], embed["embed_tokens.weight"].to(torch.bfloat16))

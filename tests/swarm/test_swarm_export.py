@@ -140,10 +140,12 @@ def test_prepared_corpus_trains_exports_and_generates(swarm: Swarm, tmp_path):
     # the swarm's own forward: the exported weights in our stage modules, chained stage by stage
     config = SwarmConfig().replace(num_stages=3, model={"vocab_size": prepared.vocab_size})
     config = config.replace(data={"tokenizer_hash": prepared.tokenizer_hash}, heartbeat={"period": 1.0, "ttl": 5.0})
-    stages = split_state_dict(config, safetensors_torch.load_file(str(export_dir / WEIGHTS_FILE)))
+    stages = split_state_dict(
+        config.model, config.num_stages, safetensors_torch.load_file(str(export_dir / WEIGHTS_FILE))
+    )
     modules = []
     for stage in range(3):
-        module = build_stage(config, stage)
+        module = build_stage(config.model, stage, config.seed)
         initial = {k: v.clone() for k, v in module.state_dict().items()}
         module.load_state_dict(stages[stage], strict=True)
         module.eval()

@@ -125,7 +125,7 @@ def run_experiment(seed: int) -> dict[str, float]:
                 worker.inner_step = TRAIN_STEPS
             plan = plan_rebuild(LOST, NUM_STAGES, strategy, checkfree_plus=False)
             rebuilt = execute_rebuild(
-                plan, fetched, lambda: build_stage(config, LOST, init_seed=seed + 1000).state_dict(), None
+                plan, fetched, lambda: build_stage(config.model, LOST, seed + 1000).state_dict(), None
             )
             pipe.workers[LOST].load_state_dict(rebuilt, fresh_optimizer=True)
             pipe.workers[LOST].set_lr_scale(recovered_lr_scale(config.recovery.lr_scale, plan))
@@ -259,7 +259,7 @@ def run_repeated_failures(
                     plan = plan_rebuild(lost, num_stages, strategy, checkfree_plus=False)
                     init_seed = seed + 1000 + rebuilds
                     rebuilt = execute_rebuild(
-                        plan, fetched, lambda: build_stage(config, lost, init_seed=init_seed).state_dict(), None
+                        plan, fetched, lambda: build_stage(config.model, lost, init_seed).state_dict(), None
                     )
                     pipe.workers[lost].load_state_dict(rebuilt, fresh_optimizer=True)
                     pipe.workers[lost].set_lr_scale(recovered_lr_scale(config.recovery.lr_scale, plan))

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from node.config import SwarmConfig
+from node.config import ModelConfig, SwarmConfig
 from node.model.hf import (
     ExportError,
     MissingExtra,
@@ -31,7 +31,7 @@ TOLERANCE = 1e-5
 
 def trained_like(config: SwarmConfig) -> ReferenceModel:
     """Stages whose weights are not the initial ones (norms included), as after training."""
-    model = ReferenceModel(config)
+    model = ReferenceModel(config.model, config.num_stages, config.seed)
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for p in model.parameters():
@@ -47,11 +47,11 @@ def stage_weights(model: ReferenceModel) -> dict[int, dict[str, torch.Tensor]]:
 def test_assembled_names_are_transformers_and_the_inverse_holds() -> None:
     model = trained_like(GQA)
     stages = stage_weights(model)
-    assembled = assemble_state_dict(GQA, stages)
+    assembled = assemble_state_dict(GQA.model, GQA.num_stages, stages)
     reference = export_llama_state_dict(model.edge, list(model.blocks))  # tests/unit/test_model.py's mapping
     assert assembled.keys() == reference.keys()
     assert all(torch.equal(assembled[k], reference[k]) for k in reference)
-    back = split_state_dict(GQA, assembled)
+    back = split_state_dict(GQA.model, GQA.num_stages, assembled)
     assert back.keys() == stages.keys()
     for stage in stages:
         assert back[stage].keys() == stages[stage].keys()
@@ -59,14 +59,14 @@ def test_assembled_names_are_transformers_and_the_inverse_holds() -> None:
 
 
 def test_wrong_weights_are_refused() -> None:
-    stages = stage_weights(ReferenceModel(GQA))
+    stages = stage_weights(ReferenceModel(GQA.model, GQA.num_stages, GQA.seed))
     with pytest.raises(ExportError, match="no weights for stage 2"):
-        assemble_state_dict(GQA, {s: w for s, w in stages.items() if s != 2})
+        assemble_state_dict(GQA.model, GQA.num_stages, {s: w for s, w in stages.items() if s != 2})
     bad = {**stages, 1: {**stages[1], "layers.0.mlp.up_proj.weight": torch.zeros(3, 3)}}
     with pytest.raises(ExportError, match="shape"):
-        assemble_state_dict(GQA, bad)
+        assemble_state_dict(GQA.model, GQA.num_stages, bad)
     with pytest.raises(ExportError, match="differ from the config"):
-        assemble_state_dict(SwarmConfig(num_stages=4), stages)  # one layer per stage, not two
+        assemble_state_dict(ModelConfig(), 4, stages)  # one layer per stage, not two
 
 
 def test_checkpoint_logits_equal_our_forward(tmp_path) -> None:

@@ -83,12 +83,12 @@ def test_a_round_moves_at_most_two_bytes_a_parameter_at_the_real_presets(preset)
     g = config.gossip
     codec = GossipCodec(g.delta_block, g.phi_bits, g.phi_step)
     for stage in (0, 1):
-        parameters = count_stage_parameters(config, stage)
+        parameters = count_stage_parameters(config.model, stage)
         # the stage's tensors' sizes, as the replica lays them out (numel per parameter tensor)
         from node.model.llama import build_stage
 
         with torch.device("meta"):
-            numels = [p.numel() for p in build_stage(config, stage).parameters()]
+            numels = [p.numel() for p in build_stage(config.model, stage, config.seed).parameters()]
         assert sum(numels) == parameters
         one_way = codec.layout(numels, with_phi=True).nbytes
         assert 2 * one_way / parameters <= 2.0, (stage, 2 * one_way / parameters)

@@ -126,7 +126,7 @@ def test_edge_copies_are_counted_where_the_recovery_code_keeps_them(strategy, nu
 def kept_activation_bytes(config: SwarmConfig, batch: int, seq: int, precision: Precision) -> int:
     """Bytes one block-stage forward keeps for its backward: what autograd saves (the input included,
     the live weights excluded: autocast's casts of them are new tensors and count) and the output."""
-    stage = build_stage(config, 1)
+    stage = build_stage(config.model, 1, config.seed)
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:

@@ -36,9 +36,9 @@ def same_state(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 
 def test_stage_types_shapes_and_sizes() -> None:
     for config in (CFG, GQA):
-        edge = build_stage(config, 0)
+        edge = build_stage(config.model, 0, config.seed)
         assert isinstance(edge, EdgeStage)
-        blocks = [build_stage(config, s) for s in range(1, config.num_stages)]
+        blocks = [build_stage(config.model, s, config.seed) for s in range(1, config.num_stages)]
         assert all(isinstance(b, BlockStage) for b in blocks)
         x, _ = tokens(config)
         h = edge.embed(x)
@@ -51,23 +51,22 @@ def test_stage_types_shapes_and_sizes() -> None:
         assert all(s == shapes[0] for s in shapes), "block stages must have identical names and shapes"
         assert all(not n.endswith("bias") for m in (edge, *blocks) for n, _ in m.named_parameters())
         assert [b.numel() for b in blocks[0].buffers()] == []  # state_dict holds parameters only
-        assert count_stage_parameters(config, 0) == sum(p.numel() for p in edge.parameters())
-        assert count_parameters(config) == sum(p.numel() for p in ReferenceModel(config).parameters())
+        assert count_stage_parameters(config.model, 0) == sum(p.numel() for p in edge.parameters())
+        assert count_parameters(config.model, config.num_stages) == sum(
+            p.numel() for p in ReferenceModel(config.model, config.num_stages, config.seed).parameters()
+        )
     with pytest.raises(ValueError):
-        build_stage(CFG, CFG.num_stages)
+        build_stage(CFG.model, -1, CFG.seed)
 
 
 def test_init_is_a_function_of_seed_and_stage() -> None:
     torch.manual_seed(123)
-    a = [build_stage(CFG, s) for s in range(CFG.num_stages)]
+    a = [build_stage(CFG.model, s, CFG.seed) for s in range(CFG.num_stages)]
     torch.manual_seed(456)  # the global RNG must not matter
-    b = [build_stage(CFG, s) for s in range(CFG.num_stages)]
+    b = [build_stage(CFG.model, s, CFG.seed) for s in range(CFG.num_stages)]
     assert all(same_state(x, y) for x, y in zip(a, b))
     assert not same_state(a[1], a[2]), "different block stages start different"
-    other_seed = CFG.replace(seed=1)
-    assert not same_state(a[1], build_stage(other_seed, 1))
-    assert same_state(build_stage(CFG, 1, init_seed=7), build_stage(CFG.replace(seed=7), 1))
-    assert not same_state(a[1], build_stage(CFG, 1, init_seed=7))
+    assert not same_state(a[1], build_stage(CFG.model, 1, CFG.seed + 1))
     for name, p in a[1].named_parameters():
         if name.endswith("norm.weight"):
             assert torch.equal(p, torch.ones_like(p))
@@ -76,7 +75,7 @@ def test_init_is_a_function_of_seed_and_stage() -> None:
 
 
 def test_initial_loss_near_uniform() -> None:
-    model = ReferenceModel(CFG)
+    model = ReferenceModel(CFG.model, CFG.num_stages, CFG.seed)
     x, y = tokens(CFG, batch=4, seq=32)
     loss = model(x, y)
     assert torch.isfinite(loss)
@@ -86,13 +85,13 @@ def test_initial_loss_near_uniform() -> None:
 @pytest.mark.parametrize("config", [CFG, GQA], ids=["mha", "gqa"])
 def test_pipeline_chain_matches_reference_loss_and_grads(config: SwarmConfig) -> None:
     """Stage by stage with detached hand-offs (as over the wire) == one autograd graph."""
-    ref = ReferenceModel(config)
+    ref = ReferenceModel(config.model, config.num_stages, config.seed)
     x, y = tokens(config, batch=3, seq=20)
     ref_loss = ref(x, y)
     ref_loss.backward()
 
-    edge = build_stage(config, 0)
-    blocks = [build_stage(config, s) for s in range(1, config.num_stages)]
+    edge = build_stage(config.model, 0, config.seed)
+    blocks = [build_stage(config.model, s, config.seed) for s in range(1, config.num_stages)]
     sent = edge.embed(x)
     inputs, outputs = [], []
     h = sent.detach()
@@ -120,12 +119,12 @@ def test_pipeline_chain_matches_reference_loss_and_grads(config: SwarmConfig) ->
 @pytest.mark.parametrize("config", [CFG, GQA], ids=["mha", "gqa"])
 def test_matches_transformers_llama(config: SwarmConfig) -> None:
     transformers = pytest.importorskip("transformers")
-    ref = ReferenceModel(config)
+    ref = ReferenceModel(config.model, config.num_stages, config.seed)
     with torch.no_grad():  # perturb the norms so their weights are exercised, not just ones
         for name, p in ref.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(0.1 * torch.randn_like(p))
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_config_dict(config)))
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_config_dict(config.model, config.num_stages)))
     state = export_llama_state_dict(ref.edge, list(ref.blocks))
     hf.load_state_dict(state, strict=True)
     hf.eval()
@@ -142,7 +141,7 @@ def test_training_on_markov_source_approaches_floor() -> None:
     source = SyntheticMarkovSource(CFG.model.vocab_size, CFG.seed, branching=4, stream_id=1)
     held_out = SyntheticMarkovSource(CFG.model.vocab_size, CFG.seed, branching=4, stream_id=2)
     x_eval, y_eval = held_out.next_batch(64, 32)
-    model = ReferenceModel(CFG)
+    model = ReferenceModel(CFG.model, CFG.num_stages, CFG.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=CFG.training.learning_rate, weight_decay=0.0)
     with torch.no_grad():
         start = model(x_eval, y_eval).item()

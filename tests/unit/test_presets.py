@@ -11,7 +11,7 @@ import torch
 
 from node.config import ConfigError, ModelConfig, SwarmConfig, TrainingConfig
 from node.model.llama import build_stage
-from node.model.parameters import count_stage_parameters
+from node.model.parameters import count_parameters, count_stage_parameters
 from node.model.presets import (
     PRESETS,
     PresetName,
@@ -30,7 +30,7 @@ def preset_config(name: PresetName, block_stages: int | None = None, **overrides
 def meta_stage_parameters(config: SwarmConfig, stage: int) -> int:
     """Parameters of the module build_stage gives, built on the meta device (no memory, no init)."""
     with torch.device("meta"):
-        module = build_stage(config, stage)
+        module = build_stage(config.model, stage, config.seed)
     assert all(p.is_meta for p in module.parameters())
     return sum(p.numel() for p in module.parameters())
 
@@ -57,7 +57,7 @@ def test_each_preset_built_on_the_meta_device_has_its_published_parameter_count(
     config = preset_config(name)
     block_stages = config.num_stages - 1
     per_stage = [meta_stage_parameters(config, stage) for stage in range(config.num_stages)]
-    assert per_stage == [count_stage_parameters(config, stage) for stage in range(config.num_stages)]
+    assert per_stage == [count_stage_parameters(config.model, stage) for stage in range(config.num_stages)]
     assert len(set(per_stage[1:])) == 1, "block stages differ"
     assert config.model.layers_per_stage * block_stages == preset.num_layers
     total = sum(per_stage)
@@ -72,10 +72,7 @@ def test_each_preset_built_on_the_meta_device_has_its_published_parameter_count(
 
 def test_the_preset_totals_as_documented_in_docs_model_md():
     configs = {name: preset_config(name) for name in PresetName}
-    totals = {
-        name: count_stage_parameters(c, 0) + (c.num_stages - 1) * count_stage_parameters(c, 1)
-        for name, c in configs.items()
-    }
+    totals = {name: count_parameters(c.model, c.num_stages) for name, c in configs.items()}
     assert totals == {
         PresetName.TINY: 133_440,
         PresetName.STORIES_15M: 24_407_712,  # 15,191,712 tied + 9,216,000 head
@@ -98,8 +95,10 @@ def test_layers_are_split_evenly_and_a_stage_count_that_does_not_divide_them_is_
 
 def test_preset_of_names_the_preset_a_config_holds_and_none_for_a_custom_shape():
     for name in PresetName:
-        assert preset_of(preset_config(name)) == name
-    assert preset_of(load_config(**{"model.preset": "15m", "model.vocab_size": 512})) is None
+        config = preset_config(name)
+        assert preset_of(config.model, config.num_stages) == name
+    custom = load_config(**{"model.preset": "15m", "model.vocab_size": 512})
+    assert preset_of(custom.model, custom.num_stages) is None
 
 
 # ------------------------------------------------------------------------------------------------

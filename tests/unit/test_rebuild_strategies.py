@@ -43,8 +43,8 @@ def rebuild_with(
 
 def test_a_neighbour_that_never_stepped_weighs_one_in_the_average(monkeypatch):
     cfg = config(4, "checkfree")  # block stages 1..3: stage 2 is a middle stage
-    prev = build_stage(cfg, 1).state_dict()
-    nxt = build_stage(cfg, 3).state_dict()
+    prev = build_stage(cfg.model, 1, cfg.seed).state_dict()
+    nxt = build_stage(cfg.model, 3, cfg.seed).state_dict()
     sources = {
         1: StageState(stage=1, weights=prev, inner_step=40, grad_norm=None),  # joined, no step yet
         3: StageState(stage=3, weights=nxt, inner_step=40, grad_norm=0.5),
@@ -104,7 +104,7 @@ def test_zero_rebuilds_stage_0_from_a_fresh_init(monkeypatch):
         weights = worker.state_dict()
         assert all(w.any() for w in weights.values())
         # a new seed: not the swarm's original initialisation
-        original = build_stage(cfg, 0).state_dict()
+        original = build_stage(cfg.model, 0, cfg.seed).state_dict()
         assert not torch.equal(weights["embed_tokens.weight"], original["embed_tokens.weight"])
     finally:
         worker.close()

@@ -89,7 +89,7 @@ def test_a_replica_declares_a_concrete_precision() -> None:
 
 def test_the_boundaries_layer_by_layer_are_the_stage_s_own_forward_and_backward() -> None:
     config = with_layers(3)
-    stage = build_stage(config, 1)
+    stage = build_stage(config.model, 1, config.seed)
     layout = LayerLayout(config.model)
     named = dict(stage.named_parameters())
     hidden = torch.randn(2, 16, config.model.hidden_size)
@@ -111,7 +111,7 @@ def test_the_boundaries_layer_by_layer_are_the_stage_s_own_forward_and_backward(
 def scaled_layer_errors(config: SwarmConfig, precision: Precision, fault: FaultKind | None) -> tuple[float, float]:
     """One layer computed as a replica in `precision` would (faulty or not), replayed in fp32."""
     torch.manual_seed(1)
-    stage = build_stage(config, 1)
+    stage = build_stage(config.model, 1, config.seed)
     if fault is not None:
         make_faulty(stage, fault)
     layout = LayerLayout(config.model)
@@ -141,7 +141,7 @@ def test_a_liar_s_own_scaled_weights_reproduce_its_outputs() -> None:
     """Why a commitment is needed: every Linear output x1.5 is exactly the layer at weights x1.5,
     so a replica free to show any weights after the layer is named would pass the replay."""
     config = SwarmConfig()
-    stage = build_stage(config, 1)
+    stage = build_stage(config.model, 1, config.seed)
     make_faulty(stage, FaultKind.SCALE)
     layout = LayerLayout(config.model)
     named = {name: p.detach() for name, p in stage.named_parameters()}
@@ -213,7 +213,7 @@ def test_a_verification_report_is_validated_like_any_record_field() -> None:
 
 def test_a_fault_only_alters_the_block_stage_it_was_put_in() -> None:
     config = SwarmConfig()
-    faulty, honest = build_stage(config, 1), build_stage(config, 1)
+    faulty, honest = build_stage(config.model, 1, config.seed), build_stage(config.model, 1, config.seed)
     make_faulty(faulty, FaultKind.SCALE)
     hidden = torch.randn(1, 4, config.model.hidden_size)
     assert not torch.allclose(faulty(hidden), honest(hidden))

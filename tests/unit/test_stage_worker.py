@@ -41,6 +41,13 @@ def close_all(ws: list[StageWorker]) -> None:
         w.close()
 
 
+def test_a_worker_refuses_a_stage_outside_the_swarm() -> None:
+    # the upper bound is the worker's to check: build_stage knows the model's shape, not the stage count
+    for stage in (-1, BASE.num_stages):
+        with pytest.raises(ValueError, match="out of range"):
+            StageWorker(BASE, stage)
+
+
 # ------------------------------------------------------------------------------------------------
 # 1. Correctness against the single-process reference
 
@@ -49,10 +56,12 @@ def test_pipeline_grads_and_step_match_reference() -> None:
     config = cfg(microbatches_per_step=3, warmup_steps=2, weight_decay=0.1, grad_clip=0.5)
     mps = config.training.microbatches_per_step
     ws = workers(config)
-    ref = ReferenceModel(config)
+    ref = ReferenceModel(config.model, config.num_stages, config.seed)
     ref_stages = [ref.edge, *ref.blocks]
     opts = [
-        torch.optim.AdamW(m.parameters(), lr=lr_at(config, 0), betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.1)
+        torch.optim.AdamW(
+            m.parameters(), lr=lr_at(config.training, 0), betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.1
+        )
         for m in ref_stages
     ]
     data = [batch(config, seed=i) for i in range(mps)]
@@ -347,14 +356,14 @@ def test_drop_expire_and_bound() -> None:
 
 def test_lr_schedule_and_scale() -> None:
     config = cfg(learning_rate=1e-2, warmup_steps=10, total_steps=110, min_lr_ratio=0.1, microbatches_per_step=1)
-    assert lr_at(config, 0) == pytest.approx(1e-3)
-    assert lr_at(config, 4) == pytest.approx(5e-3)
-    assert lr_at(config, 9) == pytest.approx(1e-2)  # end of warmup
-    assert lr_at(config, 10) == pytest.approx(1e-2)  # cosine starts at the peak
-    assert lr_at(config, 60) == pytest.approx(1e-2 * (0.1 + 0.9 * 0.5))  # half way down
-    assert lr_at(config, 110) == pytest.approx(1e-3)
-    assert lr_at(config, 10_000) == pytest.approx(1e-3)  # flat afterwards
-    values = [lr_at(config, s) for s in range(10, 111)]
+    assert lr_at(config.training, 0) == pytest.approx(1e-3)
+    assert lr_at(config.training, 4) == pytest.approx(5e-3)
+    assert lr_at(config.training, 9) == pytest.approx(1e-2)  # end of warmup
+    assert lr_at(config.training, 10) == pytest.approx(1e-2)  # cosine starts at the peak
+    assert lr_at(config.training, 60) == pytest.approx(1e-2 * (0.1 + 0.9 * 0.5))  # half way down
+    assert lr_at(config.training, 110) == pytest.approx(1e-3)
+    assert lr_at(config.training, 10_000) == pytest.approx(1e-3)  # flat afterwards
+    values = [lr_at(config.training, s) for s in range(10, 111)]
     assert all(a >= b for a, b in itertools.pairwise(values))
 
     w = StageWorker(config, 1, lr_scale=1.1)

@@ -173,9 +173,9 @@ def test_only_a_model_with_blocks_gets_below_the_current_token_floor(one_thread)
         with torch.no_grad():
             return loss_fn(x_eval, y_eval).item()
 
-    edge = build_stage(CFG, 0)
+    edge = build_stage(CFG.model, 0, CFG.seed)
     edge_only = train(edge, lambda x, y: edge.loss(edge.embed(x), y), 150)
-    full = ReferenceModel(CFG)
+    full = ReferenceModel(CFG.model, CFG.num_stages, CFG.seed)
     with_blocks = train(full, full, 250)
     print(
         f"\nfloor {floor:.3f}, current token alone {context_free:.3f}: stage 0 only {edge_only:.3f}, blocks {with_blocks:.3f}"

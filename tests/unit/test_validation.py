@@ -48,7 +48,7 @@ def test_eval_chain_equals_the_reference_loss_and_changes_no_worker_state():
             hidden = eval_forward(worker, hidden)
         loss = eval_loss(workers[0], hidden, targets)
         with torch.no_grad():
-            expected = float(ReferenceModel(CFG)(tokens, targets))
+            expected = float(ReferenceModel(CFG.model, CFG.num_stages, CFG.seed)(tokens, targets))
         assert loss == pytest.approx(expected, abs=1e-5)
         assert math.log(CFG.model.vocab_size) - 0.2 < loss < math.log(CFG.model.vocab_size) + 0.2  # at init
         for worker, weights in zip(workers, before):
@@ -97,10 +97,12 @@ def test_the_embedded_chain_validates_on_a_stream_no_peer_trains_on():
     heldout = open_heldout(CFG, None)
     assert VALIDATION_STREAM > max(stream_id_from_peer(f"peer{i}") for i in range(100))
     assert heldout.loss_floor == open_source(CFG, None, 3).loss_floor  # the same chain, so the same floor
-    first = heldout_batches(CFG, heldout)
+    first = heldout_batches(CFG.training, CFG.validation, heldout)
     assert len(first) == CFG.validation.batches
     assert all(x.shape == (8, 64) and torch.equal(x[:, 1:], y[:, :-1]) for x, y in first)
-    again = heldout_batches(CFG, open_heldout(CFG, None))  # every stage-0 peer draws the same batches
+    again = heldout_batches(
+        CFG.training, CFG.validation, open_heldout(CFG, None)
+    )  # every stage-0 peer draws the same batches
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, again))
     trained = open_source(CFG, None, stream_id_from_peer("peer0")).next_batch(8, 64)
     assert not torch.equal(first[0][0], trained[0])
@@ -115,7 +117,7 @@ def test_a_prepared_directory_validates_on_its_val_bin(tmp_path):
     val = np.fromfile(out / "val.bin", dtype=prepared.dtype.numpy).astype(np.int64)
     train = np.fromfile(out / "train.bin", dtype=prepared.dtype.numpy).astype(np.int64)
     windows = {tuple(val[i : i + 65]) for i in range(len(val) - 64)}
-    for x, y in heldout_batches(config, open_heldout(config, str(out))):
+    for x, y in heldout_batches(config.training, config.validation, open_heldout(config, str(out))):
         for row_x, row_y in zip(x.tolist(), y.tolist()):
             assert tuple([*row_x, row_y[-1]]) in windows  # every window lies inside val.bin
     assert len(val) > 64 and len(train) > len(val)
