@@ -185,8 +185,8 @@ def estimate_stage_memory(
         outer_state=OUTER_STATE_COPIES * parameters * FP32,
         gossip_round=GOSSIP_ROUND_COPIES * parameters * FP32 if gossiping else 0,
         stashed_weights=t.stashed_weights * parameters * FP32 if stage > 0 else 0,
-        edge_copies=_edge_copy_parameters(config.recovery, m, config.num_stages, stage)
-        * HALF,  # kept in bfloat16 (EDGE_COPY_DTYPE)
+        # kept in bfloat16 (EDGE_COPY_DTYPE)
+        edge_copies=_edge_copy_parameters(config.recovery, m, config.num_stages, stage) * HALF,
         activations=activations,
         loss_head=loss_head,
         allocator_slack=round(CPU_HEAP_SLACK * in_flight * microbatch_tokens * per_token) if host else 0,
