@@ -8,7 +8,7 @@ from __future__ import annotations
 from node.p2p.request_contract import Count, RequestContract, Text, Token
 from protocol import PURPOSE_KEY, MessageKind
 
-# a microbatch's token (secrets.token_hex(8) in node/pipeline/traffic.py): only peers on its path
+# a microbatch's token (secrets.token_hex(8) in node/pipeline/in_flight.py): only peers on its path
 # know it; absent from an older peer's hops, which the handlers then treat as no token
 MICROBATCH_TOKEN = Token(max_chars=64)
 

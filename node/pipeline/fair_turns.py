@@ -14,7 +14,7 @@ round (fair queueing, as a router serves flows): an origin with work waiting get
 however many microbatches it queued, and growing a window past what keeps its own queue non-empty
 only adds delay, which is what the window's probes then measure. At most `concurrent` calls hold a
 turn at once: two keep the compute thread's next call queued behind the running one, so it never
-waits for the event loop between calls. No networking here: the pipeline (node/pipeline/traffic.py)
+waits for the event loop between calls. No networking here: the block relay (node/pipeline/block_relay.py)
 wraps each block-stage compute call in a turn of the microbatch's origin.
 """
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from dht.records import short_peer_id
+from node.p2p.swarm_peers import SwarmPeers
 from node.p2p.transport import Transport, TransportError, timed_out
 from node.pipeline.link_compression import LinkCompression
 from node.pipeline.routing import Router
@@ -101,8 +102,7 @@ class HopSender:
         stats: PipelineStats,
         hop_timeout: float,
         max_retries: int,
-        ban_until: Callable[[str], float],
-        unreachable: Callable[[], set[str]] = set,
+        peers: SwarmPeers,
         verifier: Verifier | None = None,
         refusal_window: float = REFUSAL_WINDOW,
         compression: LinkCompression | None = None,
@@ -110,10 +110,11 @@ class HopSender:
         self.transport, self.router, self.stats = transport, router, stats
         self.compression = compression  # each hop's encoding for its link (None: the transport's)
         self.verifier = verifier  # may check the forward hops routed here (node/pipeline/verifier.py)
-        self.hop_timeout, self.max_retries, self.ban_until = hop_timeout, max_retries, ban_until
+        self.hop_timeout, self.max_retries = hop_timeout, max_retries
         self.refusal_window = min(refusal_window, hop_timeout)
-        # peers we can reach only through a relay, which cannot carry a hop (node/p2p/reachability.py)
-        self.unreachable = unreachable
+        # how long to avoid a peer whose hop failed, and the peers only a relay reaches, which cannot
+        # carry a hop (node/p2p/reachability.py)
+        self.peers = peers
         self._reroutes = BackgroundTasks()  # hops refused after their send returned, going elsewhere
         self._closed = False  # outcomes settling after close (channels closing at shutdown) are ignored
 
@@ -173,7 +174,7 @@ class HopSender:
 
     async def _send_routed(self, hop: _RoutedHop) -> str | None:
         stage_router = self.router.for_stage(hop.stage)
-        avoid = {peer_id for peer_id in self.unreachable() if peer_id in stage_router}
+        avoid = {peer_id for peer_id in self.peers.unreachable() if peer_id in stage_router}
         if len(avoid) == len(stage_router):  # only peers behind a relay serve the stage: a slim chance beats none
             avoid = set()
         while len(hop.tried) <= self.max_retries:
@@ -283,7 +284,7 @@ class HopSender:
     def _ban(self, stage: int, peer_id: str, reason: str) -> None:
         self.router.for_stage(stage).release(peer_id, 1.0)
         # a failed or refused hop is no evidence against the peer's own input: avoid it, admit it
-        self.router.bans.ban(peer_id, self.ban_until(peer_id), reason, evidence=False)
+        self.router.bans.ban(peer_id, self.peers.ban_until(peer_id), reason, evidence=False)
         logger.info(f"banned {short_peer_id(peer_id)} (stage {stage}): {reason}")
 
     async def close(self) -> None:

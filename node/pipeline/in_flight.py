@@ -51,11 +51,14 @@ class InFlight:
             self.done.set_result(loss)
 
 
+UNNAMED_ATTEMPT = "a microbatch reference needs an integer microbatch_id and a token"
+
+
 def ticket_named_by(in_flight: dict[int, InFlight], microbatch_id: int, token: str | None) -> InFlight | None:
     """The origin's attempt a message refers to, if its id and token match one in flight; a message
     that names no token (None) is malformed."""
     if isinstance(microbatch_id, bool) or not isinstance(microbatch_id, int) or not isinstance(token, str):
-        raise ProtocolError("a microbatch reference needs an integer microbatch_id and a token")
+        raise ProtocolError(UNNAMED_ATTEMPT)
     ticket = in_flight.get(microbatch_id)
     # compared as bytes: compare_digest refuses a str that is not ASCII (a TypeError, not a mismatch)
     if ticket is None or not secrets.compare_digest(ticket.token.encode(), token.encode()):

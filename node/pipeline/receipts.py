@@ -113,7 +113,7 @@ class ReceiptBook:
 
 class ReceiptKeeper:
     """A block stage's forward and backward, each leaving a receipt. `forward` and `backward` run
-    on the worker's compute thread in place of the worker's own methods (node/pipeline/traffic.py)."""
+    on the worker's compute thread in place of the worker's own methods (node/pipeline/block_relay.py)."""
 
     def __init__(self, worker: StageWorker, book: ReceiptBook) -> None:
         self.worker, self.book = worker, book

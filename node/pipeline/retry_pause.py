@@ -1,4 +1,4 @@
-"""How long a stage-0 microbatch waits before its next attempt (node/pipeline/traffic.py).
+"""How long a stage-0 microbatch waits before its next attempt (node/pipeline/origin.py).
 
 A stage whose peers all died still looks served until their records expire: attempts spent at once
 all fail on the dead peers, and the microbatch is dropped before the swarm view even knows the

@@ -48,7 +48,7 @@ give some replicas two microbatches of a step and others none, and so unequal in
 permutation exactly; in a swarm every sender deals its own deck.
 
 Timeouts are not errors: a hop that times out is retried on another peer with `exclude`, and only
-a peer that errors is banned (SWARM's `use_another_expert`; node/pipeline/traffic.py applies it).
+a peer that errors is banned (SWARM's `use_another_expert`; node/pipeline/hops.py applies it).
 
 Bans: `BanList` (node/p2p/bans.py, the node's one ban store) keys on DHT time (the record
 expirations are DHT times: hivemind's `get_dht_time()`, i.e. wall-clock `time.time`), while

@@ -18,23 +18,23 @@ import torch
 
 from dht.announcer import PeerAnnouncer
 from dht.records import PeerRecord, PeerState
-from dht.registry import SwarmRegistry, swarm_key_of
+from dht.registry import SwarmRegistry
 from dht.swarm_view import SwarmView
 from node.averaging.gossip import Gossip
 from node.averaging.outer_replica import OuterReplica, RoundStatus
 from node.config import SwarmConfig
 from node.model.data import DataError, open_source, stream_id_from_peer
 from node.model.memory import available_memory, format_bytes, memory_refusal
-from node.p2p.dialer import PeerDialer, keep_connected
-from node.p2p.direct import direct_addresses_of
-from node.p2p.membership import LivenessChecks, LivenessSettings, Membership, serve_liveness, transport_ping
+from node.p2p.dialer import keep_connected
+from node.p2p.membership import Membership, serve_liveness
 from node.p2p.network import Network
-from node.p2p.peer_conduct import PeerConduct
-from node.p2p.reachability import unreachable_peers
 from node.p2p.rejoin import RejoinBook
+from node.p2p.swarm_peers import ViewedPeers, swarm_transport
 from node.p2p.transport import Transport
 from node.p2p.traversal import serve_traversal
+from node.pipeline.block_relay import BlockRelay
 from node.pipeline.check_server import CheckServer
+from node.pipeline.origin import Origin
 from node.pipeline.receipts import ReceiptBook, ReceiptKeeper
 from node.pipeline.routing import Router
 from node.pipeline.traffic import Pipeline
@@ -112,6 +112,7 @@ class StageService:
     transport: Transport
     router: Router
     view: SwarmView
+    peers: ViewedPeers  # the other peers, as the view and membership answer for them
     pipeline: Pipeline
     gossip: Gossip
     verifier: Verifier
@@ -188,35 +189,8 @@ async def build_service(
     logger.info(f"stage {me.stage} computes in {worker.precision.precision} on {worker.device}")
     worker.meter = options.meter  # the process's meter: compute latencies survive a move to another stage
 
-    def ban_until(peer_id: str) -> float:
-        record = view.record_of(peer_id)
-        return max(record.expires if record else 0.0, time.time() + config.heartbeat.ttl)
-
-    # strangers share a quarter of the stream slots; `membership` is built below, on the transport
-    conduct = PeerConduct(ban_until=ban_until, bans=bans, is_member=lambda peer_id: membership.is_member(peer_id))
-    transport = Transport(
-        network.p2p,
-        config.swarm_id,
-        me.stage,
-        compression=config.training.wire_compression,
-        conduct=conduct,
-        swarm_key=swarm_key_of(network.dht),  # a private swarm: every message carries a MAC
-        # dial peers where their signed records say, not only where p2pd's routing thinks they are
-        dialer=PeerDialer(network.p2p, lambda peer_id: record.addrs if (record := view.record_of(peer_id)) else ()),
-        meter=options.meter,
-        direct=network.direct,
-        direct_addresses=lambda peer_id: direct_addresses_of(view.record_of(peer_id)),
-    )
-
-    def replicas(stage: int) -> list[str]:
-        unreachable = unreachable_peers(me, view)
-        return [p.peer_id for p in view.online(stage, exclude=me.peer_id) if p.peer_id not in unreachable]
-
-    # who may send us work: a record in our view and an answer to our ping (node/p2p/membership.py)
-    liveness = LivenessChecks(transport_ping(transport, LivenessSettings().timeout))
-    membership = Membership(view, liveness, me.peer_id)
-    view.on_refresh(membership.on_refresh)
-
+    transport, peers = swarm_transport(network, config, me, view, options.meter)
+    membership = peers.membership
     checks, receipts = None, None
     if me.stage > 0:  # a block stage keeps receipts of what it computed and answers checks of them
         v = config.verification
@@ -229,26 +203,18 @@ async def build_service(
         router.bans,
         EventPublisher(registry, me.peer_id),
         peer_id=me.peer_id,
-        replicas=replicas,
+        replicas=peers.reachable,
         hop_timeout=config.training.hop_timeout,
         served=(lambda: checks.served) if checks is not None else (lambda: 0),
         rng=rng,
     )
-    pipeline = Pipeline(
-        config,
-        transport,
-        worker,
-        router,
-        me,
-        rng=rng,
-        ban_until=ban_until,
-        refusal=membership.refusal,
-        # hops run on direct links, which reach a peer behind a NAT through its relays (node/p2p/traversal.py)
-        unreachable=lambda: unreachable_peers(me, view, through_relays=network.traversal is not None),
-        verifier=verifier,
-        receipts=receipts,
-        max_in_flight=max_in_flight,
-    )
+    serving = (transport, worker, router, me, peers)
+    pipeline: Pipeline  # stage 0 is the origin of its microbatches, a block stage relays them
+    if me.stage == 0:
+        pipeline = Origin(config, *serving, verifier=verifier, rng=rng, max_in_flight=max_in_flight)
+    else:
+        training, stages = config.training, config.num_stages
+        pipeline = BlockRelay(training, stages, *serving, verifier=verifier, receipts=receipts, max_queue=max_in_flight)
     replica = await worker.compute(lambda: OuterReplica(live_parameters(worker), config.gossip))
     gossip = Gossip(
         config,
@@ -258,12 +224,14 @@ async def build_service(
         view,
         router.bans,
         registry,
-        ban_until,
+        peers.ban_until,
         rng=rng,
         replica=replica,
         membership=membership,
     )
-    return StageService(config, me, worker, transport, router, view, pipeline, gossip, verifier, membership, checks)
+    return StageService(
+        config, me, worker, transport, router, view, peers, pipeline, gossip, verifier, membership, checks
+    )
 
 
 def remember_addresses(book: RejoinBook, peers_by_stage: dict[int, list[PeerRecord]]) -> None:
@@ -282,13 +250,7 @@ def neighbours(service: StageService) -> list[str]:
         stages |= {0, 1, last}  # CheckFree+ swaps the block order on odd microbatches
     if stage == 0:
         stages |= {1, last}
-    unreachable = unreachable_peers(service.me, service.view)
-    return [
-        p.peer_id
-        for s in sorted(stages)
-        for p in service.view.online(s, exclude=service.me.peer_id)
-        if p.peer_id not in unreachable
-    ]
+    return [peer_id for s in sorted(stages) for peer_id in service.peers.reachable(s)]
 
 
 @contextlib.asynccontextmanager
@@ -422,18 +384,18 @@ async def serve_current_stage(
         progress = ProgressDisplay(service.read, quiet=options.quiet)
         mover = asyncio.create_task(watch_for_move(service, watch), name="rebalance")
         tasks = [asyncio.create_task(progress.run(), name="display"), mover]
-        if me.stage == 0:
+        if isinstance(origin := service.pipeline, Origin):  # stage 0's: it drives the microbatches
             try:
                 source = await asyncio.to_thread(open_source, config, data_path, stream_id_from_peer(me.peer_id))
             except DataError as e:  # one line and exit code 3 (daemon.run), not a traceback
                 raise JoinRefused(f"stage 0 cannot train on its data: {e}") from None
             ready = pipeline_ready(service, watch)
-            tasks.append(asyncio.create_task(service.pipeline.drive(source, stop, ready), name="driver"))
+            tasks.append(asyncio.create_task(origin.drive(source, stop, ready), name="driver"))
             service.validator = await asyncio.to_thread(  # a synthetic source's setup is a linear solve
                 open_validator,
                 config,
                 data_path,
-                lambda tokens, targets: service.pipeline.run_microbatch(tokens, targets, MicrobatchPurpose.EVAL),
+                lambda tokens, targets: origin.run_microbatch(tokens, targets, MicrobatchPurpose.EVAL),
                 lambda: service.worker.inner_step,
             )
             if service.validator is not None:

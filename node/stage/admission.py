@@ -3,7 +3,7 @@ compute touches them, and a microbatch's own gradients are checked before they j
 
 Everything here raises `RejectedInput` (a ValueError) and changes nothing: a rejected microbatch is
 dropped alone, the honest gradients already accumulated for the step survive, and the pipeline
-counts the rejection against the peer that sent it (node/pipeline/traffic.py).
+counts the rejection against the peer that sent it (node/pipeline/origin.py, block_relay.py).
 """
 
 from __future__ import annotations

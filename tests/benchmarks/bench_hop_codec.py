@@ -34,7 +34,7 @@ from node.stage.stage_worker import StageWorker  # noqa: E402
 from protocol import Compression, decode_tensor, encode_tensor, wire_nbytes  # noqa: E402
 
 # label -> (codec, whether forward hops carry their token ids as anchors, as the swarm's do in a
-# subspace codec: node/pipeline/traffic.py, hop_token_ids); the unanchored run shows what they buy
+# subspace codec: node/pipeline/origin.py, hop_token_ids); the unanchored run shows what they buy
 VARIANTS = {
     "fp16": (Compression.FP16, False),
     "int8": (Compression.INT8, False),

@@ -27,7 +27,7 @@ from node.stage.stage_worker import StageWorker
 from protocol import Message, MessageKind, decode_message, encode_message
 from protocol.tensors import decode_tensor, encode_tensor
 from tests.helpers.faulty_node import FaultKind, make_faulty, make_liar
-from tests.helpers.served_handlers import MembersOnly
+from tests.helpers.known_peers import KnownPeers
 
 SETTINGS = VerificationConfig()
 CONFIG = SwarmConfig()
@@ -115,7 +115,7 @@ class Swarm:
         worker = StageWorker(self.config, 1)
         keeper = ReceiptKeeper(worker, ReceiptBook(self.settings.max_receipts, self.settings.receipt_seconds))
         transport = FakeTransport(self.wire, peer_id, 1)
-        server = CheckServer(self.settings, transport, keeper, MembersOnly(None))  # type: ignore[arg-type]
+        server = CheckServer(self.settings, transport, keeper, KnownPeers())  # type: ignore[arg-type]
         if fault is not None:
             make_faulty(worker.module, fault, active)
             make_liar(keeper, server, fault, active)

@@ -18,15 +18,18 @@ from types import SimpleNamespace
 from dht.records import PeerState
 from node.config import SwarmConfig
 from node.p2p.bans import BanList
-from node.p2p.membership import NOT_A_MEMBER, serve_liveness
+from node.p2p.membership import serve_liveness
 from node.p2p.peer_conduct import ConductLimits, PeerConduct
 from node.p2p.transport import Transport
+from node.pipeline.block_relay import BlockRelay
 from node.pipeline.check_server import CheckServer
+from node.pipeline.origin import Origin
 from node.pipeline.receipts import ReceiptBook, ReceiptKeeper
 from node.pipeline.routing import Router
 from node.pipeline.traffic import Pipeline
 from node.stage.stage_worker import StageWorker
 from protocol import Message, recv_message
+from tests.helpers.known_peers import KnownPeers
 
 SWARM = "served-handlers"
 
@@ -99,22 +102,6 @@ class ServedNode:
         self.pipeline.worker.close()
 
 
-class MembersOnly:
-    """node/p2p/membership.py's Membership as these handlers see it: `members` pass (their records
-    and pings are taken as given; None: every peer), anyone else is refused with the node's words."""
-
-    def __init__(self, members: Collection[str] | None):
-        self.members = members
-
-    def refusal(self, peer_id: str, stage: int | None = None) -> str | None:
-        if self.members is None or peer_id in self.members:
-            return None
-        return f"{NOT_A_MEMBER}: no record of you here"
-
-    async def admit(self, peer_id: str, stage: int | None = None, wait: float = 0.0) -> str | None:
-        return self.refusal(peer_id, stage)
-
-
 async def served_node(
     config: SwarmConfig,
     stage: int,
@@ -130,19 +117,25 @@ async def served_node(
     worker = StageWorker(config, stage)
     receipts = ReceiptKeeper(worker, ReceiptBook(8, 30.0)) if with_checks else None
     me = SimpleNamespace(stage=stage, state=PeerState.ONLINE, peer_id=peer_id)
-    pipeline = Pipeline(
-        config,
-        transport,
-        worker,
-        Router(random.Random(0), config.num_stages, bans=bans),
-        me,  # type: ignore[arg-type]
-        rng=random.Random(0),
-        refusal=MembersOnly(members).refusal,
-        receipts=receipts,
-    )
+    router = Router(random.Random(0), config.num_stages, bans=bans)
+    # a failed hop's peer is avoided for a record's lifetime, as a node's swarm view would have it
+    peers = KnownPeers(members, ban_seconds=config.heartbeat.ttl)
+    pipeline: Pipeline
+    if stage == 0:
+        pipeline = Origin(config, transport, worker, router, me, peers, rng=random.Random(0))  # type: ignore[arg-type]
+    else:
+        pipeline = BlockRelay(
+            config.training,
+            config.num_stages,
+            transport,
+            worker,
+            router,
+            me,
+            peers,
+            receipts=receipts,  # type: ignore[arg-type]
+        )
     await serve_liveness(transport)
     await pipeline.start()
     if receipts is not None:
-        gate = MembersOnly(members)
-        await CheckServer(config.verification, transport, receipts, gate).start()  # type: ignore[arg-type]
+        await CheckServer(config.verification, transport, receipts, peers).start()  # type: ignore[arg-type]
     return ServedNode(transport, table, pipeline, bans)

@@ -42,7 +42,7 @@ from node.stage.access import live_parameters
 from node.stage.forward_only import eval_forward
 from node.stage.stage_worker import StageWorker
 from protocol.stage_state import StageState, StatePart, check_header, decode_payload, encode_state
-from tests.helpers.served_handlers import MembersOnly
+from tests.helpers.known_peers import KnownPeers
 from tests.helpers.workers import stage_workers
 
 DEVICE = os.environ.get("PIPESWARM_TEST_DEVICE", "cpu")
@@ -284,7 +284,7 @@ def test_edge_copies_are_kept_on_the_device_and_served_from_the_host(monkeypatch
 def test_spot_check_receipts_and_openings_are_host_copies_and_the_replay_runs_on_the_device():
     with stage_workers(CONFIG, 1, device=DEVICE) as (worker,):
         keeper = ReceiptKeeper(worker, ReceiptBook(8, 30.0))
-        server = CheckServer(VerificationConfig(), None, keeper, MembersOnly(None))  # type: ignore[arg-type]
+        server = CheckServer(VerificationConfig(), None, keeper, KnownPeers())  # type: ignore[arg-type]
         output = keeper.forward("mb", "token", hidden(CONFIG))
         keeper.backward("mb", 1e-3 * torch.randn(output.shape, device="cpu"))
         receipt = keeper.book.get("mb")

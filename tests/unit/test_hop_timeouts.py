@@ -16,6 +16,7 @@ from node.p2p.transport import Transport, TransportError, timed_out
 from node.pipeline.hops import HopSender, PipelineStats
 from node.pipeline.routing import Router
 from protocol import MessageKind
+from tests.helpers.known_peers import KnownPeers
 from tests.helpers.posted import PostingTransport, forward_header, outcome, pending
 
 # valid base58 peer ids (Transport parses them before opening a stream)
@@ -61,7 +62,7 @@ def setup(failures: dict[str, TransportError], peers: tuple[str, ...] = ("a", "b
     router.refresh({1: [PeerRecord(p, 1, PeerState.ONLINE, throughput=speeds[p]) for p in peers]})
     transport = ScriptedTransport(failures, later)
     stats = PipelineStats()
-    hops = HopSender(transport, router, stats, 0.1, 3, lambda peer_id: 0.0)
+    hops = HopSender(transport, router, stats, 0.1, 3, KnownPeers())
     return router, transport, stats, hops
 
 
@@ -215,7 +216,7 @@ def test_silence_is_a_hop_taken():
 def test_send_to_one_peer_loses_the_hop_on_any_refusal():
     async def main() -> list[int]:
         transport = ScriptedTransport({}, later=("origin",))
-        hops = HopSender(transport, Router(random.Random(0), num_stages=2), PipelineStats(), 0.1, 3, lambda p: 0.0)
+        hops = HopSender(transport, Router(random.Random(0), num_stages=2), PipelineStats(), 0.1, 3, KnownPeers())
         lost: list[int] = []
         sent = await hops.send_to("origin", "forward", forward_header(3), {}, lambda: lost.append(1))
         assert sent == "origin" and lost == []

@@ -62,12 +62,14 @@ def test_the_nan_check_named_in_an_abort_notice_confirms_the_case():
 
 
 def test_log_lines_count_only_when_they_name_the_case():
-    other = "13:00:00 INFO node.pipeline.traffic: rejected forward from SomeOne1: contains NaN or infinite values"
+    other = "13:00:00 INFO node.pipeline.block_relay: rejected forward from SomeOne1: contains NaN or infinite values"
     res = rejected("stream closed by the node")
     confirm_check(NAN_CASE, res, stage=1, log_text=other)
     assert res.outcome == OTHER_CHECK
 
-    own = f"13:00:00 INFO node.pipeline.traffic: rejected forward from {MEMBER[-8:]}: contains NaN or infinite values"
+    own = (
+        f"13:00:00 INFO node.pipeline.block_relay: rejected forward from {MEMBER[-8:]}: contains NaN or infinite values"
+    )
     res = rejected("stream closed by the node")
     confirm_check(NAN_CASE, res, stage=1, log_text=other + "\n" + own)
     assert res.outcome == REJECTED

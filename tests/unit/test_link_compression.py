@@ -35,6 +35,7 @@ from node.pipeline.link_compression import (
 from node.pipeline.routing import Router
 from protocol import DEFAULT_LIMITS, BackwardHeader, Compression, MessageKind
 from tests.helpers.clock import FakeClock
+from tests.helpers.known_peers import KnownPeers
 from tests.helpers.posted import PostingTransport, forward_header, outcome
 
 FP16, INT8 = Compression.FP16, Compression.INT8
@@ -191,7 +192,7 @@ def test_a_routed_hop_is_sealed_once_for_the_first_peers_link():
         {1: [PeerRecord("near", 1, PeerState.ONLINE, throughput=10.0), PeerRecord("far", 1, PeerState.ONLINE)]}
     )
     transport = SealingTransport(busy={"near"})
-    hops = HopSender(transport, router, PipelineStats(), 5.0, 3, lambda peer_id: 0.0, compression=ByPeer({"far"}))
+    hops = HopSender(transport, router, PipelineStats(), 5.0, 3, KnownPeers(), compression=ByPeer({"far"}))
     tensors = {"hidden": torch.zeros(8, 128, 64)}
 
     lost: list[int] = []

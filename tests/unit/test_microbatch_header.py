@@ -22,7 +22,7 @@ from protocol import (
 ORIGIN, FIRST, SECOND = "origin-peer", "stage-1-peer", "stage-2-peer"
 TOKEN = "0123456789abcdef"
 
-# each as an origin sends it (node/pipeline/traffic.py), then as it arrives from the transport
+# each as an origin sends it (node/pipeline/origin.py), then as it arrives from the transport
 FORWARD_METAS = {
     "training": {"microbatch_id": 7, "origin": ORIGIN, "path": [ORIGIN], "order": [2, 1], "hop": 1, "token": TOKEN},
     "evaluation": {

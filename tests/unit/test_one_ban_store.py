@@ -21,6 +21,7 @@ from node.pipeline.hops import HopSender, PipelineStats
 from node.pipeline.routing import Router
 from protocol import MessageKind
 from tests.helpers.clock import FakeClock
+from tests.helpers.known_peers import KnownPeers
 from tests.helpers.posted import PostingTransport, forward_header
 
 BANNED = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
@@ -76,7 +77,7 @@ def test_a_peer_that_refused_a_hop_is_avoided_but_its_own_streams_are_admitted()
     clock = FakeClock(5000.0)
     bans, router, conduct = wired(clock)
     transport = PostingTransport()
-    hops = HopSender(transport, router, PipelineStats(), 0.1, 3, lambda p: clock.now + 60)  # type: ignore[arg-type]
+    hops = HopSender(transport, router, PipelineStats(), 0.1, 3, KnownPeers(ban_seconds=60, clock=clock))  # type: ignore[arg-type]
 
     async def refused_with_an_error() -> None:
         while BANNED not in transport.late_refusals:

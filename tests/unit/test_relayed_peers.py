@@ -13,6 +13,7 @@ from node.p2p.reachability import carries_training
 from node.pipeline.hops import HopSender, PipelineStats
 from node.pipeline.routing import Router
 from protocol import MessageKind
+from tests.helpers.known_peers import KnownPeers
 from tests.helpers.posted import PostingTransport, forward_header, outcome
 
 
@@ -27,7 +28,7 @@ def send_many(peers: list[str], unreachable: set[str], count: int) -> list[str]:
     router = Router(random.Random(0), num_stages=2)
     router.refresh({1: [PeerRecord(p, 1, PeerState.ONLINE, throughput=10.0) for p in peers]})
     transport = PostingTransport()
-    hops = HopSender(transport, router, PipelineStats(), 5.0, 3, lambda p: 0.0, lambda: set(unreachable))
+    hops = HopSender(transport, router, PipelineStats(), 5.0, 3, KnownPeers(unreachable=unreachable))
 
     async def main() -> None:
         for microbatch_id in range(count):
@@ -54,7 +55,7 @@ def test_a_busy_direct_peer_does_not_send_the_hop_to_a_relayed_one():
     router.refresh({1: [PeerRecord(p, 1, PeerState.ONLINE, throughput=10.0) for p in ("public", "home-b")]})
     transport = PostingTransport()
     transport.settle = lambda peer_id, payload: outcome(MessageKind.BUSY)
-    hops = HopSender(transport, router, PipelineStats(), 5.0, 3, lambda p: 0.0, lambda: {"home-b"})
+    hops = HopSender(transport, router, PipelineStats(), 5.0, 3, KnownPeers(unreachable={"home-b"}))
     lost = []
     sent = asyncio.run(hops.send_routed(1, "forward", forward_header(1), {}, lambda: lost.append(1)))
     assert sent is None and lost == [1]
