@@ -10,21 +10,15 @@ from __future__ import annotations
 import logging
 from functools import partial
 
-from dht.announcer import PeerAnnouncer
 from dht.records import short_peer_id
 from node.config import TrainingConfig
-from node.p2p.swarm_peers import SwarmPeers
-from node.p2p.transport import Transport
 from node.pipeline.abort_notices import AbortNotices
 from node.pipeline.fair_turns import FairTurns
 from node.pipeline.receipts import ReceiptKeeper
-from node.pipeline.routing import Router
 from node.pipeline.token_anchors import carried_token_ids
-from node.pipeline.traffic import ABORT, BACKWARD, FORWARD, Pipeline
-from node.pipeline.verifier import Verifier
+from node.pipeline.traffic import ABORT, BACKWARD, FORWARD, Pipeline, PipelineParts
 from node.stage.admission import RejectedInput
 from node.stage.forward_only import eval_forward
-from node.stage.stage_worker import StageWorker
 from protocol import BackwardHeader, ForwardHeader, Message, MessageKind, MicrobatchHeader, MicrobatchPurpose
 
 logger = logging.getLogger(__name__)
@@ -41,19 +35,13 @@ class BlockRelay(Pipeline):
         self,
         training: TrainingConfig,
         num_stages: int,
-        transport: Transport,
-        worker: StageWorker,
-        router: Router,
-        me: PeerAnnouncer,
-        peers: SwarmPeers,
+        parts: PipelineParts,
         *,
-        verifier: Verifier | None = None,
         receipts: ReceiptKeeper | None = None,  # a record of what it computed, for checks
         max_queue: int | None = None,  # hops queued here at most; None: training.max_in_flight
     ):
-        super().__init__(training, num_stages, transport, worker, router, me, peers, verifier)
-        # compute is spent only on members' microbatches
-        self.peers = peers
+        super().__init__(training, num_stages, parts)
+        self.peers = parts.peers  # compute is spent only on members' microbatches
         self.receipts = receipts
         # as many as an origin keeps in flight: the activations stored here are bounded by it too
         self.max_queue = max_queue or training.max_in_flight

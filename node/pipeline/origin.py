@@ -14,24 +14,19 @@ from collections.abc import Callable
 
 import torch
 
-from dht.announcer import PeerAnnouncer
 from node.config import SwarmConfig
 from node.model.data import TokenSource
-from node.p2p.swarm_peers import SwarmPeers
-from node.p2p.transport import Transport, TransportError
+from node.p2p.transport import TransportError
 from node.pipeline.in_flight import InFlight, ticket_for, ticket_named_by
 from node.pipeline.in_flight_window import InFlightWindow, keep_in_flight
 from node.pipeline.order import pipeline_order
 from node.pipeline.retry_pause import RetryPause
-from node.pipeline.routing import Router
 from node.pipeline.token_anchors import hop_token_ids
-from node.pipeline.traffic import BACKWARD, FORWARD, Pipeline
-from node.pipeline.verifier import Verifier
+from node.pipeline.traffic import BACKWARD, FORWARD, Pipeline, PipelineParts
 from node.runtime.timeouts import within
 from node.stage.activation_store import UnknownMicrobatch
 from node.stage.admission import RejectedInput
 from node.stage.forward_only import eval_embed, eval_loss
-from node.stage.stage_worker import StageWorker
 from protocol import BackwardHeader, ForwardHeader, Message, MicrobatchPurpose
 
 logger = logging.getLogger(__name__)
@@ -44,17 +39,12 @@ class Origin(Pipeline):
     def __init__(
         self,
         config: SwarmConfig,
-        transport: Transport,
-        worker: StageWorker,
-        router: Router,
-        me: PeerAnnouncer,
-        peers: SwarmPeers,
+        parts: PipelineParts,
         *,
-        verifier: Verifier | None = None,
         rng: random.Random | None = None,
         max_in_flight: int | None = None,  # the window's ceiling here: less than the swarm's where memory is short
     ):
-        super().__init__(config.training, config.num_stages, transport, worker, router, me, peers, verifier)
+        super().__init__(config.training, config.num_stages, parts)
         self.config = config
         training = config.training
         deadline = training.hop_timeout * config.num_stages  # a microbatch's: through every stage, back to us

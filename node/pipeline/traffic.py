@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import StrEnum
 
 from dht.announcer import PeerAnnouncer
@@ -129,6 +130,18 @@ def _hop_sender(
     )
 
 
+@dataclass(frozen=True)
+class PipelineParts:
+    """What a peer's pipeline works with, whichever role its stage plays."""
+
+    transport: Transport
+    worker: StageWorker
+    router: Router
+    me: PeerAnnouncer
+    peers: SwarmPeers  # the swarm's answers about other peers: bans, members, reach
+    verifier: Verifier | None = None  # checks the block-stage peers this one exchanges hops with
+
+
 class Pipeline(ABC):
     """A peer's pipeline traffic, whichever role its stage plays: the FORWARD, BACKWARD and ABORT
     services, each hop's checks that do not depend on the role, and the sender of hops. A stage-0
@@ -136,25 +149,12 @@ class Pipeline(ABC):
     `BlockRelay` (node/pipeline/block_relay.py). The role is its stage's for the pipeline's life: a
     peer that moves to another stage serves it with a new pipeline (node/server/stage_service.py)."""
 
-    def __init__(
-        self,
-        training: TrainingConfig,
-        num_stages: int,
-        transport: Transport,
-        worker: StageWorker,
-        router: Router,
-        me: PeerAnnouncer,
-        peers: SwarmPeers,
-        verifier: Verifier | None,
-    ):
+    def __init__(self, training: TrainingConfig, num_stages: int, parts: PipelineParts):
         self.training = training
-        self.transport = transport
-        self.worker = worker
-        self.router = router
-        self.me = me
+        self.transport, self.worker, self.router, self.me = parts.transport, parts.worker, parts.router, parts.me
         self.num_block_stages = num_stages - 1
         self.stats = PipelineStats()
-        self.hops = _hop_sender(training, transport, router, self.stats, peers, verifier)
+        self.hops = _hop_sender(training, parts.transport, parts.router, self.stats, parts.peers, parts.verifier)
         self._tasks = BackgroundTasks()
 
     async def start(self) -> None:

@@ -37,7 +37,7 @@ from node.pipeline.check_server import CheckServer
 from node.pipeline.origin import Origin
 from node.pipeline.receipts import ReceiptBook, ReceiptKeeper
 from node.pipeline.routing import Router
-from node.pipeline.traffic import Pipeline
+from node.pipeline.traffic import Pipeline, PipelineParts
 from node.pipeline.validation import Validator, open_validator
 from node.pipeline.verifier import Verifier
 from node.recovery.catch_up import run_catch_up
@@ -208,13 +208,12 @@ async def build_service(
         served=(lambda: checks.served) if checks is not None else (lambda: 0),
         rng=rng,
     )
-    serving = (transport, worker, router, me, peers)
+    parts = PipelineParts(transport, worker, router, me, peers, verifier)
     pipeline: Pipeline  # stage 0 is the origin of its microbatches, a block stage relays them
     if me.stage == 0:
-        pipeline = Origin(config, *serving, verifier=verifier, rng=rng, max_in_flight=max_in_flight)
+        pipeline = Origin(config, parts, rng=rng, max_in_flight=max_in_flight)
     else:
-        training, stages = config.training, config.num_stages
-        pipeline = BlockRelay(training, stages, *serving, verifier=verifier, receipts=receipts, max_queue=max_in_flight)
+        pipeline = BlockRelay(config.training, config.num_stages, parts, receipts=receipts, max_queue=max_in_flight)
     replica = await worker.compute(lambda: OuterReplica(live_parameters(worker), config.gossip))
     gossip = Gossip(
         config,

@@ -26,7 +26,7 @@ from node.pipeline.check_server import CheckServer
 from node.pipeline.origin import Origin
 from node.pipeline.receipts import ReceiptBook, ReceiptKeeper
 from node.pipeline.routing import Router
-from node.pipeline.traffic import Pipeline
+from node.pipeline.traffic import Pipeline, PipelineParts
 from node.stage.stage_worker import StageWorker
 from protocol import Message, recv_message
 from tests.helpers.known_peers import KnownPeers
@@ -120,20 +120,12 @@ async def served_node(
     router = Router(random.Random(0), config.num_stages, bans=bans)
     # a failed hop's peer is avoided for a record's lifetime, as a node's swarm view would have it
     peers = KnownPeers(members, ban_seconds=config.heartbeat.ttl)
+    parts = PipelineParts(transport, worker, router, me, peers)  # type: ignore[arg-type]
     pipeline: Pipeline
     if stage == 0:
-        pipeline = Origin(config, transport, worker, router, me, peers, rng=random.Random(0))  # type: ignore[arg-type]
+        pipeline = Origin(config, parts, rng=random.Random(0))
     else:
-        pipeline = BlockRelay(
-            config.training,
-            config.num_stages,
-            transport,
-            worker,
-            router,
-            me,
-            peers,
-            receipts=receipts,  # type: ignore[arg-type]
-        )
+        pipeline = BlockRelay(config.training, config.num_stages, parts, receipts=receipts)
     await serve_liveness(transport)
     await pipeline.start()
     if receipts is not None:
