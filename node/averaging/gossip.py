@@ -36,7 +36,7 @@ from node.averaging.noloco import OuterState
 from node.averaging.outer_replica import STEPPED, OuterReplica, RoundOutcome
 from node.averaging.round_context import RoundContext
 from node.averaging.round_protocol import PairwiseRound
-from node.config import GossipMode, SwarmConfig
+from node.config import GossipConfig, GossipMode
 from node.p2p.bans import BanList
 from node.p2p.membership import (
     LIVENESS_PENDING,
@@ -68,7 +68,8 @@ class Gossip:
 
     def __init__(
         self,
-        config: SwarmConfig,
+        settings: GossipConfig,
+        seed: int,
         me: PeerAnnouncer,
         worker: StageWorker,
         transport: Transport,
@@ -80,10 +81,10 @@ class Gossip:
         replica: OuterReplica | None = None,
         membership: Membership | None = None,
     ):
-        """`membership`: the node's gate (node/p2p/membership.py), whose liveness service the node
+        """`seed`: the swarm's, from which every replica of a stage draws the same fingerprint
+        projection. `membership`: the node's gate (node/p2p/membership.py), whose liveness service the node
         serves; None: a gate of this Gossip's own, its liveness service served by `start`."""
-        self.config = config
-        self.settings = config.gossip
+        self.settings = settings
         self.me = me
         self.worker = worker
         self.transport = transport
@@ -103,7 +104,7 @@ class Gossip:
             view, LivenessChecks(transport_ping(transport, LivenessSettings().timeout)), me.peer_id
         )
         # same seed on every replica of a stage: their fingerprints are comparable
-        self._fingerprint = WeightFingerprint(self.rounds.replica.shapes, config.seed * 1009 + me.stage)
+        self._fingerprint = WeightFingerprint(self.rounds.replica.shapes, seed * 1009 + me.stage)
 
     # ---- what the DHT record reports -----------------------------------------------------------
 

@@ -229,7 +229,7 @@ def fitting_in_flight(
     return None, estimate
 
 
-def memory_refusal(config: SwarmConfig, estimate: StageMemory, available: DeviceMemory) -> str | None:
+def memory_refusal(swarm_id: str, estimate: StageMemory, available: DeviceMemory) -> str | None:
     """Why this device cannot serve the stage (one line), or None when the estimate fits."""
     if estimate.total <= available.free:
         return None
@@ -239,7 +239,7 @@ def memory_refusal(config: SwarmConfig, estimate: StageMemory, available: Device
     )[:3]
     breakdown = ", ".join(f"{name.replace('_', ' ')} {format_bytes(value)}" for name, value in largest)
     return (
-        f"stage {estimate.stage} of swarm {config.swarm_id} needs about {format_bytes(estimate.total)} "
+        f"stage {estimate.stage} of swarm {swarm_id} needs about {format_bytes(estimate.total)} "
         f"({breakdown}, ...) but {available.device} has {format_bytes(available.free)} free: use a larger "
         f"device, or a swarm with more stages or a smaller training.min_in_flight"
     )

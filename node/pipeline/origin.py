@@ -96,7 +96,7 @@ class Origin(Pipeline):
                 )
                 # the targets stay here with the ticket: the head is this stage's, and at a real preset
                 # they would be 8 more bytes a token on every hop (a subspace hop carries 35)
-                tensors = {"hidden": hidden, **hop_token_ids(tokens, self.config)}
+                tensors = {"hidden": hidden, **hop_token_ids(tokens, self.config.training, self.config.model)}
                 lost = ticket.on_lost(f"no peer of stage {order[0]} took it")
                 await self.hops.send_routed(order[0], FORWARD, header, tensors, lost)
                 loss = await within(ticket.done, deadline)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from node.config import ModelConfig, SwarmConfig, TrainingConfig
+from node.config import ModelConfig, TrainingConfig
 from protocol import ANCHOR_IDS, Message, wire_nbytes
 from protocol.tensors import SUBSPACE_BITS
 
@@ -16,14 +16,10 @@ def token_id_dtype(model: ModelConfig) -> torch.dtype:
     return torch.int16 if model.vocab_size <= 1 << 15 else torch.int32
 
 
-def hop_token_ids(tokens: torch.Tensor, config: SwarmConfig) -> dict[str, torch.Tensor]:
+def hop_token_ids(tokens: torch.Tensor, training: TrainingConfig, model: ModelConfig) -> dict[str, torch.Tensor]:
     """What a FORWARD carries beside the hidden states from stage 0 on: the microbatch's token ids
     while the hops travel in a subspace codec, which anchors the hidden states to them
     (protocol/subspace.py); nothing otherwise."""
-    return _anchor_ids(tokens, config.training, config.model)
-
-
-def _anchor_ids(tokens: torch.Tensor, training: TrainingConfig, model: ModelConfig) -> dict[str, torch.Tensor]:
     if training.wire_compression not in SUBSPACE_BITS:
         return {}
     return {ANCHOR_IDS: tokens.to(token_id_dtype(model))}
@@ -34,7 +30,7 @@ def forward_hop_nbytes(t: TrainingConfig, m: ModelConfig) -> int:
     ids with them in a subspace codec (what the simulator's links carry, what the benchmarks count)."""
     hidden = torch.empty((t.microbatch_size, t.sequence_length, m.hidden_size), device="meta")
     ids = torch.empty(hidden.shape[:-1], dtype=token_id_dtype(m), device="meta")
-    return sum(wire_nbytes(x, t.wire_compression) for x in (hidden, *_anchor_ids(ids, t, m).values()))
+    return sum(wire_nbytes(x, t.wire_compression) for x in (hidden, *hop_token_ids(ids, t, m).values()))
 
 
 def carried_token_ids(msg: Message, training: TrainingConfig) -> dict[str, torch.Tensor]:

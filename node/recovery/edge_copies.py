@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from dht.records import PeerRecord, PeerState
-from node.config import RecoveryStrategy, SwarmConfig
+from node.config import RecoveryConfig, RecoveryStrategy
 from node.p2p.transport import Transport, TransportError
 from node.recovery.state_transfer import download_from_any, state_on_device
 from node.stage.stage_worker import StageWorker
@@ -59,11 +59,10 @@ def edge_parts_for(stage: int, num_stages: int) -> tuple[StatePart, ...]:
     return tuple(parts)
 
 
-def edge_copies_for(config: SwarmConfig, stage: int) -> EdgeCopies | None:
+def edge_copies_for(recovery: RecoveryConfig, num_stages: int, stage: int) -> EdgeCopies | None:
     """The copies a peer of `stage` keeps, or None: only stage 1 / stage S peers, only with
     CheckFree+ and a strategy that rebuilds stage 0 from them (checkfree, copy; see plan_rebuild)."""
-    recovery = config.recovery
-    parts = edge_parts_for(stage, config.num_stages)
+    parts = edge_parts_for(stage, num_stages)
     if not (parts and recovery.checkfree_plus and recovery.strategy in EDGE_COPY_STRATEGIES):
         return None
     return EdgeCopies(stage=stage, parts=parts)

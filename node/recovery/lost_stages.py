@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from dht.announcer import PeerAnnouncer
 from dht.records import EventKind, PeerRecord, PeerState, SwarmEvent
 from dht.registry import SwarmRegistry
-from node.config import SwarmConfig
+from node.config import RecoveryConfig
 from node.recovery.checkfree import unrecoverable
 from node.runtime.events import EventPublisher
 from node.runtime.tasks import BackgroundTasks
@@ -122,16 +122,17 @@ class LostStageWatch:
 
     def __init__(
         self,
-        config: SwarmConfig,
+        recovery: RecoveryConfig,
+        num_stages: int,
         registry: SwarmRegistry,
         me: PeerAnnouncer,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.config = config
+        self.recovery, self.num_stages = recovery, num_stages
         self.me = me
         self.clock = clock
         self.events = EventPublisher(registry, me.peer_id)
-        self.tracker = LostStageTracker(config.num_stages, config.recovery.lost_grace)
+        self.tracker = LostStageTracker(num_stages, recovery.lost_grace)
         self.lost: set[int] = set()
         self.unrecoverable_reason: str | None = None
         self._reported: dict[tuple[EventKind, int | None], float] = {}  # (kind, stage) -> when last published
@@ -147,10 +148,8 @@ class LostStageWatch:
         now = self.clock()
         self.tracker.observe(peers_by_stage, now)
         lost = self.tracker.lost_stages(now)
-        recovery = self.config.recovery
-        reason = (
-            unrecoverable(lost, self.config.num_stages, recovery.strategy, recovery.checkfree_plus) if lost else None
-        )
+        recovery = self.recovery
+        reason = unrecoverable(lost, self.num_stages, recovery.strategy, recovery.checkfree_plus) if lost else None
         for stage in sorted(lost - self.lost):
             logger.warning(f"stage {stage} is lost: no live peer for over {recovery.lost_grace:.0f} s")
         for stage in sorted(self.lost - lost):

@@ -32,7 +32,7 @@ from typing import Protocol
 from dht.announcer import PeerAnnouncer
 from dht.records import short_peer_id
 from dht.swarm_view import SwarmView
-from node.config import SwarmConfig
+from node.config import DataConfig
 from node.model.shards import (
     Manifest,
     ManifestError,
@@ -237,7 +237,8 @@ async def fetch_data(
 @contextlib.asynccontextmanager
 async def stage0_data(
     network: Network,
-    config: SwarmConfig,
+    swarm_id: str,
+    data: DataConfig,
     view: SwarmView,
     me: PeerAnnouncer,
     data_path: str | None,
@@ -249,11 +250,11 @@ async def stage0_data(
     """The data path a stage-0 peer trains on (`data_path`, or the swarm's data fetched now when
     there is none and the swarm offers a manifest), served to other peers while the block runs.
     Another stage, or a swarm without a manifest: `data_path` as it is, nothing served."""
-    if me.stage != 0 or not config.data.manifest_hash:
+    if me.stage != 0 or not data.manifest_hash:
         yield data_path
         return
-    expected = config.data.manifest_hash
-    transport = data_transport(network, config.swarm_id, me.stage, meter)
+    expected = data.manifest_hash
+    transport = data_transport(network, swarm_id, me.stage, meter)
     serving: asyncio.Task | None = None
     try:
         if data_path is None:

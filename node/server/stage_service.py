@@ -88,7 +88,7 @@ def check_stage_fits(config: SwarmConfig, stage: int, device: str) -> int:
         raise JoinRefused(str(e)) from None
     (fit,) = stage_fits(config, [stage], memory)
     if fit.in_flight is None:  # not even min_in_flight fits
-        raise JoinRefused(memory_refusal(config, fit.estimate, memory))
+        raise JoinRefused(memory_refusal(config.swarm_id, fit.estimate, memory))
     logger.info(
         f"stage {stage} needs about {format_bytes(fit.estimate.total)} ({fit.estimate.parameters:,} parameters, "
         f"{fit.in_flight} microbatches in flight); {memory.device} has {format_bytes(memory.free)} free"
@@ -216,7 +216,8 @@ async def build_service(
         pipeline = BlockRelay(config.training, config.num_stages, parts, receipts=receipts, max_queue=max_in_flight)
     replica = await worker.compute(lambda: OuterReplica(live_parameters(worker), config.gossip))
     gossip = Gossip(
-        config,
+        config.gossip,
+        config.seed,
         me,
         worker,
         transport,
@@ -274,7 +275,9 @@ async def running_service(
         if service.checks is not None:
             await service.checks.start()
         await service.gossip.start()
-        edge_copies = edge_copies_for(config, me.stage)  # CheckFree+: stage 1 / stage S keep stage 0's edges
+        edge_copies = edge_copies_for(
+            config.recovery, config.num_stages, me.stage
+        )  # CheckFree+: stage 1 / stage S keep stage 0's edges
         await serve_state(service.transport, state_provider(service.worker, me, edge_copies, service.gossip))
         await refresh_until_seen(service.view, me.peer_id)  # a new DHT node may read nothing at first
         # live stage: download it (still `joining`); lost stage of a trained swarm: rebuild it from the
@@ -369,7 +372,8 @@ async def serve_current_stage(
         # stage 0: its --data, or the swarm's fetched now (node/server/data_fetch.py), served to others
         stage0_data(
             network,
-            config,
+            config.swarm_id,
+            config.data,
             service.view,
             me,
             options.data_path,
@@ -378,7 +382,7 @@ async def serve_current_stage(
             meter=options.meter,
         ) as data_path,
     ):
-        watch = LostStageWatch(config, SwarmRegistry(network.dht, config.swarm_id), me)
+        watch = LostStageWatch(config.recovery, config.num_stages, SwarmRegistry(network.dht, config.swarm_id), me)
         service.view.on_refresh(watch.on_refresh)
         progress = ProgressDisplay(service.read, quiet=options.quiet)
         mover = asyncio.create_task(watch_for_move(service, watch), name="rebalance")

@@ -127,7 +127,7 @@ def measure_case(case: Case, device: str) -> dict:
     started = time.monotonic()
     worker = StageWorker(config, stage, device=device, max_stored=in_flight)
     replica = OuterReplica(live_parameters(worker), config.gossip)
-    edge_copies = edge_copies_for(config, stage)
+    edge_copies = edge_copies_for(config.recovery, config.num_stages, stage)
     if edge_copies is not None:  # copies of stage 0's parts, kept on the stage's device (node/recovery/edge_copies.py)
         shapes = {"embed_tokens.weight": (m.vocab_size, m.hidden_size), "norm.weight": (m.hidden_size,)}
         shapes["lm_head.weight"] = (m.vocab_size, m.hidden_size)

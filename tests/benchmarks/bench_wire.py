@@ -119,7 +119,7 @@ def hop_bytes(config: SwarmConfig) -> dict[str, float]:
         0,
         2**40,
         {"microbatch_id": 2**40, "origin": PEER_ID, "path": path, "order": [1, 2, 0], "hop": 2, "token": TOKEN},
-        {"hidden": torch.randn(shape, generator=gen), **hop_token_ids(ids, config)},
+        {"hidden": torch.randn(shape, generator=gen), **hop_token_ids(ids, config.training, config.model)},
     )
     backward = Message(
         MessageKind.BACKWARD,

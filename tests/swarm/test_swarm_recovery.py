@@ -83,7 +83,7 @@ def test_the_reporter_publishes_lost_and_unrecoverable_once_per_refresh_period_a
     config = SwarmConfig(num_stages=4).replace(recovery={"lost_grace": 2.0})
     now = [0.0]
     registry = Registry()
-    watch = LostStageWatch(config, registry, Me(), clock=lambda: now[0])
+    watch = LostStageWatch(config.recovery, config.num_stages, registry, Me(), clock=lambda: now[0])
     swarm = {0: [peer("a", 0)], 1: [peer("b", 1)], 2: [], 3: [peer("d", 3)]}
 
     async def refresh_at(t, picture=swarm):
@@ -110,7 +110,9 @@ def test_the_reporter_publishes_lost_and_unrecoverable_once_per_refresh_period_a
         assert watch.lost == {2, 3} and "lost at the same time" in watch.unrecoverable_reason
         assert (EventKind.UNRECOVERABLE, None) in [(e.kind, e.stage) for e in registry.events]
         # a peer that is not the reporter only keeps the verdict
-        other = LostStageWatch(config, registry, type("Other", (), {"peer_id": "z"})(), clock=lambda: now[0])
+        other = LostStageWatch(
+            config.recovery, config.num_stages, registry, type("Other", (), {"peer_id": "z"})(), clock=lambda: now[0]
+        )
         published = len(registry.events)
         other.on_refresh(adjacent)
         now[0] = 205.0

@@ -45,15 +45,8 @@ COMPOSITION_ROOTS: dict[str, str] = {
     "node/monitor/observer.py::Observer": "holds the swarm's config for the status snapshots",
     "node/monitor/export.py::Collected": "an export carries the whole config into the checkpoint",
     "node/demo.py::DemoRun": "composition root of the demo: a local swarm of every stage",
-    # called from the files the Pipeline split rewrites (traffic.py, stage_service.py): narrowed
-    # once that lands, each by a one-line change at its call there
-    "node/pipeline/traffic.py::Pipeline": "the pipeline of a stage: training, heartbeat, recovery, num_stages",
-    "node/pipeline/token_anchors.py::hop_token_ids": "pending: (tokens, training, model) once traffic.py passes them",
-    "node/averaging/gossip.py::Gossip": "pending: (settings: GossipConfig, seed, ...) once stage_service.py passes them",
-    "node/model/memory.py::memory_refusal": "pending: (swarm_id, ...) once stage_service.py passes it",
-    "node/recovery/edge_copies.py::edge_copies_for": "pending: (recovery, num_stages, stage) once stage_service.py passes them",
-    "node/recovery/lost_stages.py::LostStageWatch": "pending: (recovery, num_stages, ...) once stage_service.py passes them",
-    "node/server/data_fetch.py::stage0_data": "pending: (network, swarm_id, data: DataConfig, ...) once stage_service.py passes them",
+    "node/pipeline/origin.py::Origin": "stage 0's pipeline: training, model (anchor ids), heartbeat (retries), recovery (swapped order), num_stages",
+    "node/p2p/swarm_peers.py::swarm_transport": "a joined peer's transport and peers: swarm_id, training (codec), heartbeat (bans)",
 }
 
 

@@ -119,7 +119,7 @@ def test_edge_copies_are_counted_where_the_recovery_code_keeps_them(strategy, nu
 
     config = SwarmConfig(num_stages=num_stages).replace(recovery={"strategy": strategy})
     for stage in range(num_stages):
-        kept = edge_copies_for(config, stage)
+        kept = edge_copies_for(config.recovery, config.num_stages, stage)
         assert (estimate_stage_memory(config, stage).edge_copies > 0) == (kept is not None), (strategy, stage)
 
 
@@ -178,8 +178,8 @@ def test_a_24_gb_home_gpu_holds_every_stage_of_every_real_preset_at_its_widest_w
 def test_memory_refusal_is_one_line_when_the_device_is_too_small_and_none_when_it_fits():
     config = preset_config(PresetName.MOBILELLM_1B, num_stages=4)
     estimate = estimate_stage_memory(config, 1)
-    assert memory_refusal(config, estimate, DeviceMemory("cuda:0", estimate.total)) is None
-    refusal = memory_refusal(config, estimate, DeviceMemory("cuda:0", 8 * 2**30))
+    assert memory_refusal(config.swarm_id, estimate, DeviceMemory("cuda:0", estimate.total)) is None
+    refusal = memory_refusal(config.swarm_id, estimate, DeviceMemory("cuda:0", 8 * 2**30))
     assert refusal is not None and "\n" not in refusal
     assert refusal.startswith(f"stage 1 of swarm pipeswarm-demo needs about {format_bytes(estimate.total)} (")
     assert "but cuda:0 has 8.0 GiB free" in refusal

@@ -293,7 +293,7 @@ def test_a_stage0_peer_that_cannot_fetch_the_data_refuses_to_join(monkeypatch, t
     config = SwarmConfig().replace(data={"tokenizer_hash": "0123456789abcdef", "manifest_hash": "ab" * 32})
 
     async def join() -> None:
-        async with data_fetch.stage0_data(None, config, FakeView(), FakeMe(), None):  # type: ignore[arg-type]
+        async with data_fetch.stage0_data(None, config.swarm_id, config.data, FakeView(), FakeMe(), None):  # type: ignore[arg-type]
             raise AssertionError("trained without data")
 
     with pytest.raises(JoinRefused, match="stage 0 has no --data and cannot fetch the swarm's: no peer") as refused:
@@ -303,7 +303,7 @@ def test_a_stage0_peer_that_cannot_fetch_the_data_refuses_to_join(monkeypatch, t
     plain = SwarmConfig()
 
     async def plain_join() -> str | None:
-        async with data_fetch.stage0_data(None, plain, FakeView(), FakeMe(), "dir") as path:  # type: ignore[arg-type]
+        async with data_fetch.stage0_data(None, plain.swarm_id, plain.data, FakeView(), FakeMe(), "dir") as path:  # type: ignore[arg-type]
             return path
 
     assert asyncio.run(plain_join()) == "dir"
