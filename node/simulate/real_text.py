@@ -90,6 +90,24 @@ def text_bounds(prepared: PreparedData) -> dict[str, float]:
     return {"unigram_nats": float(unigram_nats), "bigram_nats": float(-np.log(conditional).mean())}
 
 
+def stdlib_source(scale: Scale) -> str:
+    """How a summary names the corpus `prepare_stdlib` made at `scale`."""
+    parts = f": {', '.join(scale.corpus)}" if scale.corpus != ("",) else ""
+    return f"CPython standard library (.py, tests left out){parts}"
+
+
+def corpus_record(prepared: PreparedData, source: str) -> dict[str, Any]:
+    """What a summary says of the text it ran on: its source, size and bounds (text_bounds), so the
+    rendered page can set every loss beside what the text itself allows."""
+    return {
+        "source": source,
+        "vocab_size": prepared.vocab_size,
+        "train_tokens": prepared.train_tokens,
+        "val_tokens": prepared.val_tokens,
+        **text_bounds(prepared),
+    }
+
+
 def run_seeds(
     prepared: PreparedData, scale: Scale, seeds: list[int], out: Path, progress: bool, resume: bool = False
 ) -> dict[str, Any]:
@@ -166,14 +184,7 @@ def summarise(prepared: PreparedData, scale: Scale, seeds: list[int], runs: dict
     routings = [r.value for r in GOSSIP_ROUTINGS] + [FIXED]
     claims = recovery_claims(recovery) + [c for r in routings for c in gossip_claims(gossip, r)]
     return {
-        "corpus": {
-            "source": "CPython standard library (.py, tests left out)"
-            + (f": {', '.join(scale.corpus)}" if scale.corpus != ("",) else ""),
-            "vocab_size": prepared.vocab_size,
-            "train_tokens": prepared.train_tokens,
-            "val_tokens": prepared.val_tokens,
-            **text_bounds(prepared),
-        },
+        "corpus": corpus_record(prepared, stdlib_source(scale)),
         "scale": {**asdict(scale), "preset": scale.preset.value},
         "seeds": seeds,
         "seconds": runs["seconds"],

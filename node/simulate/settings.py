@@ -8,6 +8,7 @@ model would be, through `compute_ms` (seconds per microbatch-stage) and the link
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from node.config import RoutingMode, SwarmConfig, read_config
 from node.model.corpus import load_prepared
@@ -66,13 +67,18 @@ class SimSettings:
             "recovery.checkfree_plus": False,
         }
         if self.data is not None:
-            prepared = load_prepared(self.data)  # PreparedDataError: not a prepared directory
-            values.update(
-                {
-                    "model.vocab_size": prepared.vocab_size,
-                    "data.source": str(self.data),
-                    "data.tokenizer_hash": prepared.tokenizer_hash,
-                }
-            )
+            values.update(prepared_data_values(self.data))
         values.update(overrides)
         return read_config(None, swarm_id="simulate", seed=self.seed, num_stages=self.stages, **values)
+
+
+def prepared_data_values(directory: str | Path) -> dict[str, object]:
+    """The dotted config keys of a run on a `node prepare-data` directory: the model's vocabulary is
+    its tokenizer's, and the run records that tokenizer, which open_source and open_heldout check the
+    directory against (node/model/data.py). PreparedDataError: not a prepared directory."""
+    prepared = load_prepared(directory)
+    return {
+        "model.vocab_size": prepared.vocab_size,
+        "data.source": str(directory),
+        "data.tokenizer_hash": prepared.tokenizer_hash,
+    }

@@ -9,6 +9,12 @@ close that gap), at a width and depth that trains in minutes on a CPU. Prints, p
 a token costs on one hop (at this model's width, and at the 15m and 125m presets' widths, tensors
 only) and the held-out loss per seed, its mean and spread, and its cost in % of fp16's loss;
 `--json FILE` keeps every number. Not a timed test: `make bench-hop-codec` (docs/wire.md).
+
+`--data DIR` runs the same on real text instead: a `node prepare-data` directory, read as a stage-0
+peer reads it (train.bin through open_source, one stream per seed; the held-out loss on val.bin
+through open_heldout), the model's vocabulary the tokenizer's, and the text's unigram and bigram
+bounds beside the losses. `--prepare-stdlib` first prepares the CPython standard library into DIR
+as `make experiments` does, unless DIR already holds it: `make bench-hop-codec-text`.
 """
 
 from __future__ import annotations
@@ -27,9 +33,13 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from node.config import SwarmConfig  # noqa: E402
+from node.model.corpus import load_prepared  # noqa: E402
 from node.model.llama import build_stage  # noqa: E402
 from node.model.presets import PresetName, preset_named  # noqa: E402
 from node.model.synthetic import markov_source  # noqa: E402
+from node.simulate.real_text import FULL, corpus_record, prepare_stdlib, stdlib_source  # noqa: E402
+from node.simulate.settings import prepared_data_values  # noqa: E402
+from node.simulate.sources import held_out_source, training_source  # noqa: E402
 from node.stage.stage_worker import StageWorker  # noqa: E402
 from protocol import Compression, decode_tensor, encode_tensor, wire_nbytes  # noqa: E402
 
@@ -43,13 +53,28 @@ VARIANTS = {
     "subspace8-unanchored": (Compression.SUBSPACE8, False),
 }
 HELD_OUT_STREAM = 1 << 20  # a data stream no training microbatch comes from
+# the sizes a run takes unless told: on the chain, those of the recorded docs/results/hop_codec.json;
+# on real text (--data, vocabulary 512), what 5 variants x 3 seeds train in about 25 minutes on 2
+# busy CPU cores: a microbatch took 66-75 ms here (fp16-subspace8), the recorded chain run's 90 ms,
+# and 1000 of them bring fp16 below the text's bigram bound (300 reached 3.77 against 3.57 on a
+# small slice of the stdlib); 16 held-out batches, as text is noisier than the chain
+CHAIN_SIZES = {"microbatches": 800, "width": 128, "layers": 2, "eval_batches": 8}
+TEXT_SIZES = {"microbatches": 1000, "width": 128, "layers": 2, "eval_batches": 16}
 
 
-def bench_config(width: int, layers_per_stage: int, seed: int, codec: Compression, steps: int) -> SwarmConfig:
+def bench_config(
+    width: int, layers_per_stage: int, seed: int, codec: Compression, steps: int, data: Path | None = None
+) -> SwarmConfig:
     heads = max(1, width // 32)
+    sections: dict[str, dict] = {}
+    if data is not None:  # real text: the tokenizer's vocabulary, and the tokenizer the readers check
+        for key, value in prepared_data_values(data).items():
+            section, field = key.split(".")
+            sections.setdefault(section, {})[field] = value
     return SwarmConfig.from_dict(
         {
             "seed": seed,
+            "data": sections.get("data", {}),
             "num_stages": 3,
             "model": {
                 "hidden_size": width,
@@ -57,6 +82,7 @@ def bench_config(width: int, layers_per_stage: int, seed: int, codec: Compressio
                 "num_attention_heads": heads,
                 "num_key_value_heads": heads,
                 "layers_per_stage": layers_per_stage,
+                **sections.get("model", {}),
             },
             # one microbatch a step, the cosine schedule ending with the run: each codec's loss is
             # read where its training has settled, not in the middle of a high learning rate
@@ -103,14 +129,18 @@ def held_out_loss(workers: list[StageWorker], batches, codec: Compression, ancho
 
 
 def run(codec: Compression, anchored: bool, seed: int, args: argparse.Namespace) -> dict:
-    config = bench_config(args.width, args.layers, seed, codec, args.microbatches)
+    config = bench_config(args.width, args.layers, seed, codec, args.microbatches, args.data)
     workers = [
         StageWorker(config, stage, module=build_stage(config.model, stage, config.seed))
         for stage in range(config.num_stages)
     ]
     try:
-        source = markov_source(config, 0)
-        held = markov_source(config, HELD_OUT_STREAM)
+        if args.data is None:
+            source = markov_source(config, 0)
+            held = markov_source(config, HELD_OUT_STREAM)
+            floors = {"floor": source.loss_floor, "current_token_floor": source.context_free_floor}
+        else:  # the simulator's readers: train.bin in the seed's own stream, val.bin for every codec alike
+            source, held, floors = training_source(config, 0), held_out_source(config), {}
         t = config.training
         batches = [held.next_batch(16, t.sequence_length) for _ in range(args.eval_batches)]
         started = time.monotonic()
@@ -118,8 +148,7 @@ def run(codec: Compression, anchored: bool, seed: int, args: argparse.Namespace)
             train_microbatch(workers, key, *source.next_batch(t.microbatch_size, t.sequence_length), codec, anchored)
         return {
             "held_out_loss": held_out_loss(workers, batches, codec, anchored),
-            "floor": source.loss_floor,
-            "current_token_floor": source.context_free_floor,
+            **floors,
             "seconds": time.monotonic() - started,
         }
     finally:
@@ -132,17 +161,46 @@ def bytes_per_token(width: int, codec: Compression, anchored: bool, tokens: int 
     return wire_nbytes(torch.empty((1, tokens, width), device="meta"), codec) / tokens + (2 if anchored else 0)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
-    parser.add_argument("--microbatches", type=int, default=800, help="training microbatches (one step each)")
-    parser.add_argument("--width", type=int, default=128, help="hidden size of the benchmark model")
-    parser.add_argument("--layers", type=int, default=2, help="layers per block stage (2 block stages)")
-    parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, help="training microbatches (one step each)")
+    parser.add_argument("--width", type=int, help="hidden size of the benchmark model")
+    parser.add_argument("--layers", type=int, help="layers per block stage (2 block stages)")
+    parser.add_argument("--eval-batches", type=int)
+    parser.add_argument("--data", type=Path, help="a `node prepare-data` directory: real text instead of the chain")
+    parser.add_argument(
+        "--prepare-stdlib",
+        action="store_true",
+        help="prepare the CPython standard library into --data first, unless it is there (as `make experiments`)",
+    )
     parser.add_argument("--json", type=Path, help="write every figure here")
-    args = parser.parse_args()
-    torch.set_num_threads(1)  # the figures compare codecs, not machines: keep runs alike
+    args = parser.parse_args(argv)
+    if args.prepare_stdlib and args.data is None:
+        parser.error("--prepare-stdlib needs --data DIR, where the corpus is kept")
+    # unset sizes are the chain's or the text's defaults (TEXT_SIZES: chosen from a timed run)
+    for name, default in (CHAIN_SIZES if args.data is None else TEXT_SIZES).items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    return args
+
+
+def corpus(args: argparse.Namespace) -> dict | None:
+    """The corpus --data names (prepared first with --prepare-stdlib), as the summary records it."""
+    if args.data is None:
+        return None
+    if args.prepare_stdlib:  # the directory `make experiments` uses: either command prepares it once
+        return {**corpus_record(prepare_stdlib(args.data, FULL), stdlib_source(FULL)), "directory": str(args.data)}
+    prepared = load_prepared(args.data)
+    return {**corpus_record(prepared, "`node prepare-data` directory"), "directory": str(args.data)}
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Every variant over every seed: the summary `--json` writes (and docs/results/hop_codec*.json hold)."""
+    text = corpus(args)
+    if text is not None:
+        print(f"corpus {args.data}: vocabulary {text['vocab_size']}, {text['train_tokens']:,} train tokens", flush=True)
     widths = {
         "bench": args.width,
         "15m": preset_named(PresetName.STORIES_15M).hidden_size,
@@ -174,16 +232,27 @@ def main() -> None:
         )
     if "fp16" in results:
         base = results["fp16"]
-        floors = ", ".join(f"{r['floor']:.4f}" for r in base["runs"])
-        current = ", ".join(f"{r['current_token_floor']:.4f}" for r in base["runs"])
-        print(f"floor per seed {floors}; from the current token alone {current}")
+        if text is None:
+            floors = ", ".join(f"{r['floor']:.4f}" for r in base["runs"])
+            current = ", ".join(f"{r['current_token_floor']:.4f}" for r in base["runs"])
+            print(f"floor per seed {floors}; from the current token alone {current}")
+        else:
+            print(f"the text's bounds: unigram {text['unigram_nats']:.4f}, bigram {text['bigram_nats']:.4f} nats")
         for name, r in results.items():
             paired = [100 * (x / b - 1) for x, b in zip(r["losses"], base["losses"], strict=True)]
             r["cost_percent"] = paired
             per_seed = ", ".join(f"{p:+.2f}" for p in paired)
             print(f"{name:20s} loss cost vs fp16: {statistics.fmean(paired):+.2f} % (per seed {per_seed})")
+    recorded_args = {**vars(args), "json": str(args.json), "data": None if args.data is None else str(args.data)}
+    return {"args": recorded_args, **({} if text is None else {"corpus": text}), "results": results}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)  # the figures compare codecs, not machines: keep runs alike
+    summary = measure(args)
     if args.json:
-        args.json.write_text(json.dumps({"args": {**vars(args), "json": str(args.json)}, "results": results}, indent=2))
+        args.json.write_text(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":
