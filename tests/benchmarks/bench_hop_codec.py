@@ -55,9 +55,10 @@ VARIANTS = {
 HELD_OUT_STREAM = 1 << 20  # a data stream no training microbatch comes from
 # the sizes a run takes unless told: on the chain, those of the recorded docs/results/hop_codec.json;
 # on real text (--data, vocabulary 512), what 5 variants x 3 seeds train in about 25 minutes on 2
-# busy CPU cores: a microbatch took 66-75 ms here (fp16-subspace8), the recorded chain run's 90 ms,
-# and 1000 of them bring fp16 below the text's bigram bound (300 reached 3.77 against 3.57 on a
-# small slice of the stdlib); 16 held-out batches, as text is noisier than the chain
+# busy CPU cores: a microbatch took 66-75 ms here (fp16-subspace8), 90 ms in the recorded chain run;
+# 300 of them took fp16 to 3.77 nats against a bigram bound of 3.57 (a small slice of the stdlib),
+# so 1000 should end below it, where the blocks and their hops carry the loss; 16 held-out batches
+# (twice the chain's), as text is noisier
 CHAIN_SIZES = {"microbatches": 800, "width": 128, "layers": 2, "eval_batches": 8}
 TEXT_SIZES = {"microbatches": 1000, "width": 128, "layers": 2, "eval_batches": 16}
 
@@ -193,7 +194,7 @@ def corpus(args: argparse.Namespace) -> dict | None:
     if args.prepare_stdlib:  # the directory `make experiments` uses: either command prepares it once
         return {**corpus_record(prepare_stdlib(args.data, FULL), stdlib_source(FULL)), "directory": str(args.data)}
     prepared = load_prepared(args.data)
-    return {**corpus_record(prepared, "`node prepare-data` directory"), "directory": str(args.data)}
+    return {**corpus_record(prepared, f"the `node prepare-data` directory {args.data}"), "directory": str(args.data)}
 
 
 def measure(args: argparse.Namespace) -> dict:
