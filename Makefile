@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .PHONY: demo test slow bench lint format hostile test-private internet netns-deps chaos results \
-	podman-deps docker-image docker-test gpu-check memory-table bench-hop-codec bench-wire experiments
+	podman-deps docker-image docker-test gpu-check memory-table bench-hop-codec bench-hop-codec-text \
+	bench-wire experiments
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +56,15 @@ bench-wire: $(STAMP) netns-deps
 bench-hop-codec: $(STAMP)
 	$(PY) tests/benchmarks/bench_hop_codec.py --json docs/results/hop_codec.json
 	$(PY) -m node.simulate.report --record docs/results hop_codec
+
+# the same on real text, 3 seeds (docs/results.md, "Hop codecs on real text"): the CPython standard library
+# prepared into build/corpus/stdlib as `make experiments` prepares it (once, for both), each codec trained
+# and measured on it, then the page rendered (~25 minutes on 2 CPU cores, plus the corpus the first time)
+bench-hop-codec-text: $(STAMP)
+	$(PY) tests/benchmarks/bench_hop_codec.py --data build/corpus/stdlib --prepare-stdlib --seeds 0 1 2 \
+		--json docs/results/hop_codec_real_text.json
+	$(PY) -m node.simulate.report --record docs/results hop_codec_real_text
+	$(PY) -m node.simulate.report docs/results docs/results.md
 
 # the volunteer's real case end to end on one device (tests/benchmarks/gpu_check.py, docs/benchmarks.md
 # "GPU check"): a 4-stage swarm at PRESET trains, a joiner downloads a stage, two replicas gossip, a
