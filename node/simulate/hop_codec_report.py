@@ -70,11 +70,12 @@ def hop_codec_section(s: dict[str, Any], directory: Path, docs: Path) -> list[st
     return [*lines, *_default_codec(s, "on the chain"), ""]
 
 
-def hop_codec_text_section(s: dict[str, Any] | None, directory: Path) -> list[str]:
-    """The same on real text, each loss beside the text's own bounds; `s` None: not run yet."""
+def hop_codec_text_section(s: dict[str, Any] | None) -> list[str]:
+    """The same on real text, each loss beside the text's own bounds; `s` None: not run yet (the line
+    names no directory: the page must render alike from any working directory, for its freshness test)."""
     lines = ["## Hop codecs on real text", ""]
     if s is None:
-        return [*lines, f"Not run: no {HOP_CODEC_TEXT}.json in {directory} (`make bench-hop-codec-text`).", ""]
+        return [*lines, f"Not run: no {HOP_CODEC_TEXT}.json yet (`make bench-hop-codec-text` writes it).", ""]
     corpus = s["corpus"]
     lines += [
         f"`make bench-hop-codec-text` (tests/benchmarks/bench_hop_codec.py --data): the chain's benchmark "

@@ -395,7 +395,7 @@ def render(directory: Path, docs: Path) -> str:
     if real_text is not None:
         lines += real_text_section(real_text, directory, docs)
     if real_text is not None or codecs_on_text is not None:  # the real-text part, led by the claims if run
-        lines += hop_codec_text_section(codecs_on_text, directory)
+        lines += hop_codec_text_section(codecs_on_text)
         lines += [
             "The sections below are toy scale: a 32-token second-order Markov chain and models of a few "
             "hundred thousand parameters. They stay for what real text does not show here: the sync-scaling "

@@ -82,3 +82,16 @@ def test_the_hop_codec_losses_in_wire_md_are_the_recorded_run():
     for variant, figures in rows.items():
         recorded = [*record[variant]["losses"], record[variant]["mean"]]
         assert figures == [round(value, 4) for value in recorded], f"docs/wire.md, {variant}: not the recorded run"
+
+
+def test_the_real_text_hop_codec_table_is_its_recorded_run_or_says_it_has_none():
+    """docs/results.md renders docs/results/hop_codec_real_text.json (`make bench-hop-codec-text`; the
+    page's freshness test keeps the table the file's): a summary there names its commit in
+    commits.json, and without one the page says so rather than show another run's figures."""
+    commits = json.loads((DOCS / "results" / "commits.json").read_text())
+    page = (DOCS / "results.md").read_text()
+    missing = "Not run: no hop_codec_real_text.json"
+    if (DOCS / "results" / "hop_codec_real_text.json").exists():
+        assert "hop_codec_real_text" in commits and missing not in page
+    else:
+        assert "hop_codec_real_text" not in commits and missing in page
