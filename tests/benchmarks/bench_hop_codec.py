@@ -192,9 +192,10 @@ def corpus(args: argparse.Namespace) -> dict | None:
     if args.data is None:
         return None
     if args.prepare_stdlib:  # the directory `make experiments` uses: either command prepares it once
-        return {**corpus_record(prepare_stdlib(args.data, FULL), stdlib_source(FULL)), "directory": str(args.data)}
-    prepared = load_prepared(args.data)
-    return {**corpus_record(prepared, f"the `node prepare-data` directory {args.data}"), "directory": str(args.data)}
+        prepared, source = prepare_stdlib(args.data, FULL), stdlib_source(FULL)
+    else:
+        prepared, source = load_prepared(args.data), f"the `node prepare-data` directory {args.data}"
+    return {**corpus_record(prepared, source), "directory": str(args.data)}
 
 
 def measure(args: argparse.Namespace) -> dict:
