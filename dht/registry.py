@@ -15,6 +15,7 @@ from typing import Any
 from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
+from dht.identity_keys import Identity, SignatureError
 from dht.rate_limited_log import RateLimitedLog
 from dht.records import (
     SWARMS_KEY,
@@ -29,8 +30,6 @@ from dht.records import (
 )
 from dht.signing import (
     MAX_RECORD_TTL,
-    Identity,
-    SignatureError,
     config_subkey,
     identity_of,
     open_envelope,

@@ -5,9 +5,9 @@ Every value pipeswarm stores in the DHT is an *envelope* (a msgpack map):
     {"v": 1, "key": <the DHT key, as text>, "body": <msgpack of the record>,
      "pk": <the signer's libp2p public key, protobuf>, "sig": <signature>}
 
-signed with the signer's libp2p identity key (the key p2pd runs with). A libp2p peer id is the
-multihash of that public key, so "the signer is the peer the record describes" is checked from the
-record's peer id alone: no key directory, no trust in whoever relayed the record.
+signed with the signer's libp2p identity key (the key p2pd runs with; dht/identity_keys.py). A
+libp2p peer id is the multihash of that public key, so "the signer is the peer the record describes"
+is checked from the record's peer id alone: no key directory, no trust in whoever relayed the record.
 
 The signature covers a domain tag, the key, the subkey, the body bytes and, for peer records and
 events, the expiration time. A signed record therefore cannot be moved to another key or subkey
@@ -34,9 +34,7 @@ import hashlib
 import hmac
 import logging
 import math
-import os
 import re
-import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -44,16 +42,12 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-import base58
 import msgpack
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
 
+from dht.identity_keys import Identity, SignatureError, signer_of, verify_signature
 from dht.rate_limited_log import RateLimitedLog
 from dht.records import SWARMS_KEY
 
@@ -74,18 +68,9 @@ MAX_BODY_BYTES = 16 * 1024  # a swarm config is ~1 KB, a peer record ~0.5 KB
 MAX_PUBLIC_KEY_BYTES = 1024  # an RSA-4096 key in libp2p's protobuf is ~550 bytes
 MAX_SIGNATURE_BYTES = 1024
 MAX_ENVELOPE_BYTES = MAX_BODY_BYTES + MAX_PUBLIC_KEY_BYTES + MAX_SIGNATURE_BYTES + 1024
-# Bounds the cost of a verification a stranger can make us do (RSA verify grows with the modulus).
-RSA_KEY_BITS = (2048, 4096)
-
-_PADDING = padding.PKCS1v15()  # what libp2p's RSA keys sign with
-_HASH = hashes.SHA256()
 
 _STAGE_KEY_RE = re.compile(r"pipeswarm/([A-Za-z0-9._-]{1,64})/stage/(\d{1,4})")
 _EVENTS_KEY_RE = re.compile(r"pipeswarm/([A-Za-z0-9._-]{1,64})/events")
-
-
-class SignatureError(ValueError):
-    """A DHT value is not a well-formed envelope validly signed by the peer it claims to be from."""
 
 
 class RecordKind(StrEnum):
@@ -124,131 +109,6 @@ def split_config_subkey(subkey: str) -> tuple[str, str]:
     if not at or not swarm_id or not founder:
         raise SignatureError(f"config subkey {subkey[:80]!r} is not '<swarm id>@<founder>'")
     return swarm_id, founder
-
-
-# -- keys ----------------------------------------------------------------------------------------
-
-
-def peer_id_from_public_key(public_key: bytes) -> str:
-    """The libp2p peer id (base58) of a protobuf-encoded public key: the identity multihash of keys
-    of up to 42 bytes, the sha2-256 multihash of longer ones (every RSA key)."""
-    if len(public_key) <= 42:
-        digest = b"\x00" + bytes([len(public_key)]) + public_key
-    else:
-        digest = b"\x12\x20" + hashlib.sha256(public_key).digest()
-    return base58.b58encode(digest).decode()
-
-
-class _PublicKeyCache:
-    """Parsed public keys by their bytes: a swarm has few signers and parsing is per record otherwise."""
-
-    def __init__(self, size: int = 1024):
-        self.size = size
-        self._keys: OrderedDict[bytes, tuple[rsa.RSAPublicKey, str]] = OrderedDict()
-        self._lock = threading.Lock()  # hivemind may validate from more than one thread
-
-    def get(self, public_key: bytes) -> tuple[rsa.RSAPublicKey, str]:
-        with self._lock:
-            if public_key in self._keys:
-                self._keys.move_to_end(public_key)
-                return self._keys[public_key]
-        parsed = (_parse_public_key(public_key), peer_id_from_public_key(public_key))
-        with self._lock:
-            self._keys[public_key] = parsed
-            while len(self._keys) > self.size:
-                self._keys.popitem(last=False)
-        return parsed
-
-
-def _parse_public_key(public_key: bytes) -> rsa.RSAPublicKey:
-    try:
-        message = crypto_pb2.PublicKey.FromString(public_key)
-        if message.key_type != crypto_pb2.KeyType.RSA:
-            raise SignatureError(f"signer key type {message.key_type} is not RSA")
-        key = serialization.load_der_public_key(message.data)
-    except SignatureError:
-        raise
-    except Exception as e:  # protobuf and DER parsers raise a variety of errors on garbage
-        raise SignatureError(f"signer public key does not parse: {type(e).__name__}") from None
-    if not isinstance(key, rsa.RSAPublicKey):
-        raise SignatureError("signer public key is not an RSA key")
-    if not RSA_KEY_BITS[0] <= key.key_size <= RSA_KEY_BITS[1]:
-        raise SignatureError(f"signer RSA key has {key.key_size} bits, outside {RSA_KEY_BITS}")
-    return key
-
-
-_public_keys = _PublicKeyCache()
-
-
-class Identity:
-    """This peer's libp2p identity key. p2pd runs with the same key, so the peer id it announces is
-    the one records signed here verify against."""
-
-    def __init__(self, private_key: rsa.RSAPrivateKey):
-        if not isinstance(private_key, rsa.RSAPrivateKey):
-            raise TypeError("only RSA identities are supported")
-        self._private_key = private_key
-        der = private_key.public_key().public_bytes(
-            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-        # the exact serialization p2pd hashes into the peer id (hivemind's PeerID.from_identity)
-        self.public_key = crypto_pb2.PublicKey(key_type=crypto_pb2.KeyType.RSA, data=der).SerializeToString()
-        self.peer_id = peer_id_from_public_key(self.public_key)
-
-    @classmethod
-    def generate(cls) -> Identity:
-        return cls(rsa.generate_private_key(public_exponent=65537, key_size=2048))
-
-    @classmethod
-    def from_file(cls, path: str) -> Identity:
-        """Read a libp2p private key file (what `P2P.generate_identity` and `--identity` write)."""
-        with open(path, "rb") as f:
-            raw = f.read(64 * 1024)
-        try:
-            message = crypto_pb2.PrivateKey.FromString(raw)
-        except Exception as e:
-            raise ValueError(f"{path} is not a libp2p private key file ({type(e).__name__})") from None
-        if message.key_type != crypto_pb2.KeyType.RSA:
-            raise ValueError(
-                f"{path} holds a {crypto_pb2.KeyType.Name(message.key_type)} key; "
-                "pipeswarm signs records with RSA identities only (delete it to get a new one)"
-            )
-        try:
-            key = serialization.load_der_private_key(message.data, password=None)
-        except Exception as e:
-            raise ValueError(f"{path}: the RSA key does not parse ({type(e).__name__})") from None
-        return cls(key)  # type: ignore[arg-type]
-
-    def save(self, path: str) -> None:
-        """Write the key as a libp2p private key file readable by its owner only."""
-        der = self._private_key.private_bytes(
-            serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
-        )
-        raw = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=der).SerializeToString()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
-        with os.fdopen(fd, "wb") as f:
-            f.write(raw)
-
-    def save_temporary(self) -> tuple[str, str]:
-        """Write the key into a fresh private directory: (directory, file) for p2pd to read once."""
-        directory = tempfile.mkdtemp(prefix="pipeswarm-identity-")
-        path = os.path.join(directory, "identity.key")
-        self.save(path)
-        return directory, path
-
-    def sign(self, data: bytes) -> bytes:
-        return self._private_key.sign(data, _PADDING, _HASH)
-
-
-def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> str:
-    """The peer id whose libp2p key signed `data`; SignatureError if it did not (or the key is junk).
-    The caller bounds the sizes (a direct-link hello is at most 4 KiB, node/p2p/direct.py)."""
-    verifying_key, signer = _public_keys.get(public_key)
-    try:
-        verifying_key.verify(signature, data, _PADDING, _HASH)
-    except (InvalidSignature, ValueError):
-        raise SignatureError(f"signature of {signer} does not verify") from None
-    return signer
 
 
 # -- envelopes -----------------------------------------------------------------------------------
@@ -409,14 +269,11 @@ def open_envelope(
         mac = raw.get("mac")
         if not isinstance(mac, bytes) or not hmac.compare_digest(mac, record_mac(swarm_key, signed, signature)):
             raise SignatureError("record MAC does not verify: written without this private swarm's key")
-    verifying_key, signer = _public_keys.get(public_key)  # type: ignore[arg-type]
+    signer = signer_of(public_key)  # type: ignore[arg-type]
     _check_subkey(kind, subkey, signer)  # before the costly part: junk under someone else's subkey
     digest = hashlib.sha256(b"%d:%b%d:%b" % (len(public_key), public_key, len(signature), signature) + signed).digest()
     if digest not in _verified:
-        try:
-            verifying_key.verify(signature, signed, _PADDING, _HASH)  # type: ignore[arg-type]
-        except (InvalidSignature, ValueError):
-            raise SignatureError(f"signature of {signer} does not verify") from None
+        verify_signature(public_key, signature, signed)  # type: ignore[arg-type]
         _verified.add(digest)
     body = _unpack(body_bytes, "record body")  # type: ignore[arg-type]
     if not isinstance(body, dict):

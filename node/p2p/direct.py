@@ -54,8 +54,8 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
+from dht.identity_keys import Identity, SignatureError, verify_signature
 from dht.records import CIRCUIT, PeerRecord, Reachability, short_peer_id
-from dht.signing import Identity, SignatureError, verify_signature
 from node.p2p import sealed_link
 from node.p2p.relay import PAIR_KEY
 from node.p2p.sealed_link import DirectLinkError, SealedLink

@@ -3,7 +3,7 @@
 A restarted peer keeps its peer id, so the swarm sees the same peer come back (its bans, its
 records, a founder's signature on the swarm config all stay valid). The directory is
 `$XDG_STATE_HOME/pipeswarm/` (default `~/.local/state/pipeswarm/`, mode 0700), one key per role
-and name, each written 0400 by dht/signing.py:
+and name, each written 0400 by dht/identity_keys.py:
 
     founder-<swarm id>.key    `node bootstrap` of that swarm: the founder whose signature peers trust
     peer.key, peer-<name>.key `node join` (with `--name NAME`): the public name stays just a name

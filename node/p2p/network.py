@@ -4,7 +4,7 @@ Both run inside the node's own event loop (DHTNode over an in-process P2P handle
 hivemind.DHT's extra process: one loop per process, and p2pd is the only child to clean up.
 
 The peer's identity key is always held here, not only by p2pd: records are signed with it
-(dht/signing.py), and the peer id p2pd announces is derived from it, so anyone can check that a
+(dht/identity_keys.py, dht/signing.py), and the peer id p2pd announces is derived from it, so anyone can check that a
 record comes from the peer it describes. With `identity_path` the key is read from (or created
 in) that file (`node bootstrap` and `node join` always pass one: `--identity FILE`, else a key
 under the per-user state directory, node/p2p/identity_store.py); otherwise (observers, tests) a
@@ -27,7 +27,8 @@ from typing import TypeVar
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
 
-from dht.signing import Identity, SignedRecordValidator
+from dht.identity_keys import Identity
+from dht.signing import SignedRecordValidator
 from node.p2p.bans import BanList
 from node.p2p.dht_guard import DHT_MESSAGE_LIMIT, DHTRequestGuard, dht_conduct
 from node.p2p.dialer import MAX_DIAL_ADDRS, p2pd_multiaddr

@@ -41,8 +41,8 @@ from typing import Any
 
 import msgpack
 
+from dht.identity_keys import Identity
 from dht.records import short_peer_id
-from dht.signing import Identity
 from node.p2p.sealed_link import DirectLinkError, SealedLink
 from protocol import Limits
 

@@ -30,8 +30,8 @@ from typing import Any
 import msgpack
 
 from dht.announcer import PeerAnnouncer
+from dht.identity_keys import SignatureError, verify_signature
 from dht.records import MAX_PATHS, LinkPath, PeerRecord, Reachability, short_peer_id
-from dht.signing import SignatureError, verify_signature
 from dht.swarm_view import SwarmView
 from node.p2p.direct import MAX_HANDSHAKE_BYTES, DirectLinks, direct_addresses_of, initiate
 from node.p2p.relay import (

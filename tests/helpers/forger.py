@@ -45,8 +45,9 @@ from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
+from dht.identity_keys import Identity
 from dht.records import SWARMS_KEY, ConfigRecord, EventKind, PeerRecord, PeerState, SwarmEvent, events_key, stage_key
-from dht.signing import ENVELOPE_VERSION, Identity, _signed_bytes, config_subkey, kind_of_key, seal
+from dht.signing import ENVELOPE_VERSION, _signed_bytes, config_subkey, kind_of_key, seal
 from node.config import SwarmConfig
 
 FAR = 3600.0  # finding 1: one hour ahead

@@ -33,8 +33,9 @@ if str(REPO) not in sys.path:
 
 from hivemind.utils import get_dht_time  # noqa: E402
 
+from dht.identity_keys import Identity  # noqa: E402
 from dht.records import PeerRecord, PeerState, stage_key  # noqa: E402
-from dht.signing import Identity, seal  # noqa: E402
+from dht.signing import seal  # noqa: E402
 from node.p2p.network import start_network  # noqa: E402
 
 
@@ -80,7 +81,9 @@ def main() -> None:
     parser.add_argument("--period", type=float, default=2.0, help="seconds between re-stores, well under --ttl")
     parser.add_argument("--max-seconds", type=float, default=900.0)
     parser.add_argument(
-        "keys", nargs="+", help="STAGE:FILE, a libp2p RSA private key file (dht.signing.Identity.save) and its stage"
+        "keys",
+        nargs="+",
+        help="STAGE:FILE, a libp2p RSA private key file (dht.identity_keys.Identity.save) and its stage",
     )
     asyncio.run(keep_announced(parser.parse_args()))
 

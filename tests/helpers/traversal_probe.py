@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from dht.signing import Identity
+from dht.identity_keys import Identity
 from node.p2p.direct import DirectLinks
 from node.p2p.relay import Relay, RelayBudget
 from node.p2p.sealed_link import SealedLink

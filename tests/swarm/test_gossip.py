@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from dht.identity_keys import Identity
 from dht.records import PeerRecord, PeerState
-from dht.signing import Identity
 from node.averaging.gossip import NOT_A_STAGE_MEMBER, Gossip
 from node.averaging.gossip_codec import GossipCodec, PhiDither, pack_bits, unpack_bits
 from node.averaging.gossip_wire import OPEN_TIMEOUT, STALL_TIMEOUT

@@ -41,7 +41,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dht.signing import Identity
+from dht.identity_keys import Identity
 from node.local_swarm import NodeProcess, Swarm, peers_by_stage, wait_for
 from tests.helpers.swarms import bootstrap_fast, join_peer, peer_id_of, private_mode, wait_online
 

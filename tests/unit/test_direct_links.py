@@ -13,8 +13,8 @@ import msgpack
 import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from dht.identity_keys import Identity
 from dht.records import PeerRecord, Reachability, RecordError
-from dht.signing import Identity
 from node.p2p import sealed_link
 from node.p2p.direct import (
     MAX_HANDSHAKE_BYTES,

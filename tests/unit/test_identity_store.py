@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dht.signing import Identity
+from dht.identity_keys import Identity
 from node.p2p.identity_store import IdentityError, IdentityRole, claim_identity, key_stem, state_directory
 from node.p2p.network import load_identity
 

@@ -13,8 +13,8 @@ import socket
 import pytest
 import torch
 
+from dht.identity_keys import Identity
 from dht.records import PeerRecord, PeerState
-from dht.signing import Identity
 from node.p2p.direct import DirectLinks
 from node.p2p.link_capacity import MIN_ACKED_BYTES, LinkCapacity
 from node.pipeline import link_compression

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from dht.signing import Identity
+from dht.identity_keys import Identity
 from node.p2p.direct import DirectLinks
 from node.p2p.link_stream import READ_LIMIT, link_stream
 from node.p2p.sealed_link import SealedLink

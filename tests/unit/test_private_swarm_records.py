@@ -6,8 +6,9 @@ import time
 
 import pytest
 
+from dht.identity_keys import Identity, SignatureError
 from dht.records import PeerRecord, stage_key
-from dht.signing import Identity, SignatureError, open_envelope, seal
+from dht.signing import open_envelope, seal
 
 
 @pytest.fixture(scope="module")

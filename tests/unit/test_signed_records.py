@@ -20,14 +20,13 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils import MSGPackSerializer, ValueWithExpiration
 
+from dht.identity_keys import Identity, SignatureError
 from dht.records import SWARMS_KEY, ConfigRecord, EventKind, PeerRecord, PeerState, SwarmEvent, events_key, stage_key
 from dht.registry import SwarmRegistry, list_swarm_configs
 from dht.signing import (
     CLOCK_SLACK,
     MAX_RECORD_TTL,
-    Identity,
     RecordKind,
-    SignatureError,
     SignedRecordValidator,
     config_subkey,
     kind_of_key,

@@ -11,8 +11,8 @@ import os
 import msgpack
 import pytest
 
+from dht.identity_keys import Identity
 from dht.records import LinkPath, PeerRecord, PeerState, Reachability, RecordError
-from dht.signing import Identity
 from node.p2p import sealed_link
 from node.p2p.direct import DirectLinks
 from node.p2p.relay import Relay, RelayBudget
