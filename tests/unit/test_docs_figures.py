@@ -95,3 +95,26 @@ def test_the_real_text_hop_codec_table_is_its_recorded_run_or_says_it_has_none()
         assert "hop_codec_real_text" in commits and missing not in page
     else:
         assert "hop_codec_real_text" not in commits and missing in page
+
+
+def architecture_tree() -> str:
+    """The code block under docs/architecture.md's "The tree, and who owns what"."""
+    text = (DOCS / "architecture.md").read_text()
+    section = text[text.index("## The tree, and who owns what") :]
+    return section.split("```")[1]
+
+
+def test_the_architecture_tree_names_every_module():
+    """A newcomer reads the tree to find where a concern lives: a module missing from it is one they
+    cannot find. A module counts as named when its file name appears in the tree, or its stem does
+    (a subpackage's line may list its modules by stem, as dashboard/ does)."""
+    tree = architecture_tree()
+    words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*(?:\.py)?", tree))
+    root = DOCS.parent
+    missing = [
+        str(path.relative_to(root))
+        for package in ("protocol", "dht", "node")
+        for path in sorted((root / package).rglob("*.py"))
+        if path.name != "__init__.py" and path.name not in words and path.stem not in words
+    ]
+    assert not missing, f"docs/architecture.md's tree does not name: {missing}"
