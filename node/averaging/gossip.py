@@ -73,6 +73,7 @@ class Gossip:
         me: PeerAnnouncer,
         worker: StageWorker,
         transport: Transport,
+        *,
         view: SwarmView,
         bans: BanList,
         registry: SwarmRegistry,
