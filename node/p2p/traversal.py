@@ -402,7 +402,11 @@ class Traversal:
         except (DirectLinkError, TimeoutError, ConnectionError, OSError) as e:
             logger.info(f"a {mode} link from {short_peer_id(asker[:64])} via {short_peer_id(relay)} failed: {e!r:.200}")
             return
-        self.paths.record(asker[:64], LinkPath.PUNCHED if mode == PairMode.PUNCH else LinkPath.RELAYED)
+        kind = LinkPath.PUNCHED if mode == PairMode.PUNCH else LinkPath.RELAYED
+        # each change once, as the opener logs its own: both sides open links to each other (hops go
+        # both ways), so whichever side records a path first is the one that says so
+        log = logger.info if self.paths.record(asker[:64], kind) else logger.debug
+        log(f"from {short_peer_id(asker[:64])}: a {kind.value} direct link via {short_peer_id(relay)}")
         with contextlib.suppress(Exception):
             await self.direct.accept(link)
 
