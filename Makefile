@@ -25,11 +25,11 @@ demo: $(STAMP)
 # another, since a swarm keeps about 1.3 of the 2 cores busy and several of them measure rates or
 # detection times. The second, beside it (its report printed at the end): every other test, then the
 # swarm tests that only need their steps to happen within generous bounds (in-process swarms, a few
-# processes, and the CPU gpu-check, whose figures are printed, not asserted), and the short partition
-# (its only bound: training resumes within 300 s of the heal)
+# processes, and the CPU gpu-check, whose figures are printed, not asserted), the short partition (its
+# only bound: training resumes within 300 s of the heal) and two home replicas averaging (within 420 s)
 BESIDE_SWARMS := $(addprefix tests/swarm/,test_channels.py test_dashboard_tmux.py test_data_shards.py test_doctor.py \
 	test_gpu_check.py test_metrics.py test_network.py test_pipeline_correctness.py test_private_swarm.py \
-	test_stage_fit_join.py test_state_transfer.py) tests/netns/test_swarm_links.py
+	test_stage_fit_join.py test_state_transfer.py) tests/netns/test_swarm_links.py tests/netns/test_two_homes.py
 test: $(STAMP) netns-deps
 	@( $(PY) -m pytest -q -p no:cacheprovider --durations=10 --ignore=tests/swarm --ignore=tests/netns; others=$$?; \
 		$(PY) -m pytest -q -p no:cacheprovider --durations=10 $(BESIDE_SWARMS); light=$$?; \

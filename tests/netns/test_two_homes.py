@@ -1,4 +1,5 @@
-"""Two home peers behind two different NAT routers in one swarm (`make internet`).
+"""Two home peers behind two different NAT routers in one swarm (`make internet`; the two home
+replicas averaging also runs in `make test`).
 
 Hosts (tests/helpers/netns.py): `boot` and `pub` are public; `home_a` and `home_b` each sit on
 their own LAN behind a masquerading router that drops every connection coming in, so neither home
@@ -171,7 +172,6 @@ def test_stages_served_only_behind_two_nats_train_through_a_punch_or_the_relay(t
         assert ratio >= 0.7, rates
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_home_replicas_behind_different_nats_average_with_each_other(tmp_path: Path):
     """Stage 1 served only by two homes behind different routers: their NoLoCo rounds (gossip
