@@ -23,6 +23,7 @@ from typing import Any
 import psutil
 
 from dht.records import PeerState
+from node.p2p.rejoin import peer_id_of_maddr
 
 REPO = Path(__file__).resolve().parent.parent  # PYTHONPATH for children, so a source checkout works too
 
@@ -106,7 +107,7 @@ class Swarm:
     def enter_through(self, maddrs: list[str]) -> None:
         """Later joins and `status` calls enter through the peers at `maddrs`, not the bootstrapper
         (which a test may have stopped), and still trust only the founder's swarm config."""
-        self.founder = self.founder or self.initial_peers[0].rsplit("/p2p/", 1)[-1]
+        self.founder = self.founder or peer_id_of_maddr(self.initial_peers[0])
         self.initial_peers = list(maddrs)
 
     def _entry(self) -> list[str]:
