@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from typing import Any
 
 from node.model.presets import PresetName
 from node.simulate.names import ExperimentName, FailingStages, SimPreset
+
+logger = logging.getLogger(__name__)
 
 
 def add_simulate_parser(commands: Any) -> None:
@@ -50,11 +53,16 @@ def add_simulate_parser(commands: Any) -> None:
         "--data", metavar="DIR", help="train on a `node prepare-data` directory (its vocabulary) instead of the chain"
     )
     sim.add_argument("--model-preset", choices=[p.value for p in PresetName], help="sync-scaling: the payload model")
+    sim.add_argument("--device", help="where every stage worker computes: cpu (the default), cuda, cuda:N")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from node.runtime.device import device_problem
     from node.simulate.experiments import run_experiment
 
+    if args.device is not None and (problem := device_problem(args.device)):
+        logger.error(f"cannot simulate: {problem}")
+        return 2
     skip = {"command", "log_level", "experiment", "preset", "out", "no_progress"}
     overrides = {key: value for key, value in vars(args).items() if key not in skip and value is not None}
     if "model_preset" in overrides:

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["DeviceTransfers", "canonical_device", "peak_rss", "resolve_device"]
+__all__ = ["DeviceTransfers", "canonical_device", "device_problem", "peak_rss", "resolve_device"]
 
 
 def canonical_device(device: torch.device | str) -> torch.device:
@@ -47,6 +47,24 @@ def resolve_device(requested: str) -> torch.device:
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     return canonical_device(requested)
+
+
+def device_problem(requested: str) -> str | None:
+    """Why a stage cannot compute on `requested` here (None: it can), in one line a command prints
+    before it builds anything: torch's own refusal comes later, as a traceback from deep inside."""
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        return f"--device {requested}: not a device (cpu, cuda or cuda:N)"
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":  # DeviceTransfers copies between the host and CUDA, nothing else
+        return f"--device {requested}: a stage computes on cpu or cuda, not {device.type}"
+    if not torch.cuda.is_available():
+        return f"--device {requested}: torch {torch.__version__} sees no CUDA device"
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        return f"--device {requested}: torch sees {torch.cuda.device_count()} CUDA device(s)"
+    return None
 
 
 class DeviceTransfers:

@@ -89,7 +89,14 @@ def run_one(
     sim: SimSettings, mode: SyncMode, name: str, advance: Callable[[str], None], fixed_pipelines: bool = False
 ) -> list[dict[str, Any]]:
     swarm = SimulatedSwarm(
-        sim.config(), sim.replicas, sim.link, sim.compute_seconds, mode, sim.seed, fixed_pipelines=fixed_pipelines
+        sim.config(),
+        sim.replicas,
+        sim.link,
+        sim.compute_seconds,
+        mode,
+        sim.seed,
+        fixed_pipelines=fixed_pipelines,
+        device=sim.device,
     )
     held_out = swarm.held_out(sim.eval_batches)
     rows, synced = [], 0.0

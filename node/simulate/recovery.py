@@ -108,7 +108,9 @@ def run_recovery(
 ) -> dict[str, Any]:
     """Run every variant on one failure schedule; writes recovery.csv, recovery.json and plots."""
     config = sim.config()
-    probe = SimulatedSwarm(config, sim.replicas, sim.link, sim.compute_seconds, SyncMode.NOLOCO, sim.seed)
+    probe = SimulatedSwarm(
+        config, sim.replicas, sim.link, sim.compute_seconds, SyncMode.NOLOCO, sim.seed, device=sim.device
+    )
     costs = probe.costs
     probe.close()
     base_seconds = estimate_iteration_seconds(sim.stages, sim.replicas, sim.microbatches_per_step, costs, sim.link)
@@ -206,7 +208,9 @@ def run_variant(
     plus = variant == RecoveryVariant.CHECKFREE_PLUS
     config = sim.config(**{"recovery.checkfree_plus": plus})
     extra = FORWARD_SHARE if variant == RecoveryVariant.REDUNDANT else 0.0
-    swarm = SimulatedSwarm(config, sim.replicas, sim.link, compute_seconds, SyncMode.NOLOCO, sim.seed, extra)
+    swarm = SimulatedSwarm(
+        config, sim.replicas, sim.link, compute_seconds, SyncMode.NOLOCO, sim.seed, extra, device=sim.device
+    )
     failures = {} if variant == RecoveryVariant.NO_FAILURES else {f.iteration: f.stage for f in schedule}
     run = VariantRun()
     held_out = swarm.held_out(sim.eval_batches)

@@ -36,6 +36,7 @@ class SimSettings:
     eval_every: int = 10
     eval_batches: int = 4
     data: str | None = None  # a `node prepare-data` directory: real text, its tokenizer's vocabulary (not `vocab`)
+    device: str = "cpu"  # every stage worker's (cpu, cuda, cuda:N); the clock is simulated on any of them
 
     @property
     def link(self) -> LinkModel:

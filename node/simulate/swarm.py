@@ -12,6 +12,14 @@ going at once), and blocks training while it runs (the real gossip overlaps with
 docs/gossip.md: the charge is an upper bound). NoLoCo and DiLoCo rounds exchange what the swarm's
 rounds exchange: the encoded phi sample and 4-bit Delta with error feedback (node/averaging/
 gossip_codec.py), decoded as a partner decodes them; averaging every step stays exact.
+
+Devices: every worker computes on `device` (SimSettings.device). What passes between workers takes
+the real peers' path: a worker returns its hop on the host (the wire's side) and the next worker
+copies it onto its device (StageWorker's DeviceTransfers); training batches enter stage 0 on the
+host as a stage-0 peer's data does; outer rounds send host copies and step on the device
+(OuterReplica), and a rebuild's weights come and go as host state dicts. Only what the simulator
+computes itself, the held-out chain loss, reads the modules directly: its batches are put on the
+device once, when they are drawn.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from node.config import SwarmConfig
 from node.pipeline.order import pipeline_order
 from node.pipeline.routing import Router
 from node.pipeline.token_anchors import forward_hop_nbytes
+from node.runtime.device import DeviceTransfers
 from node.simulate.clock import SimClock
 from node.simulate.collectives import ring_allreduce_seconds
 from node.simulate.links import LinkModel
@@ -81,10 +90,12 @@ class SimulatedSwarm:
         extra_forward: float = 0.0,
         exact_gossip: bool = False,
         fixed_pipelines: bool = False,
+        device: str = "cpu",
     ) -> None:
         """`exact_gossip`: NoLoCo and DiLoCo rounds exchange every phi coordinate and Delta in fp32
         (what a round moved before its codec), the baseline the codec's loss cost is measured against.
-        `fixed_pipelines`: every microbatch of stage-0 replica r goes through replica r of each stage."""
+        `fixed_pipelines`: every microbatch of stage-0 replica r goes through replica r of each stage.
+        `device`: where every worker computes (cpu, cuda, cuda:N)."""
         if replicas < 1:
             raise ValueError(f"need at least one replica per stage, got {replicas}")
         self.config, self.replicas, self.link, self.sync = config, replicas, link, SyncMode(sync)
@@ -97,7 +108,8 @@ class SimulatedSwarm:
         self.clock = SimClock()
         self.rng = random.Random(seed)
         # replicas of a stage start identical (build_stage is a function of the config's seed)
-        self.workers = [[StageWorker(config, s) for _ in range(replicas)] for s in range(self.num_stages)]
+        self.workers = [[StageWorker(config, s, device) for _ in range(replicas)] for s in range(self.num_stages)]
+        self.transfers = DeviceTransfers(device)  # the held-out batches onto the workers' device
         gossip = config.gossip
         if self.sync == SyncMode.ALLREDUCE:
             gossip = dataclasses.replace(gossip, **ALLREDUCE_OUTER)
@@ -241,8 +253,10 @@ class SimulatedSwarm:
     # ---- measuring ------------------------------------------------------------------------------
 
     def held_out(self, batches: int, batch_size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`batches` held-out (tokens, targets) on the workers' device, where eval_loss reads them."""
         source = held_out_source(self.config)
-        return [source.next_batch(batch_size, self.config.training.sequence_length) for _ in range(batches)]
+        drawn = [source.next_batch(batch_size, self.config.training.sequence_length) for _ in range(batches)]
+        return [(self.transfers.to_device(tokens), self.transfers.to_device(targets)) for tokens, targets in drawn]
 
     @torch.no_grad()
     def eval_loss(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:

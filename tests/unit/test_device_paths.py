@@ -3,8 +3,8 @@
 The paths (issue: a home GPU and a real-size model): training forward/backward and the host reads
 they cost, evaluation, the weight fingerprint, a NoLoCo exchange (host copies for the wire, the
 partner's tensors on the device, the outer step), outer-state export and import, a state download,
-a CheckFree rebuild, CheckFree+ edge copies, spot-check receipts, openings and replays, and what a donor
-serves for `node export`. Everything computed must be on the worker's device; everything handed to
+a CheckFree rebuild, CheckFree+ edge copies, spot-check receipts, openings and replays, what a donor
+serves for `node export`, and a simulated swarm (node/simulate/: `make experiments DEVICE=cuda`). Everything computed must be on the worker's device; everything handed to
 the wire must be on the host.
 
 The device is the CPU here. `PIPESWARM_TEST_DEVICE=cuda` runs the same tests on a GPU (`make
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import os
 import random
 
@@ -313,3 +314,32 @@ def test_what_a_donor_serves_for_an_export_is_a_host_copy():
             assert on_host(served.weights.values()) and on_host(served.moments.values())
         live = worker.module.state_dict()["lm_head.weight"]
         assert served.weights["lm_head.weight"].data_ptr() != live.data_ptr()  # a copy: training goes on
+
+
+def test_a_simulated_swarm_trains_averages_rebuilds_and_evaluates_on_the_device():
+    """node/simulate/ at its own small model: workers, outer states and held-out batches on the
+    device; hops, rounds and a CheckFree rebuild through the host as a real peer's go."""
+    from node.config import RecoveryStrategy
+    from node.simulate.recovery import rebuild
+    from node.simulate.settings import SimSettings
+    from node.simulate.swarm import SimulatedSwarm, SyncMode
+
+    sim = SimSettings(stages=4, replicas=2, hidden=32, inner_steps=2, compute_ms=100.0, device=DEVICE)
+    config = sim.config()
+    swarm = SimulatedSwarm(config, sim.replicas, sim.link, sim.compute_seconds, SyncMode.NOLOCO, 0, device=sim.device)
+    try:
+        held_out = swarm.held_out(1)
+        assert on_device([t for batch in held_out for t in batch], DEVICE)
+        before = swarm.eval_loss(held_out)
+        for _ in range(2):
+            swarm.train_iteration()
+        assert swarm.synchronise() > 0  # a NoLoCo round on every stage: host wire, device step
+        rebuild(swarm, 2, RecoveryStrategy.CHECKFREE, init_seed=1)
+        swarm.train_iteration()
+        assert math.isfinite(after := swarm.eval_loss(held_out)) and after != before
+        assert swarm.divergence() > 0
+        for workers, outers in zip(swarm.workers, swarm.outer):
+            for worker, outer in zip(workers, outers):
+                assert on_device(list(live_parameters(worker).values()) + outer.state.phi + outer.residual, DEVICE)
+    finally:
+        swarm.close()

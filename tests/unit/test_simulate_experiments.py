@@ -7,17 +7,21 @@ docs/results.md (the default preset), not asserted here.
 
 from __future__ import annotations
 
+import inspect
 import json
+import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from node.cli import main
-from node.simulate import experiments, sync_scaling
+from node.simulate import experiments, gossip, recovery, swarm, sync_scaling
 from node.simulate.experiments import run_experiment
 from node.simulate.names import ExperimentName, FailingStages, SimPreset
 from node.simulate.recovery import RecoveryVariant
 from node.simulate.report import record_commit, render
+from node.stage.stage_worker import StageWorker
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -108,6 +112,53 @@ def test_cli_runs_an_experiment_and_says_when_plots_are_skipped(tmp_path, monkey
     assert summary["link"].startswith("10 ms")
     assert not list(tmp_path.glob("*.png"))
     assert "plots skipped" in capsys.readouterr().out
+
+
+def test_the_device_reaches_every_stage_worker_the_experiments_build(tmp_path, monkeypatch):
+    """`node simulate --device` (SimSettings.device) is handed to every simulated swarm a run builds,
+    the outer steps' and recovery's alike, and by each swarm to every StageWorker. Spies read the
+    arguments given (a default counts as not given): without a GPU, where a tensor lives cannot
+    tell a forgotten device from the default CPU (tests/unit/test_device_paths.py runs a simulated
+    swarm on the GPU where there is one)."""
+    swarms: list[object] = []
+    workers: list[object] = []
+    not_given = "not given"
+
+    class SpiedSwarm(swarm.SimulatedSwarm):
+        def __init__(self, *args, **kwargs) -> None:
+            given = inspect.signature(swarm.SimulatedSwarm).bind(*args, **kwargs).arguments
+            swarms.append(given.get("device", not_given))
+            super().__init__(*args, **kwargs)
+
+    def spied_worker(config, stage, device=not_given, **kwargs):
+        workers.append(device)
+        return StageWorker(config, stage, "cpu", **kwargs)
+
+    monkeypatch.setattr(gossip, "SimulatedSwarm", SpiedSwarm)
+    monkeypatch.setattr(recovery, "SimulatedSwarm", SpiedSwarm)
+    monkeypatch.setattr(swarm, "StageWorker", spied_worker)
+    out = tmp_path / "gossip"
+    argv = ["simulate", "gossip", "--preset", "tiny", "--steps", "2", "--device", "cpu", "--no-progress"]
+    assert main([*argv, "--out", str(out)]) == 0
+    assert json.loads((out / "gossip.json").read_text())["settings"]["device"] == "cpu"
+    by_gossip = len(swarms)
+    overrides = {"device": "cpu", "variants": (RecoveryVariant.CHECKFREE,)}
+    summary = run_experiment(ExperimentName.RECOVERY, tmp_path / "recovery", SimPreset.TINY, overrides, progress=False)
+    assert summary["variants"]["checkfree"]["failures"] > 0  # rebuilt stages kept their workers' device
+    assert by_gossip > 0 and len(swarms) > by_gossip and set(swarms) == {"cpu"}
+    assert len(workers) >= 6 * len(swarms) and set(workers) == {"cpu"}  # 3 stages x 2 replicas at the least
+
+
+@pytest.mark.parametrize("device", ["cuda", "abacus"])
+def test_an_unusable_device_is_refused_in_one_line_before_anything_runs(device, tmp_path, caplog, capsys):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("torch sees a GPU here: cuda is usable")
+    out = tmp_path / "out"
+    with caplog.at_level(logging.ERROR, logger="node"):
+        assert main(["simulate", "gossip", "--device", device, "--out", str(out)]) == 2
+    [message] = [record.getMessage() for record in caplog.records]
+    assert message.startswith(f"cannot simulate: --device {device}: ") and "\n" not in message
+    assert "Traceback" not in capsys.readouterr().err and not out.exists()
 
 
 def test_docs_results_md_is_what_its_summaries_render():
