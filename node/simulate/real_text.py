@@ -10,7 +10,10 @@ the unigram cross-entropy (a model that ignores its input) and the bigram one (t
 alone can do: it sees only the current token). Writes real_text.json under `--out`; the page is
 rendered by node/simulate/report.py.
 
-    python -m node.simulate.real_text --out docs/results/real_text [--quick] [--seeds 0 1 2] [--resume]
+    python -m node.simulate.real_text [--out DIR] [--quick] [--device cuda] [--seeds 0 1 2] [--resume]
+
+`--device cuda` runs the GPU scale (the 125m preset's model) into docs/results/real_text_cuda, beside
+the CPU figures, never over them.
 
 The seeds in parallel on a machine with cores to spare: one process per seed (`--seeds 0`, `--seeds
 1`, ...), then `--resume` with every seed to read them back and write the summary.
@@ -34,7 +37,9 @@ import numpy as np
 from node.config import RoutingMode
 from node.model.corpus import PreparedData, load_prepared, prepare_corpus
 from node.model.corpus_inputs import expand_inputs
-from node.simulate.experiments import run_experiment
+from node.model.presets import PRESETS, PresetName, width_scaled_lr
+from node.runtime.device import device_problem
+from node.simulate.experiments import GOSSIP_PRESETS, RECOVERY_PRESETS, run_experiment
 from node.simulate.gossip import FIXED
 from node.simulate.names import ExperimentName, SimPreset
 from node.simulate.seeds import gossip_claims, recovery_claims, variant_spread
@@ -54,6 +59,8 @@ class Scale:
     eval_every: int
     learning_rate: float
     preset: SimPreset  # the simulator preset whose other settings apply
+    model: PresetName | None = None  # a model preset's shape (heads, MLP, layers); None: the simulator's own
+    recovery_stages: int | None = None  # None: the simulator preset's
 
 
 # FULL: what 3 seeds of every variant can train on 2 CPU cores in about an hour (0.3 s an iteration
@@ -61,6 +68,32 @@ class Scale:
 # the model is still learning. QUICK: what `make test` runs.
 FULL = Scale(("",), 512, 128, 64, 300, 150, 120, 20, 1e-2, SimPreset.DEFAULT)
 QUICK = Scale(("json", "email"), 320, 32, 32, 10, 8, 3, 3, 3e-3, SimPreset.TINY)
+# GPU: what `--device cuda` (`make experiments DEVICE=cuda`) trains: the 125m preset's model (width 576,
+# 9 heads, 3 KV heads, MLP 1536, 30 layers: 5 block stages x 6 for recovery, so that three middle
+# stages can fail, and 2 x 15 for the outer steps) at its width-scaled learning rate, 256-token
+# sequences (8 a microbatch: the preset's 2,048 tokens), on the whole standard library. Vocabulary
+# 8,192, not the preset's 32,000: a BPE trained on these few million tokens would leave many of 32,000
+# tokens rare (their embedding and head rows barely trained; embedding and head a quarter of the model), and
+# text_bounds counts every token pair (8 GB at 32,000, 0.5 GB here). The step counts are an ESTIMATE,
+# not measured on a GPU: at ~0.08 s a microbatch through the whole model (kernel launches and host
+# copies of the hops bound a model this small, not the arithmetic), 8 recovery variants x 400 iterations
+# x 2 microbatches and 9 outer-step runs x 200 iterations x 4 microbatches are ~19 minutes a seed, about
+# an hour for 3 seeds on one GPU; failures come in the second 60 %, as in FULL.
+_125M = PRESETS[PresetName.MOBILELLM_125M]
+GPU = Scale(
+    ("",),
+    8192,
+    _125M.hidden_size,
+    256,
+    400,
+    200,
+    160,
+    20,
+    width_scaled_lr(_125M.hidden_size),
+    SimPreset.DEFAULT,
+    PresetName.MOBILELLM_125M,
+    recovery_stages=6,
+)
 SEED_DONE = "done.json"  # a seed's runs are complete: `make experiments` again (or in parallel) reuses them
 GOSSIP_ROUTINGS = (RoutingMode.RANDOM, RoutingMode.LOAD_AWARE)
 
@@ -108,15 +141,42 @@ def corpus_record(prepared: PreparedData, source: str) -> dict[str, Any]:
     }
 
 
+def scale_record(scale: Scale) -> dict[str, Any]:
+    """What a summary and a finished seed say of `scale`: its fields, less those left None (fields
+    added for the GPU scale), so that a CPU seed finished before they existed is still recognised."""
+    return {name: value for name, value in asdict(scale).items() if value is not None} | {"preset": scale.preset.value}
+
+
+def model_values(scale: Scale, stages: int) -> dict[str, Any]:
+    """The SimSettings fields of the model a run at `scale` trains over `stages` stages: the model
+    preset's shape, its layers split over the block stages; none when the scale names no preset."""
+    if scale.model is None:
+        return {}
+    preset = PRESETS[scale.model]
+    return {
+        "heads": preset.num_attention_heads,
+        "kv_heads": preset.num_key_value_heads,
+        "intermediate": preset.intermediate_size,
+        "layers_per_stage": preset.layers_per_stage(stages),
+    }
+
+
 def run_seeds(
-    prepared: PreparedData, scale: Scale, seeds: list[int], out: Path, progress: bool, resume: bool = False
+    prepared: PreparedData,
+    scale: Scale,
+    seeds: list[int],
+    out: Path,
+    progress: bool,
+    resume: bool = False,
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """Every seed's recovery and gossip runs. With `resume`, a seed whose runs at this scale and on
-    this corpus are already under `out` is read back instead: seeds can run in parallel processes
-    (one seed each) and be summarised by one more run, and an interrupted run goes on."""
+    """Every seed's recovery and gossip runs, their stage workers on `device`. With `resume`, a seed
+    whose runs at this scale, on this corpus and device are already under `out` is read back instead:
+    seeds can run in parallel processes (one seed each) and be summarised by one more run, and an
+    interrupted run goes on."""
     recovery, gossip, seconds = [], [], 0.0
     for seed in seeds:
-        runs = _seed_runs(prepared, scale, seed, out / f"seed{seed}", progress, resume)
+        runs = _seed_runs(prepared, scale, seed, out / f"seed{seed}", progress, resume, device)
         recovery.append(runs["recovery"])
         gossip.append(runs["gossip"])
         seconds += runs["seconds"]
@@ -125,12 +185,12 @@ def run_seeds(
 
 
 def _seed_runs(
-    prepared: PreparedData, scale: Scale, seed: int, out: Path, progress: bool, resume: bool
+    prepared: PreparedData, scale: Scale, seed: int, out: Path, progress: bool, resume: bool, device: str
 ) -> dict[str, Any]:
-    # as it reads back from JSON (tuples become lists), so that a finished seed is recognised
-    identity = json.loads(
-        json.dumps({"scale": {**asdict(scale), "preset": scale.preset.value}, "tokenizer": prepared.tokenizer_hash})
-    )
+    # as it reads back from JSON (tuples become lists), so that a finished seed is recognised; the
+    # device only when not the CPU, so that CPU seeds finished before it was named still are
+    identity = {"scale": scale_record(scale), "tokenizer": prepared.tokenizer_hash}
+    identity = json.loads(json.dumps(identity | ({"device": device} if device != "cpu" else {})))
     done = out / SEED_DONE
     if resume and done.exists() and json.loads(done.read_text()).get("identity") == identity:
         read = {name: json.loads((out / name / f"{name}.json").read_text()) for name in ("recovery", "gossip")}
@@ -142,20 +202,34 @@ def _seed_runs(
         "eval_every": scale.eval_every,
         "learning_rate": scale.learning_rate,
         "seed": seed,
+        "device": device,
     }
+    recovery_stages = scale.recovery_stages or RECOVERY_PRESETS[scale.preset][0].stages
     started = time.monotonic()
     recovery = run_experiment(
         ExperimentName.RECOVERY,
         out / "recovery",
         scale.preset,
-        {**common, "steps": scale.recovery_steps, "failures_from": scale.failures_from},
+        {
+            **common,
+            **model_values(scale, recovery_stages),
+            "stages": recovery_stages,
+            "steps": scale.recovery_steps,
+            "failures_from": scale.failures_from,
+        },
         progress,
     )
     gossip = run_experiment(
         ExperimentName.GOSSIP,
         out / "gossip",
         scale.preset,
-        {**common, "steps": scale.gossip_steps, "routings": GOSSIP_ROUTINGS, "fixed_pipelines": True},
+        {
+            **common,
+            **model_values(scale, GOSSIP_PRESETS[scale.preset].stages),
+            "steps": scale.gossip_steps,
+            "routings": GOSSIP_ROUTINGS,
+            "fixed_pipelines": True,
+        },
         progress,
     )
     seconds = time.monotonic() - started
@@ -163,7 +237,9 @@ def _seed_runs(
     return {"recovery": recovery, "gossip": gossip, "seconds": seconds}
 
 
-def summarise(prepared: PreparedData, scale: Scale, seeds: list[int], runs: dict[str, Any]) -> dict[str, Any]:
+def summarise(
+    prepared: PreparedData, scale: Scale, seeds: list[int], runs: dict[str, Any], device: str = "cpu"
+) -> dict[str, Any]:
     recovery, gossip = runs["recovery"], runs["gossip"]
     variants = {
         name: {
@@ -185,7 +261,8 @@ def summarise(prepared: PreparedData, scale: Scale, seeds: list[int], runs: dict
     claims = recovery_claims(recovery) + [c for r in routings for c in gossip_claims(gossip, r)]
     return {
         "corpus": corpus_record(prepared, stdlib_source(scale)),
-        "scale": {**asdict(scale), "preset": scale.preset.value},
+        "scale": scale_record(scale),
+        "device": device,
         "seeds": seeds,
         "seconds": runs["seconds"],
         "recovery_settings": recovery[0]["settings"],
@@ -199,25 +276,36 @@ def summarise(prepared: PreparedData, scale: Scale, seeds: list[int], runs: dict
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("docs/results/real_text"))
+    parser.add_argument(
+        "--out", type=Path, help="default: docs/results/real_text, or docs/results/real_text_cuda on a GPU"
+    )
     parser.add_argument("--corpus-dir", type=Path, default=Path("build/corpus/stdlib"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--quick", action="store_true", help="the short version `make test` runs")
+    parser.add_argument(
+        "--device", default="cpu", help="where the stage workers compute: cpu, or cuda / cuda:N (the GPU scale)"
+    )
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument(
         "--resume", action="store_true", help="read back the seeds already run at this scale and corpus under --out"
     )
     args = parser.parse_args(argv)
-    scale = QUICK if args.quick else FULL
-    corpus_dir = args.corpus_dir.with_name(args.corpus_dir.name + "-quick") if args.quick else args.corpus_dir
-    prepared = prepare_stdlib(corpus_dir, scale)
+    if problem := device_problem(args.device):
+        print(f"real_text: {problem}", file=sys.stderr)
+        return 2
+    on_gpu = args.device != "cpu"  # device_problem admits cpu and cuda[:N] only
+    scale = QUICK if args.quick else GPU if on_gpu else FULL
+    out = args.out or Path("docs/results/real_text_cuda" if on_gpu else "docs/results/real_text")
+    # each scale its own corpus: prepare_stdlib reuses a directory prepared at a vocabulary up to the scale's
+    suffix = "-quick" if args.quick else "-gpu" if on_gpu else ""
+    prepared = prepare_stdlib(args.corpus_dir.with_name(args.corpus_dir.name + suffix), scale)
     print(
         f"corpus {prepared.directory}: {prepared.train_tokens:,} train + {prepared.val_tokens:,} val tokens", flush=True
     )
-    runs = run_seeds(prepared, scale, args.seeds, args.out, not args.no_progress, args.resume)
-    summary = summarise(prepared, scale, args.seeds, runs)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "real_text.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    runs = run_seeds(prepared, scale, args.seeds, out, not args.no_progress, args.resume, args.device)
+    summary = summarise(prepared, scale, args.seeds, runs, args.device)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "real_text.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     for claim in summary["claims"]:
         verdict = "holds" if claim["holds"] else "does not hold"
         print(

@@ -302,24 +302,29 @@ def gossip_section(s: dict[str, Any], directory: Path, docs: Path) -> list[str]:
 
 
 REAL_TEXT = "real_text"  # the subdirectory `make experiments` writes real_text.json into
+REAL_TEXT_CUDA = "real_text_cuda"  # and `make experiments DEVICE=cuda`, the 125m model's run on a GPU
 
 
 def real_text_section(s: dict[str, Any], directory: Path, docs: Path) -> list[str]:
     """The claims on real text over seeds (node/simulate/real_text.py), each beside the paper's."""
     corpus, scale, rs = s["corpus"], s["scale"], s["recovery_settings"]
     seeds = len(s["seeds"])
+    device = s.get("device", "cpu")  # summaries written before the device was recorded ran on the CPU
+    on_gpu = device != "cpu"
+    machine = f"one GPU ({device})" if on_gpu else "this 2-core machine"
+    model = f"the {scale['model']} preset's shape, " if scale.get("model") else ""
     lines = [
-        "## Real text: the claims over seeds",
+        f"## Real text{' on a GPU' if on_gpu else ''}: the claims over seeds",
         "",
-        f"`make experiments` (node/simulate/real_text.py): {corpus['source']}, prepared at vocabulary "
+        f"`make experiments{f' DEVICE={device}' if on_gpu else ''}` (node/simulate/real_text.py): {corpus['source']}, prepared at vocabulary "
         f"{corpus['vocab_size']:,} ({corpus['train_tokens']:,} train, {corpus['val_tokens']:,} held-out tokens). "
-        f"Model: hidden {scale['hidden']}, {scale['sequence']}-token sequences, {rs['stages']} stages "
+        f"Model: {model}hidden {scale['hidden']}, {scale['sequence']}-token sequences, {rs['stages']} stages "
         f"(stage 0 + {rs['stages'] - 1} block stages) x {rs['replicas']} replicas for recovery "
         f"({scale['recovery_steps']} iterations, failures from {scale['failures_from']} at "
         f"{rs['failure_percent_per_hour']:g} %/h per middle stage, per seed: {', '.join(str(n) for n in s['failures'].values())}), "
         f"{s['gossip_settings']['replicas']} replicas x {s['gossip_settings']['stages']} stages for the outer "
         f"steps ({scale['gossip_steps']} iterations, H = {s['gossip_settings']['inner_steps']}). Seeds "
-        f"{s['seeds']}, {s['seconds'] / 60:.0f} minutes of runs on this 2-core machine (the seeds may run in parallel processes). Losses are held-out nats on val.bin, "
+        f"{s['seeds']}, {s['seconds'] / 60:.0f} minutes of runs on {machine} (the seeds may run in parallel processes). Losses are held-out nats on val.bin, "
         "mean (lowest-highest) over the seeds.",
         "",
         f"The text's own bounds: {corpus['unigram_nats']:.3f} nats for a model that ignores its input "
@@ -391,10 +396,12 @@ def render(directory: Path, docs: Path) -> str:
         measured = ", ".join(f"{name} at {commit}" for name, commit in sorted(commits.items()))
         lines += [f"Measured: {measured} (docs/results/commits.json).", ""]
     real_text = _load(directory / REAL_TEXT, REAL_TEXT)
+    on_gpu = _load(directory / REAL_TEXT_CUDA, REAL_TEXT)
     codecs_on_text = _load(directory, HOP_CODEC_TEXT)
-    if real_text is not None:
-        lines += real_text_section(real_text, directory, docs)
-    if real_text is not None or codecs_on_text is not None:  # the real-text part, led by the claims if run
+    for summary in (real_text, on_gpu):
+        if summary is not None:
+            lines += real_text_section(summary, directory, docs)
+    if real_text or on_gpu or codecs_on_text:  # the real-text part, led by the claims if run
         lines += hop_codec_text_section(codecs_on_text)
         lines += [
             "The sections below are toy scale: a 32-token second-order Markov chain and models of a few "

@@ -22,6 +22,9 @@ class SimSettings:
     replicas: int = 2
     seed: int = 0
     hidden: int = 64
+    heads: int = 4  # attention heads (and key-value heads below): 4 of width 16 at the default size
+    kv_heads: int = 4
+    intermediate: int | None = None  # the MLP's width; None: 2 x hidden
     layers_per_stage: int = 1
     vocab: int = 32
     microbatch: int = 8
@@ -53,9 +56,9 @@ class SimSettings:
         values = {
             "model.vocab_size": self.vocab,
             "model.hidden_size": self.hidden,
-            "model.intermediate_size": 2 * self.hidden,
-            "model.num_attention_heads": 4,
-            "model.num_key_value_heads": 4,
+            "model.intermediate_size": self.intermediate or 2 * self.hidden,
+            "model.num_attention_heads": self.heads,
+            "model.num_key_value_heads": self.kv_heads,
             "model.layers_per_stage": self.layers_per_stage,
             "training.microbatch_size": self.microbatch,
             "training.sequence_length": self.sequence,

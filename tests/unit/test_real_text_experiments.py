@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from node.simulate import real_text
 from node.simulate.report import render
@@ -59,6 +60,40 @@ def test_quick_experiments_run_on_real_text_and_every_claim_gets_its_seeds(tmp_p
     assert json.loads((out / "real_text.json").read_text())["claims"] == claims
     page = render(tmp_path / "results", tmp_path / "results.md")
     assert "## Real text: the claims over seeds" in page and page.count("| final perplexity:") == 4
+    assert summary["device"] == "cpu" and "GPU" not in page
+    # a GPU run's summary (real_text_cuda/, `make experiments DEVICE=cuda`) renders as a section of its own
+    on_gpu = tmp_path / "results" / "real_text_cuda"
+    on_gpu.mkdir()
+    gpu_summary = {**summary, "device": "cuda", "scale": {**summary["scale"], "model": "125m"}}
+    (on_gpu / "real_text.json").write_text(json.dumps(gpu_summary))
+    page = render(tmp_path / "results", tmp_path / "results.md")
+    assert "## Real text on a GPU: the claims over seeds" in page and "the 125m preset's shape" in page
+    assert "## Real text: the claims over seeds" in page and "on one GPU (cuda)" in page
+
+
+@pytest.mark.parametrize("device", ["cuda", "abacus"])
+def test_an_unusable_device_is_refused_in_one_line_before_the_corpus_is_prepared(device, tmp_path, capsys) -> None:
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("torch sees a GPU here: cuda is usable")
+    corpus, out = tmp_path / "corpus", tmp_path / "out"
+    assert real_text.main(["--device", device, "--corpus-dir", str(corpus), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"real_text: --device {device}: ") and err.count("\n") == 1 and "Traceback" not in err
+    assert not list(tmp_path.iterdir())  # no corpus prepared, no results written
+
+
+def test_the_gpu_scale_is_the_125m_models_shape_and_writes_apart_from_the_cpu_figures() -> None:
+    from node.model.presets import PRESETS, PresetName, width_scaled_lr
+
+    preset = PRESETS[PresetName.MOBILELLM_125M]
+    gpu = real_text.GPU
+    assert (gpu.hidden, gpu.learning_rate, gpu.sequence) == (preset.hidden_size, width_scaled_lr(576), 256)
+    recovery = real_text.model_values(gpu, gpu.recovery_stages)
+    assert recovery == {"heads": 9, "kv_heads": 3, "intermediate": 1536, "layers_per_stage": 6}
+    assert real_text.model_values(gpu, 3)["layers_per_stage"] == 15  # the outer steps' 2 block stages
+    assert real_text.model_values(real_text.FULL, 5) == {}  # the CPU scales keep the simulator's small model
+    # a CPU seed finished before the GPU fields existed is still recognised by --resume
+    assert "model" not in real_text.scale_record(real_text.FULL)
 
 
 def recovery_summary(checkfree: float, copy: float, seconds: tuple[float | None, float | None]) -> dict:
