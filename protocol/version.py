@@ -5,4 +5,5 @@
 # 5: spot-checks replay a real hop at the replica's committed weights (CHECK/AUDIT, COMMITMENT, OPEN, OPENING)
 # 6: the subspace hop codecs (protocol/subspace.py); a FORWARD carries the hidden states only (no targets)
 # 7: a stage's state carries its inner AdamW's moments (protocol/stage_state.py)
-PROTOCOL_VERSION = 7
+# 8: token anchors of a subspace hop at std 0.5, not 0.02 (protocol/subspace.py ANCHOR_STD)
+PROTOCOL_VERSION = 8

@@ -24,6 +24,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,15 +43,31 @@ from node.simulate.settings import prepared_data_values  # noqa: E402
 from node.simulate.sources import held_out_source, training_source  # noqa: E402
 from node.stage.stage_worker import StageWorker  # noqa: E402
 from protocol import Compression, decode_tensor, encode_tensor, wire_nbytes  # noqa: E402
+from protocol.subspace import anchors  # noqa: E402
 
-# label -> (codec, whether forward hops carry their token ids as anchors, as the swarm's do in a
-# subspace codec: node/pipeline/origin.py, hop_token_ids); the unanchored run shows what they buy
+
+@dataclass(frozen=True)
+class HopVariant:
+    """What a variant does to every hop: its codec; whether forward hops carry their token ids as
+    anchors, as the swarm's do in a subspace codec (node/pipeline/origin.py, hop_token_ids); and
+    whether the anchors are added on top of a lossless hop. That last one is no codec: it is the
+    model a subspace codec's anchors turn the pipeline into (each stage's input holds a(t) at full
+    rank), without the projection, so that the projection's own cost can be told from what the
+    anchors bring."""
+
+    codec: Compression
+    anchored: bool = False
+    adds_anchors: bool = False
+
+
+# the unanchored run shows what the anchors buy, fp16+anchors what the projection costs beside them
 VARIANTS = {
-    "fp16": (Compression.FP16, False),
-    "int8": (Compression.INT8, False),
-    "subspace8": (Compression.SUBSPACE8, True),
-    "subspace4": (Compression.SUBSPACE4, True),
-    "subspace8-unanchored": (Compression.SUBSPACE8, False),
+    "fp16": HopVariant(Compression.FP16),
+    "int8": HopVariant(Compression.INT8),
+    "subspace8": HopVariant(Compression.SUBSPACE8, anchored=True),
+    "subspace4": HopVariant(Compression.SUBSPACE4, anchored=True),
+    "subspace8-unanchored": HopVariant(Compression.SUBSPACE8),
+    "fp16+anchors": HopVariant(Compression.FP16, anchored=True, adds_anchors=True),
 }
 HELD_OUT_STREAM = 1 << 20  # a data stream no training microbatch comes from
 # the sizes a run takes unless told: on the chain, those of the recorded docs/results/hop_codec.json;
@@ -97,40 +114,44 @@ def bench_config(
     )
 
 
-def hop(t: torch.Tensor, codec: Compression, token_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """What a hop's transport does to `t`: encode, decode (anchored to `token_ids` if given)."""
-    return decode_tensor(encode_tensor(t, codec, anchor_ids=token_ids), anchor_ids=token_ids)
+def hop(t: torch.Tensor, variant: HopVariant, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """What a hop's transport does to `t`: encode, decode (anchored to `token_ids` if given); for
+    fp16+anchors, the lossless hop with a(t) added."""
+    if variant.adds_anchors:
+        decoded = decode_tensor(encode_tensor(t, variant.codec))
+        if token_ids is None:  # a gradient: a(t) does not depend on x
+            return decoded
+        return decoded + anchors(token_ids, t.shape[-1]).reshape(t.shape)
+    return decode_tensor(encode_tensor(t, variant.codec, anchor_ids=token_ids), anchor_ids=token_ids)
 
 
-def train_microbatch(
-    workers: list[StageWorker], key: int, tokens, targets, codec: Compression, anchored: bool
-) -> float:
-    ids = tokens.to(torch.int16) if anchored else None  # forward hops only: a gradient has no anchor
-    hidden = hop(workers[0].embed(key, tokens), codec, ids)
+def train_microbatch(workers: list[StageWorker], key: int, tokens, targets, variant: HopVariant) -> float:
+    ids = tokens.to(torch.int16) if variant.anchored else None  # forward hops only: a gradient has no anchor
+    hidden = hop(workers[0].embed(key, tokens), variant, ids)
     for worker in workers[1:]:
-        hidden = hop(worker.forward(key, hidden), codec, ids)
+        hidden = hop(worker.forward(key, hidden), variant, ids)
     loss, grad = workers[0].head_loss_backward(key, hidden, targets)
     for worker in reversed(workers[1:]):
-        grad = worker.backward(key, hop(grad, codec))
-    workers[0].embed_backward(key, hop(grad, codec))
+        grad = worker.backward(key, hop(grad, variant))
+    workers[0].embed_backward(key, hop(grad, variant))
     return loss
 
 
 @torch.no_grad()
-def held_out_loss(workers: list[StageWorker], batches, codec: Compression, anchored: bool) -> float:
+def held_out_loss(workers: list[StageWorker], batches, variant: HopVariant) -> float:
     edge = workers[0].module
     losses = []
     for tokens, targets in batches:
-        ids = tokens.to(torch.int16) if anchored else None
-        hidden = hop(edge.embed(tokens), codec, ids)
+        ids = tokens.to(torch.int16) if variant.anchored else None
+        hidden = hop(edge.embed(tokens), variant, ids)
         for worker in workers[1:]:
-            hidden = hop(worker.module(hidden), codec, ids)
+            hidden = hop(worker.module(hidden), variant, ids)
         losses.append(float(edge.loss(hidden, targets)))
     return statistics.fmean(losses)
 
 
-def run(codec: Compression, anchored: bool, seed: int, args: argparse.Namespace) -> dict:
-    config = bench_config(args.width, args.layers, seed, codec, args.microbatches, args.data)
+def run(variant: HopVariant, seed: int, args: argparse.Namespace) -> dict:
+    config = bench_config(args.width, args.layers, seed, variant.codec, args.microbatches, args.data)
     workers = [
         StageWorker(config, stage, module=build_stage(config.model, stage, config.seed))
         for stage in range(config.num_stages)
@@ -146,9 +167,9 @@ def run(codec: Compression, anchored: bool, seed: int, args: argparse.Namespace)
         batches = [held.next_batch(16, t.sequence_length) for _ in range(args.eval_batches)]
         started = time.monotonic()
         for key in range(args.microbatches):
-            train_microbatch(workers, key, *source.next_batch(t.microbatch_size, t.sequence_length), codec, anchored)
+            train_microbatch(workers, key, *source.next_batch(t.microbatch_size, t.sequence_length), variant)
         return {
-            "held_out_loss": held_out_loss(workers, batches, codec, anchored),
+            "held_out_loss": held_out_loss(workers, batches, variant),
             **floors,
             "seconds": time.monotonic() - started,
         }
@@ -210,8 +231,9 @@ def measure(args: argparse.Namespace) -> dict:
     }
     results: dict[str, dict] = {}
     for name in args.variants:
-        codec, anchored = VARIANTS[name]
-        runs = [run(codec, anchored, seed, args) for seed in args.seeds]
+        variant = VARIANTS[name]
+        codec, anchored = variant.codec, variant.anchored
+        runs = [run(variant, seed, args) for seed in args.seeds]
         losses = [r["held_out_loss"] for r in runs]
         results[name] = {
             "bytes_per_token": {label: bytes_per_token(w, codec, anchored) for label, w in widths.items()},

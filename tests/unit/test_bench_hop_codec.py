@@ -10,10 +10,12 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from node.model.corpus import PreparedData, prepare_corpus
 from node.simulate.report import render
 from protocol import Compression
+from protocol.subspace import anchors
 from tests.benchmarks import bench_hop_codec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +33,7 @@ def prepared(tmp_path_factory) -> PreparedData:
 def test_the_benchmark_trains_every_codec_on_the_prepared_text_and_the_page_renders_it(prepared, tmp_path) -> None:
     sizes = ["--microbatches", "4", "--width", "32", "--layers", "1", "--eval-batches", "2"]
     args = bench_hop_codec.parse_args(
-        ["--data", str(prepared.directory), "--variants", "fp16", "subspace8", "--seeds", "0", *sizes]
+        ["--data", str(prepared.directory), "--variants", "fp16", "subspace8", "fp16+anchors", "--seeds", "0", *sizes]
     )
     config = bench_hop_codec.bench_config(32, 1, 0, Compression.SUBSPACE8, 4, args.data)
     assert config.model.vocab_size == prepared.vocab_size  # the tokenizer's, not the chain's 256
@@ -40,7 +42,7 @@ def test_the_benchmark_trains_every_codec_on_the_prepared_text_and_the_page_rend
     corpus = summary["corpus"]
     assert (corpus["vocab_size"], corpus["train_tokens"]) == (prepared.vocab_size, prepared.train_tokens)
     assert 0 < corpus["bigram_nats"] < corpus["unigram_nats"] < math.log(prepared.vocab_size) + 1
-    assert list(summary["results"]) == ["fp16", "subspace8"]
+    assert list(summary["results"]) == ["fp16", "subspace8", "fp16+anchors"]
     for r in summary["results"].values():
         (loss,) = r["losses"]
         assert math.isfinite(loss) and 0 < loss < 2 * math.log(prepared.vocab_size)
@@ -55,6 +57,19 @@ def test_the_benchmark_trains_every_codec_on_the_prepared_text_and_the_page_rend
     page = render(results, tmp_path / "results.md")
     assert "## Hop codecs on real text" in page and "| `subspace8` | 16.5x |" in page
     assert f"{corpus['bigram_nats']:.3f} bigram" in page
+    assert "- Against `fp16+anchors`" in page  # the projection's own cost, beside the anchors' model
+
+
+def test_fp16_plus_anchors_adds_each_tokens_anchor_to_a_forward_hop_and_leaves_a_gradient_alone() -> None:
+    variant = bench_hop_codec.VARIANTS["fp16+anchors"]
+    x = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([[1, 2, 3], [3, 2, 1]], dtype=torch.int16)
+    expected = x.half().float() + anchors(ids, 32).reshape(x.shape)
+    assert torch.equal(bench_hop_codec.hop(x, variant, ids), expected)
+    assert torch.equal(bench_hop_codec.hop(x, variant), x.half().float())
+    # the projecting codec with the same anchors is a different hop: rank 2 of 32 loses most of x
+    projected = bench_hop_codec.hop(x, bench_hop_codec.VARIANTS["subspace8"], ids)
+    assert (projected - expected).norm() > 0.5 * x.norm()
 
 
 def test_unset_sizes_are_the_chains_recorded_ones_or_the_texts() -> None:

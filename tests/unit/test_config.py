@@ -37,7 +37,7 @@ from protocol.version import PROTOCOL_VERSION
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "config.md"
 REGENERATE = ".venv/bin/python -m node.config > docs/config.md"
-DEFAULT_HASH = "53535c1b61c16052"  # protocol 7 (a stage's state carries AdamW's moments) + protocol 6 (subspace hop codecs, FORWARD without targets) + protocol 5 (spot-checks replay a committed layer; [verification] tolerances per precision, receipts) + protocol 4 (gossip codec: phi_bits 3, phi_step 16, delta_block) + routing, precision, tokenizer_hash, the order-2 markov source, [validation], [verification], max_staleness_steps 2, stashed_weights 4, slow_link_compression int8 with max_in_flight 32: changing it splits old and new peers
+DEFAULT_HASH = "a88aa6ead677bfb8"  # protocol 8 (subspace token anchors at std 0.5) + protocol 7 (a stage's state carries AdamW's moments) + protocol 6 (subspace hop codecs, FORWARD without targets) + protocol 5 (spot-checks replay a committed layer; [verification] tolerances per precision, receipts) + protocol 4 (gossip codec: phi_bits 3, phi_step 16, delta_block) + routing, precision, tokenizer_hash, the order-2 markov source, [validation], [verification], max_staleness_steps 2, stashed_weights 4, slow_link_compression int8 with max_in_flight 32: changing it splits old and new peers
 SECTIONS = SECTION_TYPES
 TOP_LEVEL = [f.name for f in dataclasses.fields(SwarmConfig) if f.name not in SECTIONS]
 
