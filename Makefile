@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .PHONY: demo test slow bench lint format hostile test-private internet netns-deps chaos results \
-	podman-deps docker-image docker-test gpu-check memory-table bench-hop-codec bench-hop-codec-text \
+	podman-deps docker-image docker-test gpu-check memory-table bench-hop-codec bench-hop-codec-text bench-hop-codec-text-15m \
 	bench-wire experiments
 
 $(PY):
@@ -54,7 +54,7 @@ bench-wire: $(STAMP) netns-deps
 
 # the hop codecs' bytes per token and loss at equal tokens, 3 seeds (docs/wire.md; ~20 minutes on 2 CPU cores)
 bench-hop-codec: $(STAMP)
-	$(PY) tests/benchmarks/bench_hop_codec.py --json docs/results/hop_codec.json
+	$(PY) tests/benchmarks/bench_hop_codec.py --processes 2 --json docs/results/hop_codec.json
 	$(PY) -m node.simulate.report --record docs/results hop_codec
 
 # the same on real text, 3 seeds (docs/results.md, "Hop codecs on real text"): the CPython standard library
@@ -62,8 +62,16 @@ bench-hop-codec: $(STAMP)
 # and measured on it, then the page rendered (~25 minutes on 2 CPU cores, plus the corpus the first time)
 bench-hop-codec-text: $(STAMP)
 	$(PY) tests/benchmarks/bench_hop_codec.py --data build/corpus/stdlib --prepare-stdlib --seeds 0 1 2 \
-		--json docs/results/hop_codec_real_text.json
+		--processes 2 --json docs/results/hop_codec_real_text.json
 	$(PY) -m node.simulate.report --record docs/results hop_codec_real_text
+	$(PY) -m node.simulate.report docs/results docs/results.md
+
+# the same at the 15m preset's width (288: rank 31), fp16 against the default codec and against fp16 hops with
+# its anchors added (the projection's own cost), 3 seeds (~25 minutes on 2 CPU cores)
+bench-hop-codec-text-15m: $(STAMP)
+	$(PY) tests/benchmarks/bench_hop_codec.py --data build/corpus/stdlib --prepare-stdlib --seeds 0 1 2 \
+		--width 288 --variants fp16 subspace8 fp16+anchors --processes 2 --json docs/results/hop_codec_real_text_15m.json
+	$(PY) -m node.simulate.report --record docs/results hop_codec_real_text_15m
 	$(PY) -m node.simulate.report docs/results docs/results.md
 
 # the volunteer's real case end to end on one device (tests/benchmarks/gpu_check.py, docs/benchmarks.md

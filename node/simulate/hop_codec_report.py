@@ -9,7 +9,10 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
+from node.model.presets import PresetName, preset_named
+
 HOP_CODEC_TEXT = "hop_codec_real_text"  # the summary bench_hop_codec.py --data writes
+HOP_CODEC_TEXT_15M = "hop_codec_real_text_15m"  # the same at the 15m preset's width (make bench-hop-codec-text-15m)
 ANCHORS_WITHOUT_PROJECTION = "fp16+anchors"  # bench_hop_codec.py's variant: the anchors' model, lossless hops
 TARGET_PERCENT = 2.0  # the wire issue's claim: the default codec costs <= 2 % of fp16's loss
 CLAIM = (
@@ -47,7 +50,7 @@ def _default_codec(s: dict[str, Any], where: str) -> list[str]:
         "",
         f"- Default codec: mean cost {mean_cost:+.2f} % (the 2 % target {_met(mean_cost <= TARGET_PERCENT)} on the "
         f"mean), worst seed {worst:+.2f} % ({_met(worst <= TARGET_PERCENT)} on every seed); measured at width "
-        f"{s['args']['width']} {where}, not at a preset's width.",
+        f"{s['args']['width']} {where}, {_preset_width(s['args']['width'])}.",
     ]
     beside = results.get(ANCHORS_WITHOUT_PROJECTION)
     if beside is not None:
@@ -59,6 +62,11 @@ def _default_codec(s: dict[str, Any], where: str) -> list[str]:
             "gains on fp16 comes from its anchors, which fp16 hops do not carry."
         )
     return lines
+
+
+def _preset_width(width: int) -> str:
+    named = [p.value for p in PresetName if p != PresetName.TINY and preset_named(p).hidden_size == width]
+    return f"the {named[0]} preset's width" if named else "not at a preset's width"
 
 
 def hop_codec_section(s: dict[str, Any], directory: Path, docs: Path) -> list[str]:
@@ -83,15 +91,18 @@ def hop_codec_section(s: dict[str, Any], directory: Path, docs: Path) -> list[st
     return [*lines, *_default_codec(s, "on the chain"), ""]
 
 
-def hop_codec_text_section(s: dict[str, Any] | None) -> list[str]:
+def hop_codec_text_section(
+    s: dict[str, Any] | None, title: str = "Hop codecs on real text", command: str = "make bench-hop-codec-text"
+) -> list[str]:
     """The same on real text, each loss beside the text's own bounds; `s` None: not run yet (the line
-    names no directory: the page must render alike from any working directory, for its freshness test)."""
-    lines = ["## Hop codecs on real text", ""]
+    names no directory: the page must render alike from any working directory, for its freshness test).
+    `title` and `command`: the section of another run of it (the 15m preset's width)."""
+    lines = [f"## {title}", ""]
     if s is None:
-        return [*lines, f"Not run: no {HOP_CODEC_TEXT}.json yet (`make bench-hop-codec-text` writes it).", ""]
+        return [*lines, f"Not run: no {HOP_CODEC_TEXT}.json yet (`{command}` writes it).", ""]
     corpus = s["corpus"]
     lines += [
-        f"`make bench-hop-codec-text` (tests/benchmarks/bench_hop_codec.py --data): the chain's benchmark "
+        f"`{command}` (tests/benchmarks/bench_hop_codec.py --data): the chain's benchmark "
         f"below on {corpus['source']}, prepared at vocabulary {corpus['vocab_size']:,} "
         f"({corpus['train_tokens']:,} train, {corpus['val_tokens']:,} held-out tokens), read as a stage-0 peer "
         f"reads it (train.bin, one stream per seed; the held-out loss on val.bin); "

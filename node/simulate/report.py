@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from node.simulate.hop_codec_report import HOP_CODEC_TEXT, hop_codec_section, hop_codec_text_section
+from node.simulate.hop_codec_report import HOP_CODEC_TEXT, HOP_CODEC_TEXT_15M, hop_codec_section, hop_codec_text_section
 from node.simulate.recovery import TARGET_FRACTION
 
 EDGES = "edges"  # the subdirectory `make results` writes the recovery run with edge-stage failures into
@@ -403,6 +403,10 @@ def render(directory: Path, docs: Path) -> str:
             lines += real_text_section(summary, directory, docs)
     if real_text or on_gpu or codecs_on_text:  # the real-text part, led by the claims if run
         lines += hop_codec_text_section(codecs_on_text)
+        if (at_15m := _load(directory, HOP_CODEC_TEXT_15M)) is not None:
+            lines += hop_codec_text_section(
+                at_15m, "Hop codecs on real text at the 15m preset's width", "make bench-hop-codec-text-15m"
+            )
         lines += [
             "The sections below are toy scale: a 32-token second-order Markov chain and models of a few "
             "hundred thousand parameters. They stay for what real text does not show here: the sync-scaling "

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,6 +200,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="prepare the CPython standard library into --data first, unless it is there (as `make experiments`)",
     )
     parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument(
+        "--processes", type=int, default=1, help="runs at once, one thread each (2 on a 2-core machine halves the time)"
+    )
     args = parser.parse_args(argv)
     if args.prepare_stdlib and args.data is None:
         parser.error("--prepare-stdlib needs --data DIR, where the corpus is kept")
@@ -219,6 +224,24 @@ def corpus(args: argparse.Namespace) -> dict | None:
     return {**corpus_record(prepared, source), "directory": str(args.data)}
 
 
+def _one_thread_run(variant: HopVariant, seed: int, args: argparse.Namespace) -> dict:
+    torch.set_num_threads(1)  # the figures compare codecs, not machines: keep runs alike
+    return run(variant, seed, args)
+
+
+def run_all(args: argparse.Namespace) -> dict[tuple[str, int], dict]:
+    """Every (variant, seed) run, `args.processes` at a time: each run is one thread, alone in its
+    process (spawned: a forked torch may hang on the parent's thread pool), so the figures do not
+    depend on how many ran beside it beyond the cores they share."""
+    pairs = [(name, seed) for name in args.variants for seed in args.seeds]
+    if args.processes <= 1:
+        return {(name, seed): _one_thread_run(VARIANTS[name], seed, args) for name, seed in pairs}
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=args.processes, mp_context=context) as pool:
+        futures = {pair: pool.submit(_one_thread_run, VARIANTS[pair[0]], pair[1], args) for pair in pairs}
+        return {pair: future.result() for pair, future in futures.items()}
+
+
 def measure(args: argparse.Namespace) -> dict:
     """Every variant over every seed: the summary `--json` writes (and docs/results/hop_codec*.json hold)."""
     text = corpus(args)
@@ -229,11 +252,12 @@ def measure(args: argparse.Namespace) -> dict:
         "15m": preset_named(PresetName.STORIES_15M).hidden_size,
         "125m": preset_named(PresetName.MOBILELLM_125M).hidden_size,
     }
+    every_run = run_all(args)
     results: dict[str, dict] = {}
     for name in args.variants:
         variant = VARIANTS[name]
         codec, anchored = variant.codec, variant.anchored
-        runs = [run(variant, seed, args) for seed in args.seeds]
+        runs = [every_run[name, seed] for seed in args.seeds]
         losses = [r["held_out_loss"] for r in runs]
         results[name] = {
             "bytes_per_token": {label: bytes_per_token(w, codec, anchored) for label, w in widths.items()},
@@ -273,7 +297,6 @@ def measure(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(1)  # the figures compare codecs, not machines: keep runs alike
     summary = measure(args)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2))

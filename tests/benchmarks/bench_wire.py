@@ -282,7 +282,16 @@ def swarm_run(codec: Compression, args: argparse.Namespace, workdir: Path, param
 
     table = {
         "model": {"preset": PRESET},
-        "training": {"wire_compression": str(codec), "slow_link_compression": str(codec)},
+        "training": {
+            "wire_compression": str(codec),
+            "slow_link_compression": str(codec),
+            # a fixed window tells what the pipeline can carry from what the window's control finds
+            **(
+                {"min_in_flight": args.wire_in_flight, "max_in_flight": args.wire_in_flight}
+                if args.wire_in_flight
+                else {}
+            ),
+        },
         "gossip": {"inner_steps": args.wire_inner_steps},
         "validation": {"interval": 0},  # held-out passes are stage 0's work but not training's
     }
@@ -504,6 +513,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--wire-inner-steps", type=int, default=BENCH_INNER_STEPS, help="gossip.inner_steps (H) of the swarms"
     )
     parser.add_argument("--wire-workdir", help="where swarm logs go (default: a temporary directory)")
+    parser.add_argument(
+        "--wire-in-flight",
+        type=int,
+        default=0,
+        help="a fixed in-flight window for stage 0 (min = max in flight); 0: the swarm's adaptive window",
+    )
 
 
 def apply_quick(args: argparse.Namespace) -> None:

@@ -58,6 +58,14 @@ def test_the_benchmark_trains_every_codec_on_the_prepared_text_and_the_page_rend
     assert "## Hop codecs on real text" in page and "| `subspace8` | 16.5x |" in page
     assert f"{corpus['bigram_nats']:.3f} bigram" in page
     assert "- Against `fp16+anchors`" in page  # the projection's own cost, beside the anchors' model
+    assert "width 32 on real text, not at a preset's width" in page
+    assert "at the 15m preset's width" not in page  # that section only once its run has been recorded
+
+    at_15m = {**summary, "args": {**summary["args"], "width": 288}}
+    (results / "hop_codec_real_text_15m.json").write_text(json.dumps(at_15m))
+    page = render(results, tmp_path / "results.md")
+    assert "## Hop codecs on real text at the 15m preset's width" in page
+    assert "`make bench-hop-codec-text-15m`" in page and "width 288 on real text, the 15m preset's width" in page
 
 
 def test_fp16_plus_anchors_adds_each_tokens_anchor_to_a_forward_hop_and_leaves_a_gradient_alone() -> None:
@@ -80,3 +88,13 @@ def test_unset_sizes_are_the_chains_recorded_ones_or_the_texts() -> None:
     assert text.microbatches == 7 and text.eval_batches == bench_hop_codec.TEXT_SIZES["eval_batches"]
     with pytest.raises(SystemExit):
         bench_hop_codec.parse_args(["--prepare-stdlib"])  # where would the corpus go
+
+
+def test_runs_in_parallel_processes_measure_what_one_process_measures() -> None:
+    sizes = ["--microbatches", "3", "--width", "32", "--layers", "1", "--eval-batches", "1"]
+    args = bench_hop_codec.parse_args(["--variants", "fp16", "subspace8", "--seeds", "0", "1", *sizes])
+    alone = bench_hop_codec.run_all(args)
+    args.processes = 2
+    parallel = bench_hop_codec.run_all(args)
+    assert list(parallel) == list(alone) == [("fp16", 0), ("fp16", 1), ("subspace8", 0), ("subspace8", 1)]
+    assert {k: r["held_out_loss"] for k, r in parallel.items()} == {k: r["held_out_loss"] for k, r in alone.items()}
