@@ -56,10 +56,10 @@ def _default_codec(s: dict[str, Any], where: str) -> list[str]:
     if beside is not None:
         paired = [100 * (x / b - 1) for x, b in zip(default["losses"], beside["losses"], strict=True)]
         lines.append(
-            f"- Against `{ANCHORS_WITHOUT_PROJECTION}` (fp16 hops with the same anchors added: the model the "
-            f"anchors make, without the projection) the default codec costs {fmean(paired):+.2f} % "
-            f"({', '.join(f'{c:+.2f}' for c in paired)}): that is the projection's own cost; what the default "
-            "gains on fp16 comes from its anchors, which fp16 hops do not carry."
+            f"- Against `{ANCHORS_WITHOUT_PROJECTION}` (lossless fp16 hops with the same anchors added: the "
+            f"anchors' model without the projection) the default codec costs {fmean(paired):+.2f} % "
+            f"({', '.join(f'{c:+.2f}' for c in paired)}): the projection's own cost. The cost against fp16 above "
+            "also holds what the anchors bring, which fp16 hops do not carry."
         )
     return lines
 

@@ -68,7 +68,7 @@ def hop_codec_rows(text: str) -> dict[str, list[float]]:
     rows = {}
     for line in text.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if len(cells) == 5 and re.fullmatch(r"`[\w-]+`", cells[0]) and "+-" in cells[3]:
+        if len(cells) == 5 and re.fullmatch(r"`[\w+-]+`", cells[0]) and "+-" in cells[3]:
             rows[cells[0].strip("`")] = [float(x) for x in cells[2].split(",")] + [float(cells[3].split()[0])]
     return rows
 
