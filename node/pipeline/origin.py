@@ -81,8 +81,8 @@ class Origin(Pipeline):
             ticket = InFlight.start(microbatch_id, targets, order, purpose)
             self.in_flight[microbatch_id] = ticket
             try:
-                if training:
-                    hidden = await self.worker.compute(self.worker.embed, key, tokens)
+                if training:  # milliseconds, where a head takes seconds: ahead of the queued heads
+                    hidden = await self.worker.compute(self.worker.embed, key, tokens, first=True)
                 else:
                     hidden = await self.worker.compute(eval_embed, self.worker, tokens)
                 header = ForwardHeader(
@@ -165,7 +165,7 @@ class Origin(Pipeline):
             return
         try:
             key = (header.origin, header.microbatch_id)
-            await self.worker.compute(self.worker.embed_backward, key, msg.tensors["grad"])
+            await self.worker.compute(self.worker.embed_backward, key, msg.tensors["grad"], first=True)
         except RejectedInput as e:
             self.transport.conduct.strike(header.sender, f"embedding gradient rejected: {e}")
             ticket.finish(error=TransportError(f"embedding backward failed: {e}"))

@@ -10,11 +10,17 @@ and one `call_soon_threadsafe` back: the same thread and order, without the pool
 
 `ComputeThread` is still a `concurrent.futures.Executor` (`submit`, `shutdown`), so synchronous code
 and tests can use it as they would the pool.
+
+`run(..., first=True)` puts a call ahead of every queued one (after the running call): stage 0's
+embedding forward and backward take milliseconds beside its head's seconds, and behind a queue of
+heads they hold the next stage idle, which is waiting for that forward (docs/benchmarks.md, "The
+wire at real size").
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import functools
 import queue
@@ -23,6 +29,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+_WAKE = object()  # put on the queue after a call goes to the front, so a waiting thread takes it
 
 
 class ComputeThread(concurrent.futures.Executor):
@@ -31,17 +38,24 @@ class ComputeThread(concurrent.futures.Executor):
     def __init__(self, name: str) -> None:
         # items: (fn, args, where the outcome goes); None ends the thread
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._first: collections.deque = collections.deque()  # calls ahead of the queue (run's `first`)
         self._closed = False
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the thread, awaited from the running event loop. Cancelling the awaiting
-        task skips the call if it has not started, and drops its result if it has."""
+    async def run(self, fn: Callable[..., T], *args: Any, first: bool = False) -> T:
+        """`fn(*args)` on the thread, awaited from the running event loop; with `first`, before every
+        call queued without it. Cancelling the awaiting task skips the call if it has not started,
+        and drops its result if it has."""
         self._check_open()
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._calls.put((fn, args, _LoopOutcome(loop, future)))
+        item = (fn, args, _LoopOutcome(loop, future))
+        if first:
+            self._first.append(item)
+            self._calls.put(_WAKE)
+        else:
+            self._calls.put(item)
         return await future
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
@@ -59,8 +73,10 @@ class ComputeThread(concurrent.futures.Executor):
                     item = self._calls.get_nowait()
                 except queue.Empty:
                     break
-                if item is not None:
+                if item is not None and item is not _WAKE:
                     item[2].cancel()
+            while self._first:
+                self._first.popleft()[2].cancel()
         self._calls.put(None)
         if wait and threading.current_thread() is not self._thread:
             self._thread.join()
@@ -71,16 +87,23 @@ class ComputeThread(concurrent.futures.Executor):
 
     def _work(self) -> None:
         while (item := self._calls.get()) is not None:
-            fn, args, outcome = item
-            if isinstance(outcome, concurrent.futures.Future):
-                if not outcome.set_running_or_notify_cancel():
-                    continue
-                try:
-                    outcome.set_result(fn(*args))
-                except BaseException as e:  # the caller's to handle, as with a thread pool
-                    outcome.set_exception(e)
-            else:
-                outcome.run(fn, args)
+            while self._first:
+                self._run(self._first.popleft())
+            if item is not _WAKE:
+                self._run(item)
+        while self._first:  # shut down with calls still in front: they were given before the end
+            self._run(self._first.popleft())
+
+    @staticmethod
+    def _run(item: tuple) -> None:
+        fn, args, outcome = item
+        if not isinstance(outcome, concurrent.futures.Future):
+            outcome.run(fn, args)
+        elif outcome.set_running_or_notify_cancel():
+            try:
+                outcome.set_result(fn(*args))
+            except BaseException as e:  # the caller's to handle, as with a thread pool
+                outcome.set_exception(e)
 
 
 class _LoopOutcome:

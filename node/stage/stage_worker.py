@@ -167,9 +167,10 @@ class StageWorker:
         self.optimizer: torch.optim.AdamW = new_adamw(self._params, t, self.current_lr)
         self.executor = ComputeThread(f"stage{stage}-worker")
 
-    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn(*args)` on this stage's compute thread and wait for it from the event loop."""
-        return await self.executor.run(self.meter.timed(fn), *args)
+    async def compute(self, fn: Callable[..., T], *args: Any, first: bool = False) -> T:
+        """Run `fn(*args)` on this stage's compute thread and wait for it from the event loop; with
+        `first`, ahead of the calls queued without it (ComputeThread.run)."""
+        return await self.executor.run(self.meter.timed(fn), *args, first=first)
 
     # ------------------------------------------------------------------------------------------
     # Optimizer, schedule, state

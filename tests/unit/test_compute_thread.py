@@ -74,3 +74,26 @@ def test_submit_and_shutdown_behave_as_an_executor():
     with pytest.raises(RuntimeError, match="shut down"):
         thread.submit(time.sleep, 0)
     assert not thread._thread.is_alive()
+
+
+def test_a_call_given_first_runs_after_the_running_one_and_before_every_queued_one():
+    async def main() -> None:
+        thread = ComputeThread("test-compute")
+        release = threading.Event()
+        ran: list[str] = []
+        try:
+            blocker = asyncio.ensure_future(thread.run(lambda: (release.wait(5), ran.append("running"))))
+            await asyncio.sleep(0.05)  # the blocker has started: `first` cannot overtake a running call
+            queued = [asyncio.ensure_future(thread.run(ran.append, f"queued {i}")) for i in range(3)]
+            await asyncio.sleep(0)
+            urgent = [asyncio.ensure_future(thread.run(ran.append, f"first {i}", first=True)) for i in range(2)]
+            await asyncio.sleep(0.05)
+            release.set()
+            await asyncio.wait_for(asyncio.gather(blocker, *queued, *urgent), 5)
+            assert ran == ["running", "first 0", "first 1", "queued 0", "queued 1", "queued 2"]
+            assert await thread.run(ran.append, "idle", first=True) is None  # and on an idle thread at once
+            assert ran[-1] == "idle"
+        finally:
+            thread.shutdown()
+
+    asyncio.run(main())
