@@ -203,14 +203,11 @@ PRESETS: dict[PresetName, ModelPreset] = {
             published_parameters=15_191_712,
             published_ties_embeddings=True,
             # its whole context; 8 x 256 = 2048 tokens a microbatch, as the larger presets; a window of
-            # 8..16 keeps a peer of any stage near 3 GiB in fp32 on a CPU (a laptop's RAM). At least 8:
-            # on a CPU stage 0 takes ~1.8 s a microbatch, a rate span sees too few completions for the
-            # window's probes to tell 4 from 8, and 4 in flight kept a 15m swarm at 0.71x of its compute
-            # bound over 100 ms links where 8 kept it at 0.94x (docs/benchmarks.md, "The wire at real size")
+            # 4..16 keeps a peer of any stage near 3 GiB in fp32 on a CPU (a laptop's RAM)
             training=TrainingShape(
                 sequence_length=256,
                 microbatch_size=8,
-                min_in_flight=8,
+                min_in_flight=4,
                 max_in_flight=16,
                 **SUBSPACE_HOPS,
             ),
