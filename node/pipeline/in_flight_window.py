@@ -24,7 +24,7 @@ not either. So the window also keeps the round trips it measures within DEADLINE
 deadline, as delay-based congestion control does: a microbatch back later than that came back from
 about `size` in flight, so the size is cut to what would have fit, size x budget / round trip
 (at most once per round trip, never below the floor); while round trips fit, the cut is lifted
-again by one microbatch per completion. A failed attempt caps the window at FAILURE_CUT of its
+again by one microbatch per round trip. A failed attempt caps the window at FAILURE_CUT of its
 size (`on_failed`), once per round trip, and the cap is lifted by one per round trip (additive
 increase, multiplicative decrease, as loss-based congestion control does): a stage that evicts or
 refuses for lack of room, or that lost a replica and serves twice its share until a replacement
@@ -45,6 +45,10 @@ logger = logging.getLogger(__name__)
 
 BBR_WINDOW_GAIN = 2.0  # BBR's cwnd_gain: headroom over the bandwidth-delay product
 MIN_RTT_HORIZON = 30.0  # seconds a minimum-RTT sample is trusted before it is measured again (BBR: 10 s)
+# ... and at least this many minimum round trips: a drain first empties the queue (the window's worth of
+# the slowest stage's work), so at seconds a round trip (a real preset on CPUs) a drain every 30 s
+# left stage 0 idle a third of the time (docs/benchmarks.md, "The wire at real size")
+MIN_RTT_HORIZON_TRIPS = 50
 MIN_RATE_SPAN = 5.0  # seconds: never judge the delivery rate over less than this
 DRAIN_SAMPLES = 1  # round trips measured one at a time while draining (the lowest since is kept too)
 PROBE_QUIET = 3  # rate spans of quiet (no drain, no probe) before the next probe: probes take ~1/4 of the time
@@ -71,7 +75,8 @@ class InFlightWindow:
 
     With more in flight than the pipeline can serve, microbatches queue and every round trip
     includes the queue, so the minimum RTT can only be re-measured by draining it: when the
-    minimum is older than MIN_RTT_HORIZON the window drops to one microbatch until DRAIN_SAMPLES
+    minimum is older than its horizon (MIN_RTT_HORIZON, or MIN_RTT_HORIZON_TRIPS minimum round trips
+    where that is longer) the window drops to one microbatch until DRAIN_SAMPLES
     sent after the drain began have come back (BBR's ProbeRTT), and their minimum replaces it: at
     the floor itself a saturated stage would still queue. A drain costs about DRAIN_SAMPLES round
     trips every MIN_RTT_HORIZON (~5 % at a 1.2 s round trip), so once a probe has learned the
@@ -89,6 +94,7 @@ class InFlightWindow:
         self.deadline = deadline
         self.in_time = ceiling  # the largest size whose round trips fit DEADLINE_SHARE of the deadline
         self._cut_at = -math.inf  # when `in_time` was last cut
+        self._in_time_lifted_at = -math.inf  # when `in_time` was last lifted (or cut)
         self.after_failures = ceiling  # the cap failed attempts left (on_failed), lifted by one per round trip
         self._failure_cut_at = -math.inf
         self._lifted_at = -math.inf  # when `after_failures` was last lifted
@@ -125,7 +131,7 @@ class InFlightWindow:
                 self._drain_started, self._drain_samples = None, []
                 self._quiet_since = now
                 self._check_after_drain(now, round_trip)
-        elif now - self._min_rtt_at > MIN_RTT_HORIZON and self._probe is None and self.learned < self.ceiling:
+        elif now - self._min_rtt_at > self._min_rtt_horizon() and self._probe is None and self.learned < self.ceiling:
             # a probe finishes first; and a window whose probes reached the ceiling stays there
             # whatever the minimum RTT says, so a drain would only empty the pipeline
             self._drain_started = now
@@ -205,6 +211,9 @@ class InFlightWindow:
             return larger
         return size
 
+    def _min_rtt_horizon(self) -> float:
+        return max(MIN_RTT_HORIZON, MIN_RTT_HORIZON_TRIPS * (self.min_rtt or 0.0))
+
     def _rate_span(self) -> float:
         return max(MIN_RATE_SPAN, 4 * (self.min_rtt or 0.0))
 
@@ -237,10 +246,14 @@ class InFlightWindow:
             return
         budget = DEADLINE_SHARE * self.deadline
         if round_trip <= budget:
-            self.in_time = min(self.ceiling, self.in_time + 1)
+            # by one a round trip (sent after the last lift or cut), as congestion avoidance grows:
+            # one a completion refilled a cut within a second at 2 microbatches/s, and the round trips
+            # went over the budget again at once
+            if now - round_trip >= self._in_time_lifted_at:
+                self.in_time, self._in_time_lifted_at = min(self.ceiling, self.in_time + 1), now
         elif now - round_trip >= self._cut_at:
             self.in_time = max(self.floor, math.floor(self.size * budget / round_trip))
-            self._cut_at = now
+            self._cut_at = self._in_time_lifted_at = now
             logger.info(
                 f"in-flight window cut to {self.in_time}: a round trip took {round_trip:.1f} s of a {self.deadline:.0f} s deadline"
             )
