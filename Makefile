@@ -52,7 +52,7 @@ bench: $(STAMP) netns-deps
 bench-wire: $(STAMP) netns-deps
 	$(PY) tests/benchmarks/bench_wire.py
 
-# the hop codecs' bytes per token and loss at equal tokens, 3 seeds (docs/wire.md; ~20 minutes on 2 CPU cores)
+# the hop codecs' bytes per token and loss at equal tokens, 3 seeds (docs/wire.md; ~8 minutes on 2 CPU cores, 2 runs at a time)
 bench-hop-codec: $(STAMP)
 	$(PY) tests/benchmarks/bench_hop_codec.py --processes 2 --json docs/results/hop_codec.json
 	$(PY) -m node.simulate.report --record docs/results hop_codec

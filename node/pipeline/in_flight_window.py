@@ -79,7 +79,8 @@ class InFlightWindow:
     where that is longer) the window drops to one microbatch until DRAIN_SAMPLES
     sent after the drain began have come back (BBR's ProbeRTT), and their minimum replaces it: at
     the floor itself a saturated stage would still queue. A drain costs about DRAIN_SAMPLES round
-    trips every MIN_RTT_HORIZON (~5 % at a 1.2 s round trip), so once a probe has learned the
+    trips every horizon (~5 % at a 1.2 s round trip; at seconds a round trip the drain empties a
+    queue first: about 18 s every ~175 s for a 15m stage 0 on a CPU), so once a probe has learned the
     ceiling (the size can no longer move: it is never below `learned`) the window stops draining.
     """
 

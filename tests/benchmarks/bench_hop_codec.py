@@ -73,8 +73,8 @@ VARIANTS = {
 }
 HELD_OUT_STREAM = 1 << 20  # a data stream no training microbatch comes from
 # the sizes a run takes unless told: on the chain, those of the recorded docs/results/hop_codec.json;
-# on real text (--data, vocabulary 512), what 5 variants x 3 seeds train in about 25 minutes on 2
-# busy CPU cores: a microbatch took 66-75 ms here (fp16-subspace8), 90 ms in the recorded chain run;
+# on real text (--data, vocabulary 512), what 6 variants x 3 seeds train in about 20 minutes one at a
+# time on 2 busy CPU cores (10 with --processes 2): a microbatch took 66-75 ms here (fp16-subspace8), 90 ms in the recorded chain run;
 # 300 of them took fp16 to 3.77 nats against a bigram bound of 3.57 (a small slice of the stdlib),
 # so 1000 should end below it, where the blocks and their hops carry the loss; 16 held-out batches
 # (twice the chain's), as text is noisier
