@@ -28,6 +28,7 @@ def add_simulate_parser(commands: Any) -> None:
         "--hidden": (int, "model width"),
         "--sequence": (int, "tokens per sequence"),
         "--microbatch": (int, "sequences per microbatch"),
+        "--embedding-init-std": (float, "std of the token embedding's initial weights (default 0.02)"),
         "--latency-ms": (float, "one-way link latency (default 50)"),
         "--bandwidth-mbit": (float, "link bandwidth (default 100)"),
         "--compute-ms": (float, "clock charge of one microbatch-stage (default: measured)"),

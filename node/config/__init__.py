@@ -81,6 +81,8 @@ class ModelConfig:
     """Epsilon added to the mean square in every RMSNorm; 1e-5 is LLaMA's."""
     rope_theta: float = 10000.0
     """Base of the rotary position frequencies; 10000 is LLaMA's (and RoPE's)."""
+    embedding_init_std: float = 0.02
+    """Std of the token embedding's initial weights, in (0, 10]; 0.02 is HF Llama's initializer_range. 1.0 (nn.Embedding's own default) learns the token path far faster on short budgets: `make experiments` uses it (docs/results.md)."""
 
 
 @dataclass(frozen=True)
@@ -387,12 +389,10 @@ def validate(config: SwarmConfig) -> None:
     need(2 <= config.num_stages <= 64, "num_stages counts stage 0 and must be in 2..64")
     m = config.model
     need(m.hidden_size % m.num_attention_heads == 0, "hidden_size must be divisible by num_attention_heads")
-    need(
-        m.num_attention_heads % m.num_key_value_heads == 0,
-        "num_attention_heads must be a multiple of num_key_value_heads",
-    )
+    need(m.num_attention_heads % m.num_key_value_heads == 0, "num_key_value_heads must divide num_attention_heads")
     need((m.hidden_size // m.num_attention_heads) % 2 == 0, "head dimension must be even (rotary embedding)")
     need(m.layers_per_stage >= 1 and m.vocab_size >= 2, "layers_per_stage >= 1 and vocab_size >= 2")
+    need(0.0 < m.embedding_init_std <= 10.0, "embedding_init_std must be in (0, 10]")
     t = config.training
     need(t.sequence_length <= m.max_position_embeddings, "sequence_length exceeds max_position_embeddings")
     need(t.microbatch_size >= 1 and t.microbatches_per_step >= 1 and t.min_in_flight >= 1, "batch sizes must be >= 1")

@@ -181,8 +181,9 @@ def stage_init_seed(seed: int, stage: int) -> int:
 
 
 @torch.no_grad()
-def init_weights(module: nn.Module, generator: torch.Generator) -> None:
-    """HF Llama init: every Linear / Embedding weight ~ N(0, 0.02), every RMSNorm weight = 1.
+def init_weights(module: nn.Module, generator: torch.Generator, embedding_std: float = INIT_STD) -> None:
+    """HF Llama init: every Linear weight ~ N(0, 0.02), the token embedding ~ N(0, embedding_std)
+    (0.02 there too unless the model config says otherwise), every RMSNorm weight = 1.
 
     Parameters are visited in named_parameters() order, so the result depends on the generator
     seed only. Tensors are filled on CPU in float32.
@@ -191,7 +192,8 @@ def init_weights(module: nn.Module, generator: torch.Generator) -> None:
         if name.endswith("norm.weight"):
             p.fill_(1.0)
         else:
-            p.normal_(0.0, INIT_STD, generator=generator)
+            std = embedding_std if name.startswith("embed_tokens.") else INIT_STD
+            p.normal_(0.0, std, generator=generator)
 
 
 def build_stage(model: ModelConfig, stage: int, seed: int) -> EdgeStage | BlockStage:
@@ -206,7 +208,7 @@ def build_stage(model: ModelConfig, stage: int, seed: int) -> EdgeStage | BlockS
         raise ValueError(f"stage {stage} is negative")
     module: EdgeStage | BlockStage = EdgeStage(model) if stage == 0 else BlockStage(model)
     generator = torch.Generator(device="cpu").manual_seed(stage_init_seed(seed, stage))
-    init_weights(module, generator)
+    init_weights(module, generator, model.embedding_init_std)
     return module
 
 

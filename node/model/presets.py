@@ -164,6 +164,10 @@ class ModelPreset:
     def rope_theta(self) -> float:
         return ModelConfig.rope_theta  # and LLaMA's 10000
 
+    @property
+    def embedding_init_std(self) -> float:
+        return ModelConfig.embedding_init_std  # HF Llama's; a larger std is not measured at these widths
+
 
 _DEFAULT = ModelConfig()
 

@@ -61,13 +61,14 @@ class Scale:
     preset: SimPreset  # the simulator preset whose other settings apply
     model: PresetName | None = None  # a model preset's shape (heads, MLP, layers); None: the simulator's own
     recovery_stages: int | None = None  # None: the simulator preset's
+    embedding_init_std: float | None = None  # model.embedding_init_std; None: the model config's (0.02)
 
 
 # FULL: what 3 seeds of every variant can train on 2 CPU cores in about an hour (0.3 s an iteration
 # of 2 replicas x 5 stages at this size, measured here); the failures fall in the second half, while
 # the model is still learning. QUICK: what `make test` runs.
-FULL = Scale(("",), 512, 128, 64, 300, 150, 120, 20, 1e-2, SimPreset.DEFAULT)
-QUICK = Scale(("json", "email"), 320, 32, 32, 10, 8, 3, 3, 3e-3, SimPreset.TINY)
+FULL = Scale(("",), 512, 128, 64, 600, 300, 240, 20, 5e-3, SimPreset.DEFAULT, embedding_init_std=1.0)
+QUICK = Scale(("json", "email"), 320, 32, 32, 10, 8, 3, 3, 1e-2, SimPreset.TINY, embedding_init_std=1.0)
 # GPU: what `--device cuda` (`make experiments DEVICE=cuda`) trains: the 125m preset's model (width 576,
 # 9 heads, 3 KV heads, MLP 1536, 30 layers: 5 block stages x 6 for recovery, so that three middle
 # stages can fail, and 2 x 15 for the outer steps) at its width-scaled learning rate, 256-token
@@ -203,6 +204,7 @@ def _seed_runs(
         "learning_rate": scale.learning_rate,
         "seed": seed,
         "device": device,
+        "embedding_init_std": scale.embedding_init_std,
     }
     recovery_stages = scale.recovery_stages or RECOVERY_PRESETS[scale.preset][0].stages
     started = time.monotonic()

@@ -318,7 +318,9 @@ def real_text_section(s: dict[str, Any], directory: Path, docs: Path) -> list[st
         "",
         f"`make experiments{f' DEVICE={device}' if on_gpu else ''}` (node/simulate/real_text.py): {corpus['source']}, prepared at vocabulary "
         f"{corpus['vocab_size']:,} ({corpus['train_tokens']:,} train, {corpus['val_tokens']:,} held-out tokens). "
-        f"Model: {model}hidden {scale['hidden']}, {scale['sequence']}-token sequences, {rs['stages']} stages "
+        f"Model: {model}hidden {scale['hidden']}, {scale['sequence']}-token sequences, learning rate "
+        f"{scale['learning_rate']:g}, token embedding initialised at std {scale.get('embedding_init_std', 0.02):g}, "
+        f"{rs['stages']} stages "
         f"(stage 0 + {rs['stages'] - 1} block stages) x {rs['replicas']} replicas for recovery "
         f"({scale['recovery_steps']} iterations, failures from {scale['failures_from']} at "
         f"{rs['failure_percent_per_hour']:g} %/h per middle stage, per seed: {', '.join(str(n) for n in s['failures'].values())}), "
@@ -331,7 +333,7 @@ def real_text_section(s: dict[str, Any], directory: Path, docs: Path) -> list[st
         f"(unigram), {corpus['bigram_nats']:.3f} for stage 0 without blocks (bigram: it sees only the "
         "current token); a run below the bigram bound is using its blocks.",
         "",
-        *_above_bigram(s),
+        *_against_bigram(s),
         "| recovery variant | final loss | perplexity | seconds to target | iterations to target |",
         "|---|---|---|---|---|",
     ]
@@ -350,22 +352,32 @@ def real_text_section(s: dict[str, Any], directory: Path, docs: Path) -> list[st
     lines += [
         "",
         f"A claim is reproduced when its ordering holds on every one of the {seeds} seeds. Wall-clock figures come "
-        "from the simulated clock (charged costs of a larger model), losses from real training of the small one.",
+        "from the simulated clock (charged costs of a larger model), losses from real training of the small one. "
+        "NoLoCo's other claim, synchronisation about 10x faster than a tree all-reduce at ~1000 replicas, is about "
+        "the network, not the text: the sync-scaling section below measures it.",
         "",
     ]
     return lines
 
 
-def _above_bigram(s: dict[str, Any]) -> list[str]:
-    """A line when every run ended above the bigram bound: the blocks were not needed yet."""
+def _against_bigram(s: dict[str, Any]) -> list[str]:
+    """How many variants' mean final loss is below the bigram bound, i.e. needed their block stages."""
     bound = s["corpus"]["bigram_nats"]
-    finals = [r["final_loss"]["low"] for r in [*s["recovery"].values(), *s["gossip"].values()] if "final_loss" in r]
-    if not finals or min(finals) <= bound:
+    runs = [r for r in [*s["recovery"].values(), *s["gossip"].values()] if "final_loss" in r]
+    if not runs:
         return []
+    below = sum(r["final_loss"]["mean"] < bound for r in runs)
+    if below == 0:
+        return [
+            f"Every run here ended above the bigram bound (lowest final loss "
+            f"{min(r['final_loss']['low'] for r in runs):.3f} against {bound:.3f}): at this budget the block "
+            "stages have not become necessary yet, so whatever a failure does to a block stage costs little, "
+            "and the strategies' losses differ by little.",
+            "",
+        ]
     return [
-        f"Every run here ended above the bigram bound (lowest final loss {min(finals):.3f} against "
-        f"{bound:.3f}): at this budget the block stages have not become necessary yet, so whatever a "
-        "failure does to a block stage costs little, and the strategies' losses differ by little.",
+        f"{below} of {len(runs)} variants end below the bigram bound on average over the seeds: their block "
+        "stages carry part of the loss, so what a failure does to a block stage shows in it.",
         "",
     ]
 

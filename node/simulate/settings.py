@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from node.config import RoutingMode, SwarmConfig, read_config
+from node.config import ModelConfig, RoutingMode, SwarmConfig, read_config
 from node.model.corpus import load_prepared
 from node.simulate.links import DEFAULT_BANDWIDTH_MBIT, DEFAULT_LATENCY_MS, LinkModel
 
@@ -26,6 +26,7 @@ class SimSettings:
     kv_heads: int = 4
     intermediate: int | None = None  # the MLP's width; None: 2 x hidden
     layers_per_stage: int = 1
+    embedding_init_std: float = ModelConfig.embedding_init_std
     vocab: int = 32
     microbatch: int = 8
     sequence: int = 32
@@ -60,6 +61,7 @@ class SimSettings:
             "model.num_attention_heads": self.heads,
             "model.num_key_value_heads": self.kv_heads,
             "model.layers_per_stage": self.layers_per_stage,
+            "model.embedding_init_std": self.embedding_init_std,
             "training.microbatch_size": self.microbatch,
             "training.sequence_length": self.sequence,
             "training.microbatches_per_step": self.microbatches_per_step,

@@ -37,7 +37,7 @@ from protocol.version import PROTOCOL_VERSION
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "config.md"
 REGENERATE = ".venv/bin/python -m node.config > docs/config.md"
-DEFAULT_HASH = "a88aa6ead677bfb8"  # protocol 8 (subspace token anchors at std 0.5) + protocol 7 (a stage's state carries AdamW's moments) + protocol 6 (subspace hop codecs, FORWARD without targets) + protocol 5 (spot-checks replay a committed layer; [verification] tolerances per precision, receipts) + protocol 4 (gossip codec: phi_bits 3, phi_step 16, delta_block) + routing, precision, tokenizer_hash, the order-2 markov source, [validation], [verification], max_staleness_steps 2, stashed_weights 4, slow_link_compression int8 with max_in_flight 32: changing it splits old and new peers
+DEFAULT_HASH = "59ec1b61ced24c40"  # model.embedding_init_std + protocol 8 (subspace token anchors at std 0.5) + protocol 7 (a stage's state carries AdamW's moments) + protocol 6 (subspace hop codecs, FORWARD without targets) + protocol 5 (spot-checks replay a committed layer; [verification] tolerances per precision, receipts) + protocol 4 (gossip codec: phi_bits 3, phi_step 16, delta_block) + routing, precision, tokenizer_hash, the order-2 markov source, [validation], [verification], max_staleness_steps 2, stashed_weights 4, slow_link_compression int8 with max_in_flight 32: changing it splits old and new peers
 SECTIONS = SECTION_TYPES
 TOP_LEVEL = [f.name for f in dataclasses.fields(SwarmConfig) if f.name not in SECTIONS]
 
@@ -180,7 +180,7 @@ RULES = [
     ("data.manifest_hash", "ab" * 8, "", "data.manifest_hash must be empty or 64 lowercase hex"),
     ("num_stages", 65, 64, "num_stages counts stage 0 and must be in 2..64"),
     ("model.num_attention_heads", 3, 8, "hidden_size must be divisible by num_attention_heads"),
-    ("model.num_key_value_heads", 3, 2, "num_attention_heads must be a multiple of num_key_value_heads"),
+    ("model.num_key_value_heads", 3, 2, "num_key_value_heads must divide num_attention_heads"),
     ("model.hidden_size", 12, 16, "head dimension must be even (rotary embedding)"),
     ("model.layers_per_stage", 0, 1, "layers_per_stage >= 1 and vocab_size >= 2"),
     ("model.vocab_size", 1, 2, "layers_per_stage >= 1 and vocab_size >= 2"),

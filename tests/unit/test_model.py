@@ -74,6 +74,16 @@ def test_init_is_a_function_of_seed_and_stage() -> None:
             assert abs(p.std().item() - 0.02) < 0.004 and abs(p.mean().item()) < 0.004
 
 
+def test_the_embedding_starts_at_the_configured_std_and_nothing_else_moves() -> None:
+    wide = CFG.replace(model={"embedding_init_std": 1.0}).model
+    edge, default_edge = build_stage(wide, 0, CFG.seed), build_stage(CFG.model, 0, CFG.seed)
+    assert abs(edge.embed_tokens.weight.std().item() - 1.0) < 0.05
+    assert abs(default_edge.embed_tokens.weight.std().item() - 0.02) < 0.002
+    # the head is drawn after the embedding from the same generator: it does not depend on the std
+    assert torch.equal(edge.lm_head.weight, default_edge.lm_head.weight)
+    assert same_state(build_stage(wide, 1, CFG.seed), build_stage(CFG.model, 1, CFG.seed))
+
+
 def test_initial_loss_near_uniform() -> None:
     model = ReferenceModel(CFG.model, CFG.num_stages, CFG.seed)
     x, y = tokens(CFG, batch=4, seq=32)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from node.simulate import real_text
-from node.simulate.report import render
+from node.simulate.report import _against_bigram, render
 from node.simulate.seeds import Spread, recovery_claims
 
 RECOVERY_VARIANTS = {"no_failures", "checkfree", "checkfree_plus", "copy", "random", "zero", "checkpoint", "redundant"}
@@ -60,6 +60,7 @@ def test_quick_experiments_run_on_real_text_and_every_claim_gets_its_seeds(tmp_p
     assert json.loads((out / "real_text.json").read_text())["claims"] == claims
     page = render(tmp_path / "results", tmp_path / "results.md")
     assert "## Real text: the claims over seeds" in page and page.count("| final perplexity:") == 4
+    assert "token embedding initialised at std 1," in page and "learning rate 0.01," in page
     assert summary["device"] == "cpu" and "GPU" not in page
     # a GPU run's summary (real_text_cuda/, `make experiments DEVICE=cuda`) renders as a section of its own
     on_gpu = tmp_path / "results" / "real_text_cuda"
@@ -123,3 +124,15 @@ def test_a_claim_holds_only_on_the_seeds_where_its_ordering_does() -> None:
 def test_a_spread_is_the_mean_and_range_of_the_finite_values(values, expected) -> None:
     spread = Spread.of(values)
     assert (spread and (spread.mean, spread.low, spread.high, spread.seeds)) == expected
+
+
+def test_the_page_says_how_many_variants_needed_their_blocks() -> None:
+    def summary(losses: list[float]) -> dict:
+        runs = {f"v{i}": {"final_loss": {"mean": loss, "low": loss - 0.01}} for i, loss in enumerate(losses)}
+        return {"corpus": {"bigram_nats": 3.0}, "recovery": runs, "gossip": {"none": {}}}
+
+    assert (
+        "Every run here ended above the bigram bound (lowest final loss 3.090"
+        in _against_bigram(summary([3.1, 3.2]))[0]
+    )
+    assert _against_bigram(summary([2.9, 3.1, 2.95]))[0].startswith("2 of 3 variants end below the bigram bound")
