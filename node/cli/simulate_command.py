@@ -70,7 +70,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         overrides["model_preset"] = PresetName(overrides["model_preset"])
     if "failing" in overrides:
         overrides["failing"] = FailingStages(overrides["failing"])
-    summary = run_experiment(args.experiment, args.out, args.preset, overrides, progress=not args.no_progress)
+    try:
+        summary = run_experiment(args.experiment, args.out, args.preset, overrides, progress=not args.no_progress)
+    except ValueError as e:  # a setting out of range (ConfigError is one): the user's flags, not a crash
+        logger.error(f"cannot simulate: {e}")
+        logger.debug("the refused settings' traceback", exc_info=True)
+        return 2
     print(json.dumps(summary.get("variants") or summary.get("largest"), indent=1, default=str))
     print(f"results in {args.out}", flush=True)
     return 0

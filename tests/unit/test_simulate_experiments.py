@@ -114,6 +114,23 @@ def test_cli_runs_an_experiment_and_says_when_plots_are_skipped(tmp_path, monkey
     assert "plots skipped" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    "flags, reason",
+    [
+        (["--embedding-init-std", "0"], "embedding_init_std must be in (0, 10]"),
+        (["--hidden", "30"], "hidden_size must be divisible by num_attention_heads"),
+        (["--stages", "3"], "needs a middle stage"),
+    ],
+)
+def test_cli_refuses_settings_out_of_range_in_one_line(tmp_path, caplog, capsys, flags, reason):
+    argv = ["simulate", "recovery", "--preset", "tiny", "--out", str(tmp_path), "--no-progress", *flags]
+    with caplog.at_level(logging.ERROR):
+        assert main(argv) == 2
+    refusals = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(refusals) == 1 and refusals[0].startswith("cannot simulate: ") and reason in refusals[0]
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_the_device_reaches_every_stage_worker_the_experiments_build(tmp_path, monkeypatch):
     """`node simulate --device` (SimSettings.device) is handed to every simulated swarm a run builds,
     the outer steps' and recovery's alike, and by each swarm to every StageWorker. Spies read the
