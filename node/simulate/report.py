@@ -333,6 +333,7 @@ def real_text_section(s: dict[str, Any], directory: Path, docs: Path) -> list[st
         f"(unigram), {corpus['bigram_nats']:.3f} for stage 0 without blocks (bigram: it sees only the "
         "current token); a run below the bigram bound is using its blocks.",
         "",
+        *([] if on_gpu else [_WHY_THIS_SIZE, ""]),
         *_against_bigram(s),
         "| recovery variant | final loss | perplexity | seconds to target | iterations to target |",
         "|---|---|---|---|---|",
@@ -358,6 +359,15 @@ def real_text_section(s: dict[str, Any], directory: Path, docs: Path) -> list[st
         "",
     ]
     return lines
+
+
+# why the CPU runs train a model smaller than any real preset
+_WHY_THIS_SIZE = (
+    "Why this size and not the 15m preset: 17 runs a seed x 3 seeds must fit in about an hour of 2 CPU cores, and "
+    'a 15m microbatch of 8 x 256 tokens takes stage 0 alone about 1.8 s here (docs/benchmarks.md, "The wire at '
+    'real size"), some 25 times a whole iteration of this model (2 replicas x 5 stages, about 0.07 s). '
+    "`make experiments DEVICE=cuda` trains the 125m preset's model on a GPU."
+)
 
 
 def _against_bigram(s: dict[str, Any]) -> list[str]:

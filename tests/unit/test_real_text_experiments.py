@@ -17,6 +17,7 @@ RECOVERY_VARIANTS = {"no_failures", "checkfree", "checkfree_plus", "copy", "rand
 
 
 def test_quick_experiments_run_on_real_text_and_every_claim_gets_its_seeds(tmp_path) -> None:
+    # two seeds in two processes (--jobs 2), then read back by this one
     out = tmp_path / "results" / "real_text"
     assert (
         real_text.main(
@@ -29,6 +30,8 @@ def test_quick_experiments_run_on_real_text_and_every_claim_gets_its_seeds(tmp_p
                 "--seeds",
                 "0",
                 "1",
+                "--jobs",
+                "2",
                 "--no-progress",
             ]
         )
@@ -61,7 +64,7 @@ def test_quick_experiments_run_on_real_text_and_every_claim_gets_its_seeds(tmp_p
     page = render(tmp_path / "results", tmp_path / "results.md")
     assert "## Real text: the claims over seeds" in page and page.count("| final perplexity:") == 4
     assert "token embedding initialised at std 1," in page and "learning rate 0.01," in page
-    assert summary["device"] == "cpu" and "GPU" not in page
+    assert summary["device"] == "cpu" and "Real text on a GPU" not in page
     # a GPU run's summary (real_text_cuda/, `make experiments DEVICE=cuda`) renders as a section of its own
     on_gpu = tmp_path / "results" / "real_text_cuda"
     on_gpu.mkdir()
