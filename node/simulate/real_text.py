@@ -85,7 +85,8 @@ QUICK = Scale(("json", "email"), 320, 32, 32, 10, 8, 3, 3, 1e-2, SimPreset.TINY,
 # not measured on a GPU: at ~0.08 s a microbatch through the whole model (kernel launches and host
 # copies of the hops bound a model this small, not the arithmetic), 8 recovery variants x 400 iterations
 # x 2 microbatches and 9 outer-step runs x 200 iterations x 4 microbatches are ~19 minutes a seed, about
-# an hour for 3 seeds on one GPU; failures come in the second 60 %, as in FULL.
+# an hour for 3 seeds on one GPU; failures come in the second 60 %, as in FULL. The token embedding
+# starts at std 1.0 as in FULL (again a budget of hundreds of steps), not measured at this width.
 _125M = PRESETS[PresetName.MOBILELLM_125M]
 GPU = Scale(
     ("",),
@@ -100,8 +101,9 @@ GPU = Scale(
     SimPreset.DEFAULT,
     PresetName.MOBILELLM_125M,
     recovery_stages=6,
+    embedding_init_std=1.0,
 )
-SEED_DONE = "done.json"  # a seed's runs are complete: `make experiments` again (or in parallel) reuses them
+SEED_DONE = "done.json"  # a seed's runs are complete: `--resume` (and a --jobs process's parent) reads them back
 GOSSIP_ROUTINGS = (RoutingMode.RANDOM, RoutingMode.LOAD_AWARE)
 
 
