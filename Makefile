@@ -98,7 +98,9 @@ results: $(STAMP)
 
 # the papers' claims on real text, 3 seeds (node/simulate/real_text.py, docs/results.md "Real text"): the CPython
 # standard library prepared into build/corpus/, every recovery strategy and outer step on it, then the page
-# rendered; about an hour on 2 CPU cores. QUICK=1: the short version `make test` runs, into build/ (a minute).
+# rendered; a seed is about 20 minutes of one core, and the seeds run in parallel processes, one a core
+# (JOBS=N to change it): about 40 minutes on 2 CPU cores. QUICK=1: the short version `make test` runs, into
+# build/ (a minute).
 # DEVICE=cuda: the GPU scale (the 125m preset's model; about an hour on one GPU, an estimate) into
 # docs/results/real_text_cuda, beside the CPU figures; as for gpu-check, PY=python3 runs it with your CUDA torch.
 # DEVICE is gpu-check's too, whose default is cuda: here only a DEVICE given on the command line or in the
@@ -106,7 +108,7 @@ results: $(STAMP)
 EXPERIMENTS_DEVICE = $(if $(filter file,$(origin DEVICE)),cpu,$(DEVICE))
 REAL_TEXT = $(if $(filter cpu,$(EXPERIMENTS_DEVICE)),real_text,real_text_cuda)
 experiments: $(if $(filter $(PY),$(VENV)/bin/python),$(STAMP))
-	$(PY) -m node.simulate.real_text --device $(EXPERIMENTS_DEVICE) \
+	$(PY) -m node.simulate.real_text --device $(EXPERIMENTS_DEVICE) $(if $(JOBS),--jobs $(JOBS)) \
 		$(if $(QUICK),--quick --seeds 0 1 --out build/experiments-quick,--out docs/results/$(REAL_TEXT))
 	$(if $(QUICK),,$(PY) -m node.simulate.report --record docs/results $(REAL_TEXT))
 	$(if $(QUICK),,$(PY) -m node.simulate.report docs/results docs/results.md)

@@ -11,14 +11,15 @@ write after a run (`python -m node.simulate.report --record docs/results NAME...
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from node.simulate.hop_codec_report import HOP_CODEC_TEXT, HOP_CODEC_TEXT_15M, hop_codec_section, hop_codec_text_section
+from node.simulate.real_text_report import REAL_TEXT, REAL_TEXT_CUDA, real_text_section
 from node.simulate.recovery import TARGET_FRACTION
+from node.simulate.seeds import verdict
 
 EDGES = "edges"  # the subdirectory `make results` writes the recovery run with edge-stage failures into
 COMMITS = "commits"  # commits.json: summary name -> the commit it was measured at
@@ -46,10 +47,6 @@ def _image(directory: Path, docs: Path, name: str) -> str:
     return f"![{name}]({path.relative_to(docs.parent)})" if path.exists() else f"({name}: plots skipped)"
 
 
-def _verdict(holds: bool) -> str:
-    return "reproduced" if holds else "**not reproduced here**"
-
-
 def sync_section(s: dict[str, Any], directory: Path, docs: Path) -> list[str]:
     big = s["largest"]
     lines = [
@@ -72,7 +69,7 @@ def sync_section(s: dict[str, Any], directory: Path, docs: Path) -> list[str]:
         _image(directory, docs, "sync_scaling.png"),
         "",
         f"Paper (NoLoCo): about 10x faster than a tree all-reduce at ~1000 replicas. Here, N = {big['replicas']}: "
-        f"{ratio:.1f}x ({_verdict(ratio >= 5)}). The ratio is 2 log2(N) hops of one payload against one "
+        f"{ratio:.1f}x ({verdict(ratio >= 5)}). The ratio is 2 log2(N) hops of one payload against one "
         "exchange of two (phi and Delta): it is 10 at N = 1024 whenever bandwidth dominates, and larger when "
         "latency does (small payloads). A ring all-reduce moves about as many bytes as one NoLoCo round, "
         "but pays 2 (N - 1) latencies, so it loses only once N x latency outweighs the payload time.",
@@ -187,7 +184,7 @@ def recovery_section(s: dict[str, Any], directory: Path, docs: Path) -> list[str
     for better, worse, claim in pairs:
         if final(better) is not None and final(worse) is not None:
             holds = final(better) < final(worse)
-            lines.append(f"- {claim}: {final(better):.4f} vs {final(worse):.4f}, {_verdict(holds)}.")
+            lines.append(f"- {claim}: {final(better):.4f} vs {final(worse):.4f}, {verdict(holds)}.")
     for fast, slow, claim in (
         ("checkfree", "checkpoint", "wall-clock to target: CheckFree faster than checkpointing"),
         ("checkfree_plus", "checkpoint", "wall-clock to target: CheckFree+ up to 1.6x faster than checkpointing"),
@@ -202,7 +199,7 @@ def recovery_section(s: dict[str, Any], directory: Path, docs: Path) -> list[str
             )
             lines.append(
                 f"- {claim}: {_seconds(v[fast]['seconds_to_target'])} vs {_seconds(v[slow]['seconds_to_target'])} "
-                f"({ratio}), {_verdict(a < b)}."
+                f"({ratio}), {verdict(a < b)}."
             )
     if "zero" in v and any(final(other) > final("zero") for other in ("checkfree", "copy", "random") if other in v):
         lines.append(
@@ -268,7 +265,7 @@ def gossip_section(s: dict[str, Any], directory: Path, docs: Path) -> list[str]:
         a, b = v["noloco/shuffled"]["final_loss"], v["diloco/shuffled"]["final_loss"]
         lines.append(
             f"- NoLoCo paper: up to 4 % faster convergence than DiLoCo. Final loss NoLoCo {a:.4f} vs DiLoCo {b:.4f}, "
-            f"both routed by the authors' permutation (`shuffled`): {_verdict(a <= b)} (one seed, "
+            f"both routed by the authors' permutation (`shuffled`): {verdict(a <= b)} (one seed, "
             f"{settings['steps']} iterations: not a significance test)."
         )
     if all(f"noloco/{r}" in v for r in ("shuffled", "load_aware", "random")):
@@ -299,107 +296,6 @@ def gossip_section(s: dict[str, Any], directory: Path, docs: Path) -> list[str]:
             )
     lines.append("")
     return lines
-
-
-REAL_TEXT = "real_text"  # the subdirectory `make experiments` writes real_text.json into
-REAL_TEXT_CUDA = "real_text_cuda"  # and `make experiments DEVICE=cuda`, the 125m model's run on a GPU
-
-
-def real_text_section(s: dict[str, Any], directory: Path, docs: Path) -> list[str]:
-    """The claims on real text over seeds (node/simulate/real_text.py), each beside the paper's."""
-    corpus, scale, rs = s["corpus"], s["scale"], s["recovery_settings"]
-    seeds = len(s["seeds"])
-    device = s.get("device", "cpu")  # summaries written before the device was recorded ran on the CPU
-    on_gpu = device != "cpu"
-    machine = f"one GPU ({device})" if on_gpu else "this 2-core machine"
-    model = f"the {scale['model']} preset's shape, " if scale.get("model") else ""
-    lines = [
-        f"## Real text{' on a GPU' if on_gpu else ''}: the claims over seeds",
-        "",
-        f"`make experiments{f' DEVICE={device}' if on_gpu else ''}` (node/simulate/real_text.py): {corpus['source']}, prepared at vocabulary "
-        f"{corpus['vocab_size']:,} ({corpus['train_tokens']:,} train, {corpus['val_tokens']:,} held-out tokens). "
-        f"Model: {model}hidden {scale['hidden']}, {scale['sequence']}-token sequences, learning rate "
-        f"{scale['learning_rate']:g}, token embedding initialised at std {scale.get('embedding_init_std', 0.02):g}, "
-        f"{rs['stages']} stages "
-        f"(stage 0 + {rs['stages'] - 1} block stages) x {rs['replicas']} replicas for recovery "
-        f"({scale['recovery_steps']} iterations, failures from {scale['failures_from']} at "
-        f"{rs['failure_percent_per_hour']:g} %/h per middle stage, per seed: {', '.join(str(n) for n in s['failures'].values())}), "
-        f"{s['gossip_settings']['replicas']} replicas x {s['gossip_settings']['stages']} stages for the outer "
-        f"steps ({scale['gossip_steps']} iterations, H = {s['gossip_settings']['inner_steps']}). Seeds "
-        f"{s['seeds']}, {s['seconds'] / 60:.0f} minutes of runs on {machine} (the seeds may run in parallel processes). Losses are held-out nats on val.bin, "
-        "mean (lowest-highest) over the seeds.",
-        "",
-        f"The text's own bounds: {corpus['unigram_nats']:.3f} nats for a model that ignores its input "
-        f"(unigram), {corpus['bigram_nats']:.3f} for stage 0 without blocks (bigram: it sees only the "
-        "current token); a run below the bigram bound is using its blocks.",
-        "",
-        *([] if on_gpu else [_WHY_THIS_SIZE, ""]),
-        *_against_bigram(s),
-        "| recovery variant | final loss | perplexity | seconds to target | iterations to target |",
-        "|---|---|---|---|---|",
-    ]
-    for name, r in s["recovery"].items():
-        loss = r.get("final_loss")
-        lines.append(
-            f"| {name} | {_spread(loss)} | {_ppl(loss)} | {_spread(r.get('seconds_to_target'), 0)} "
-            f"| {_spread(r.get('iterations_to_target'), 0)} |"
-        )
-    lines += ["", "| outer step / routing | final loss | mean divergence |", "|---|---|---|"]
-    for name, r in s["gossip"].items():
-        lines.append(f"| {name} | {_spread(r.get('final_loss'))} | {_spread(r.get('mean_divergence'), 4)} |")
-    lines += ["", "| the paper's claim | measured here | seeds where it holds | verdict |", "|---|---|---|---|"]
-    for c in s["claims"]:
-        lines.append(f"| {c['claim']} | {c['measured']} | {c['holding']} of {c['seeds']} | {_verdict(c['holds'])} |")
-    lines += [
-        "",
-        f"A claim is reproduced when its ordering holds on every one of the {seeds} seeds. Wall-clock figures come "
-        "from the simulated clock (charged costs of a larger model), losses from real training of the small one. "
-        "NoLoCo's other claim, synchronisation about 10x faster than a tree all-reduce at ~1000 replicas, is about "
-        "the network, not the text: the sync-scaling section below measures it.",
-        "",
-    ]
-    return lines
-
-
-# why the CPU runs train a model smaller than any real preset
-_WHY_THIS_SIZE = (
-    "Why this size and not the 15m preset: 17 runs a seed x 3 seeds must fit in about an hour of 2 CPU cores, and "
-    'a 15m microbatch of 8 x 256 tokens takes stage 0 alone about 1.8 s here (docs/benchmarks.md, "The wire at '
-    'real size"), some 25 times a whole iteration of this model (2 replicas x 5 stages, about 0.07 s). '
-    "`make experiments DEVICE=cuda` trains the 125m preset's model on a GPU."
-)
-
-
-def _against_bigram(s: dict[str, Any]) -> list[str]:
-    """How many variants' mean final loss is below the bigram bound, i.e. needed their block stages."""
-    bound = s["corpus"]["bigram_nats"]
-    runs = [r for r in [*s["recovery"].values(), *s["gossip"].values()] if "final_loss" in r]
-    if not runs:
-        return []
-    below = sum(r["final_loss"]["mean"] < bound for r in runs)
-    if below == 0:
-        return [
-            f"Every run here ended above the bigram bound (lowest final loss "
-            f"{min(r['final_loss']['low'] for r in runs):.3f} against {bound:.3f}): at this budget the block "
-            "stages have not become necessary yet, so whatever a failure does to a block stage costs little, "
-            "and the strategies' losses differ by little.",
-            "",
-        ]
-    return [
-        f"{below} of {len(runs)} variants end below the bigram bound on average over the seeds: their block "
-        "stages carry part of the loss, so what a failure does to a block stage shows in it.",
-        "",
-    ]
-
-
-def _spread(value: dict[str, Any] | None, digits: int = 3) -> str:
-    if value is None:
-        return "not reached"
-    return f"{value['mean']:.{digits}f} ({value['low']:.{digits}f}-{value['high']:.{digits}f})"
-
-
-def _ppl(value: dict[str, Any] | None) -> str:
-    return "" if value is None else f"{math.exp(value['mean']):.1f}"
 
 
 def render(directory: Path, docs: Path) -> str:

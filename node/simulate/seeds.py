@@ -54,6 +54,11 @@ class ClaimCheck:
         return {**self.__dict__, "holds": self.holds}
 
 
+def verdict(holds: bool) -> str:
+    """How the results page words a claim's outcome."""
+    return "reproduced" if holds else "**not reproduced here**"
+
+
 def variant_spread(summaries: Sequence[Summary], variant: str, field: str) -> Spread | None:
     """`field` of `variant` over the seeds that ran it."""
     return Spread.of([s["variants"][variant][field] for s in summaries if variant in s["variants"]])

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from node.simulate import real_text
-from node.simulate.report import _against_bigram, render
+from node.simulate.real_text_report import _against_bigram
+from node.simulate.report import render
 from node.simulate.seeds import Spread, recovery_claims
 
 RECOVERY_VARIANTS = {"no_failures", "checkfree", "checkfree_plus", "copy", "random", "zero", "checkpoint", "redundant"}
