@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from node.config import SwarmConfig  # noqa: E402
+from node.config import ModelConfig, SwarmConfig  # noqa: E402
 from node.model.corpus import load_prepared  # noqa: E402
 from node.model.llama import build_stage  # noqa: E402
 from node.model.presets import PresetName, preset_named  # noqa: E402
@@ -83,7 +83,13 @@ TEXT_SIZES = {"microbatches": 1000, "width": 128, "layers": 2, "eval_batches": 1
 
 
 def bench_config(
-    width: int, layers_per_stage: int, seed: int, codec: Compression, steps: int, data: Path | None = None
+    width: int,
+    layers_per_stage: int,
+    seed: int,
+    codec: Compression,
+    steps: int,
+    data: Path | None = None,
+    embedding_init_std: float = ModelConfig.embedding_init_std,
 ) -> SwarmConfig:
     heads = max(1, width // 32)
     sections: dict[str, dict] = {}
@@ -102,6 +108,7 @@ def bench_config(
                 "num_attention_heads": heads,
                 "num_key_value_heads": heads,
                 "layers_per_stage": layers_per_stage,
+                "embedding_init_std": embedding_init_std,
                 **sections.get("model", {}),
             },
             # one microbatch a step, the cosine schedule ending with the run: each codec's loss is
@@ -153,7 +160,9 @@ def held_out_loss(workers: list[StageWorker], batches, variant: HopVariant) -> f
 
 
 def run(variant: HopVariant, seed: int, args: argparse.Namespace) -> dict:
-    config = bench_config(args.width, args.layers, seed, variant.codec, args.microbatches, args.data)
+    config = bench_config(
+        args.width, args.layers, seed, variant.codec, args.microbatches, args.data, args.embedding_init_std
+    )
     workers = [
         StageWorker(config, stage, module=build_stage(config.model, stage, config.seed))
         for stage in range(config.num_stages)
@@ -193,6 +202,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, help="hidden size of the benchmark model")
     parser.add_argument("--layers", type=int, help="layers per block stage (2 block stages)")
     parser.add_argument("--eval-batches", type=int)
+    parser.add_argument(
+        "--embedding-init-std",
+        type=float,
+        default=ModelConfig.embedding_init_std,
+        help="the token embedding's initial std (model.embedding_init_std)",
+    )
     parser.add_argument("--data", type=Path, help="a `node prepare-data` directory: real text instead of the chain")
     parser.add_argument(
         "--prepare-stdlib",
