@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from node.config import ModelConfig
 from node.simulate.seeds import verdict
 
 REAL_TEXT = "real_text"  # the subdirectory `make experiments` writes real_text.json into
@@ -27,7 +28,7 @@ def real_text_section(s: dict[str, Any], directory: Path, docs: Path) -> list[st
         f"`make experiments{f' DEVICE={device}' if on_gpu else ''}` (node/simulate/real_text.py): {corpus['source']}, prepared at vocabulary "
         f"{corpus['vocab_size']:,} ({corpus['train_tokens']:,} train, {corpus['val_tokens']:,} held-out tokens). "
         f"Model: {model}hidden {scale['hidden']}, {scale['sequence']}-token sequences, learning rate "
-        f"{scale['learning_rate']:g}, token embedding initialised at std {scale.get('embedding_init_std', 0.02):g}, "
+        f"{scale['learning_rate']:g}, token embedding initialised at std {scale.get('embedding_init_std', ModelConfig.embedding_init_std):g}, "
         f"{rs['stages']} stages "
         f"(stage 0 + {rs['stages'] - 1} block stages) x {rs['replicas']} replicas for recovery "
         f"({scale['recovery_steps']} iterations, failures from {scale['failures_from']} at "
